@@ -1,0 +1,49 @@
+"""`draftsmith inspect PATH`: describe a target or a drafter (auto-detected)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DRAFTER_MARKERS = ("eagle_config", "speculators_model_type", "draft_vocab_size", "draftsmith_drafter")
+
+
+def _looks_like_drafter(path: Path) -> bool:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return (path / "pytorch_model.bin").is_file()
+    try:
+        raw = json.loads(cfg.read_text())
+    except json.JSONDecodeError:
+        return False
+    archs = " ".join(raw.get("architectures") or [])
+    return any(k in raw for k in DRAFTER_MARKERS) or "Eagle" in archs
+
+
+def inspect(
+    path: str = typer.Argument(..., help="A target (HF model directory) or a drafter (any supported layout)."),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="For a drafter: check that it fits this target."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """Print architecture, layers, hidden size, vocab and aux layers in BOTH id conventions.
+
+    For a drafter: its format, sizes, draft vocab, aux layers, and whether it fits --target.
+    """
+    p = Path(path)
+    if _looks_like_drafter(p):
+        from draftsmith.drafter import inspect_drafter
+
+        info = inspect_drafter(str(p), target=target)
+        if json_out:
+            typer.echo(json.dumps(info, indent=2, default=str))
+        else:
+            for k, v in info.items():
+                typer.echo(f"{k:>22}: {v}")
+        return
+    from draftsmith.target.inspect import format_target_info, inspect_target
+
+    info = inspect_target(p)
+    typer.echo(json.dumps(info, indent=2) if json_out else format_target_info(info))

@@ -1,0 +1,40 @@
+"""`draftsmith store verify`: check every checksum of a store and name what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.store import format as fmt
+from draftsmith.utils.io import read_json, sha256_file
+
+
+def verify_store(path: str | Path, progress: bool = True) -> list[str]:
+    """Return a list of problems (empty = the store is intact)."""
+    p = Path(path)
+    mpath = p / fmt.MANIFEST
+    if not mpath.is_file():
+        raise DraftsmithError(f"{mpath}: missing — not a complete draftsmith store")
+    m = read_json(mpath, "store manifest")
+    problems = []
+    files = [(s["file"], s["sha256"], s.get("bytes")) for s in m.get("shards", [])]
+    tc = m.get("token_counts")
+    if tc:
+        files.append((tc["file"], tc["sha256"], None))
+    from tqdm.auto import tqdm
+
+    for name, digest, size in tqdm(files, desc="verify", unit="file", disable=not progress):
+        f = p / name
+        if not f.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        if size is not None and f.stat().st_size != size:
+            problems.append(f"{name}: size {f.stat().st_size} != {size} in manifest (truncated or replaced)")
+            continue
+        got = sha256_file(f)
+        if got != digest:
+            problems.append(f"{name}: sha256 mismatch (corrupted): {got[:16]}… != {digest[:16]}…")
+    n = sum(s["num_samples"] for s in m.get("shards", []))
+    if n != m.get("num_samples"):
+        problems.append(f"manifest.json: shards hold {n} samples but num_samples is {m.get('num_samples')}")
+    return problems

@@ -1,0 +1,97 @@
+"""Atomic, crash-safe file writes.
+
+A file written here is either absent or complete: data goes to a temporary file in the same directory,
+is fsync'ed, then renamed over the destination (rename is atomic on POSIX), and the directory is fsync'ed
+so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_save_file(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> str:
+    """`safetensors.torch.save_file`, atomically. Returns the sha256 of the written bytes.
+
+    Keep `metadata` to one key: safetensors writes it from a hash map, so several keys come out in a
+    random order and identical content would not be byte-identical across processes.
+    """
+    if metadata and len(metadata) > 1:
+        raise ValueError("atomic_save_file: give at most one metadata key (byte-reproducible output)")
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read JSON with a one-line error naming the file on failure."""
+    from draftsmith.errors import DraftsmithError
+
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: {what} not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"{path}: {what} is not valid JSON ({e})") from None

@@ -1,0 +1,41 @@
+"""Shared fixtures: the bundled demo target and tiny random models of other architectures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "assets" / "pycode-tiny"
+SHARED_TARGETS = REPO.parent / "shared" / "targets"
+
+
+def _small_path() -> Path | None:
+    p = SHARED_TARGETS / "pycode-small"
+    return p if p.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def small_path() -> Path:
+    p = _small_path()
+    if p is None:
+        pytest.skip("../shared/targets/pycode-small not present")
+    return p
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
