@@ -35,13 +35,10 @@ def inspect(
     p = Path(path)
     if _looks_like_drafter(p):
         from draftsmith.drafter import inspect_drafter
+        from draftsmith.drafter.inspect import format_report
 
         info = inspect_drafter(str(p), target=target)
-        if json_out:
-            typer.echo(json.dumps(info, indent=2, default=str))
-        else:
-            for k, v in info.items():
-                typer.echo(f"{k:>22}: {v}")
+        typer.echo(json.dumps(info, indent=2, default=str) if json_out else format_report(info))
         return
     from draftsmith.target.inspect import format_target_info, inspect_target
 

@@ -284,3 +284,26 @@ def test_cli_store_info_and_verify(store_bf16):
     assert "layer-output ids [1, 3, 4] = hidden_states ids [2, 4, 5]" in r.stdout
     r = _cli(["store", "verify", str(store_bf16), "-q"])
     assert "OK" in r.stdout
+
+
+@pytest.mark.slow
+def test_tensor_parallel_capture_matches_single_process(small_path, corpus, tmp_path):
+    """transformers' tp_plan='auto' under torchrun (2 gloo ranks on CPU): same store as one process."""
+    pytest.importorskip("accelerate")
+    args = ["--target", str(small_path), "--data", str(corpus), "--max-length", "64", "--batch-tokens", "512",
+            "--model-dtype", "fp32", "--device", "cpu", "--max-samples", "6", "-q"]
+    one = tmp_path / "one"
+    _cli(["capture", *args, "--out", str(one)])
+    tp = tmp_path / "tp"
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        "29533", "-m", "draftsmith", "capture", *args, "--tp", "--out", str(tp)], cwd=REPO, env=e,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = HiddenStateStore.open(one, dtype=torch.float32), HiddenStateStore.open(tp, dtype=torch.float32)
+    assert len(a) == len(b) == 6
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        torch.testing.assert_close(x["aux_hidden_states"], y["aux_hidden_states"], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(x["final_hidden_states"], y["final_hidden_states"], rtol=2e-2, atol=5e-2)

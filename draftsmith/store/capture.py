@@ -26,7 +26,7 @@ from draftsmith import __version__
 from draftsmith.errors import DraftsmithError
 from draftsmith.store import format as fmt
 from draftsmith.target.layers import to_hidden_states_ids, validate_aux_layers
-from draftsmith.utils.io import atomic_save_file, atomic_write_json, read_json
+from draftsmith.utils.io import atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, read_json
 
 
 @dataclass
@@ -40,7 +40,8 @@ class CaptureConfig:
     batch_tokens: int = 16384  # padded tokens per forward
     on_bad: str = "error"
     shard_tokens: int | None = None  # default: ~shard_mb of payload per shard
-    shard_mb: int = 1024
+    shard_mb: int = 512
+    writers: int = 3  # shard-writing threads (hash + write + fsync overlap the GPU)
     device: str = "auto"
     model_dtype: str = "auto"  # weights: auto = bf16 on GPU, as saved on CPU
     capture_final: bool = True
@@ -49,8 +50,8 @@ class CaptureConfig:
     glob: str | None = None
     split_long: bool | None = None
     add_bos: bool | None = None
+    max_samples: int | None = None  # capture only the first N samples (a quick trial run)
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _crash_point(name: str, index: int) -> None:
@@ -130,13 +131,25 @@ def data_fingerprint(samples) -> str:
 
 # -- the job ---------------------------------------------------------------------------------------
 class _ShardBuffers:
+    """Host buffers one shard is assembled in (pinned on GPU machines so device->host copies are async)."""
+
     def __init__(self, num_tokens: int, aux_cols: int, hidden: int, k: int, dtype: str, with_final: bool, pin: bool):
         state_dtype = torch.bfloat16 if dtype == "bf16" else fmt.FP8_DTYPE
         kw = {"pin_memory": pin}
+        self.capacity = num_tokens
         self.aux = torch.empty(num_tokens, aux_cols, dtype=state_dtype, **kw)
         self.final = torch.empty(num_tokens, hidden, dtype=state_dtype, **kw) if with_final else None
-        self.aux_scale = torch.empty(num_tokens, k, dtype=torch.uint8) if dtype == "fp8" else None
-        self.final_scale = torch.empty(num_tokens, dtype=torch.uint8) if dtype == "fp8" and with_final else None
+        self.aux_scale = torch.empty(num_tokens, k, dtype=torch.uint8, **kw) if dtype == "fp8" else None
+        self.final_scale = torch.empty(num_tokens, dtype=torch.uint8, **kw) if dtype == "fp8" and with_final else None
+
+    def view(self, num_tokens: int) -> "_ShardBuffers":
+        """The first `num_tokens` rows (buffers are reused across shards: pinning memory is slow)."""
+        v = object.__new__(_ShardBuffers)
+        v.capacity = num_tokens
+        for name in ("aux", "final", "aux_scale", "final_scale"):
+            t = getattr(self, name)
+            setattr(v, name, None if t is None else t[:num_tokens])
+        return v
 
 
 def _resolve_device(name: str, local_rank: int) -> torch.device:
@@ -148,8 +161,13 @@ def _resolve_device(name: str, local_rank: int) -> torch.device:
     return dev
 
 
-def run_capture(cfg: CaptureConfig, log=print) -> dict:
-    """Capture (or resume capturing) a store. Returns the manifest."""
+def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None = None, samples=None) -> dict:
+    """Capture (or resume capturing) a store. Returns the manifest.
+
+    `target`: an already loaded `Target` (benchmarks and tests build random models in memory); `stats`: a
+    dict that receives timings (capture seconds, writer seconds, bytes written); `samples`: already
+    tokenized samples (skips reading `cfg.data`).
+    """
     from draftsmith.data import load_samples
     from draftsmith.target import AuxCapture, load_target
     from draftsmith.target.load import load_tokenizer
@@ -173,28 +191,36 @@ def run_capture(cfg: CaptureConfig, log=print) -> dict:
     data_world, data_rank = (1, 0) if cfg.tp else (world, rank)
     writer = (rank == 0) if cfg.tp else True
 
-    if not Path(cfg.target).is_dir():
+    if target is None and not Path(cfg.target).is_dir():
         raise DraftsmithError(f"{cfg.target}: target not found (expected a Hugging Face model directory)")
     if not cfg.progress:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
     # Data first: a bad record fails in a second, not after loading a large model.
-    tokenizer = load_tokenizer(cfg.target)
+    tokenizer = target.tokenizer if target is not None else load_tokenizer(cfg.target)
     t0 = time.time()
-    samples, report = load_samples(
-        cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
-        glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
-    )
-    say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
+    if samples is None:
+        samples, report = load_samples(
+            cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
+            glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
+        )
+        say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
+    else:
+        from draftsmith.data import DataReport
+
+        report = DataReport(total=len(samples), kept=len(samples), samples=len(samples))
     if not samples:
         raise DraftsmithError(f"{cfg.data}: no usable samples")
+    if cfg.max_samples is not None:
+        samples = samples[: cfg.max_samples]
 
     model_dtype = cfg.model_dtype
     if model_dtype == "auto":
         model_dtype = "bf16" if device.type == "cuda" else "auto"
-    target = load_target(cfg.target, dtype=model_dtype, device=device, tp_plan="auto" if cfg.tp else None,
-                         tokenizer=tokenizer)
+    if target is None:
+        target = load_target(cfg.target, dtype=model_dtype, device=device, tp_plan="auto" if cfg.tp else None,
+                             tokenizer=tokenizer)
     aux_layers = validate_aux_layers(cfg.aux_layers or target.default_aux_layers, target.num_layers)
     H, k = target.hidden_size, len(aux_layers)
 
@@ -242,8 +268,17 @@ def run_capture(cfg: CaptureConfig, log=print) -> dict:
         total=int(sum(shards[si][2] for si in todo)), unit="tok", unit_scale=True, desc=f"capture[{rank}]",
         disable=not (cfg.progress and (is_main or not cfg.tp)), dynamic_ncols=True, file=sys.stderr,
     )
-    pool = cf.ThreadPoolExecutor(max_workers=1)
-    pending_write: cf.Future | None = None
+    # Shards are written by `writers` threads while the GPU fills the next shard's buffers; writers+1 sets
+    # of host buffers rotate, so memory stays bounded and pinned buffers are allocated once.
+    n_sets = cfg.writers + 1
+    pool = cf.ThreadPoolExecutor(max_workers=cfg.writers)
+    writes: list[cf.Future] = []
+    buffers: list = []
+    slot_future: list[cf.Future | None] = [None] * n_sets
+    n_done = 0
+    max_tok = max((shards[j][2] for j in todo), default=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t_start = time.time()
     captured_tokens = 0
     with torch.no_grad():
@@ -253,7 +288,13 @@ def run_capture(cfg: CaptureConfig, log=print) -> dict:
             slen = [len(s.input_ids) for s in shard_samples]
             offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(slen, out=offsets[1:])
-            buf = _ShardBuffers(ntok, k * H, H, k, cfg.dtype, cfg.capture_final, pin)
+            slot = n_done % n_sets
+            if slot_future[slot] is not None:
+                slot_future[slot].result()  # that buffer set's shard is on disk: reuse it
+            if slot == len(buffers):
+                buffers.append(_ShardBuffers(max_tok, k * H, H, k, cfg.dtype, cfg.capture_final, pin))
+            buf = buffers[slot].view(ntok)
+            n_done += 1
             pending = None
             for batch in plan_batches(slen, cfg.batch_tokens):
                 res = _run_batch(target, cap, graphs, cfg, batch, shard_samples, slen, offsets, pad_id, device, H)
@@ -263,16 +304,20 @@ def run_capture(cfg: CaptureConfig, log=print) -> dict:
                 bar.update(int(sum(slen[j] for j in batch)))
             if pending is not None:
                 _land(buf, pending, cfg.dtype)
-            if pending_write is not None:
-                pending_write.result()  # at most one shard in flight: bounded memory
             if writer:
-                pending_write = pool.submit(_write_shard, out, si, first, shard_samples, offsets, buf, cfg)
+                slot_future[slot] = pool.submit(_write_shard, out, si, first, shard_samples, offsets, buf, cfg)
+                writes.append(slot_future[slot])
             captured_tokens += ntok
-        if pending_write is not None:
-            pending_write.result()
+        for f in writes:
+            f.result()
     pool.shutdown()
     bar.close()
     elapsed = time.time() - t_start
+    if stats is not None:
+        stats.update(
+            capture_s=elapsed, tokens=captured_tokens, write_s=sum(f.result()[0] for f in writes),
+            bytes_written=sum(f.result()[1] for f in writes), shards=len(writes), graphs=len(graphs),
+        )
     if captured_tokens:
         say(f"captured {captured_tokens} tokens in {elapsed:.1f}s ({captured_tokens / max(elapsed, 1e-9):,.0f} tok/s on rank {rank})")
 
@@ -371,12 +416,27 @@ def _run_batch(target, cap, graphs, cfg, batch, shard_samples, slen, offsets, pa
         if final_rows is not None:
             parts.append(final_rows.to(torch.bfloat16))
     if device.type == "cuda":
-        host = [p.to("cpu", non_blocking=True) for p in parts]
-        ev = torch.cuda.Event()
-        ev.record()
+        # Device->host copies on a side stream: the next batch's forward overlaps them.
+        copy_stream = _copy_stream(device)
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(copy_stream):
+            host = [p.to("cpu", non_blocking=True) for p in parts]  # pinned destinations (non_blocking D2H)
+            ev = torch.cuda.Event()
+            ev.record(copy_stream)
+        for p in parts:
+            p.record_stream(copy_stream)
     else:
         host, ev = parts, None
     return torch.from_numpy(dst), host, ev
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def _land(buf: _ShardBuffers, pending, dtype: str) -> None:
@@ -412,15 +472,17 @@ def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _S
         tensors["aux_scale"] = buf.aux_scale
     if buf.final_scale is not None:
         tensors["final_scale"] = buf.final_scale
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    t0 = time.perf_counter()
     path = out / fmt.shard_name(si)
     _crash_point("before_shard", si)
-    digest = atomic_save_file(tensors, path, metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"})
+    digest, nbytes = atomic_save_safetensors_streaming(
+        tensors, path, metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"}
+    )
     _crash_point("after_shard", si)
     record = {
         "file": fmt.shard_name(si),
         "sha256": digest,
-        "bytes": path.stat().st_size,
+        "bytes": nbytes,
         "first_sample": first,
         "num_samples": n,
         "num_tokens": int(offsets[-1]),
@@ -428,6 +490,7 @@ def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _S
     }
     atomic_write_json(out / fmt.progress_name(si), record)
     _crash_point("after_progress", si)
+    return time.perf_counter() - t0, record["bytes"]
 
 
 def _finalize(out: Path, plan, samples, report, target, aux_layers, shards, cfg) -> dict:

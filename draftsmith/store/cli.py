@@ -45,7 +45,8 @@ def capture(
     ),
     batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Padded tokens per forward pass (batch size x longest sample)."),
     on_bad: str = typer.Option("error", "--on-bad", help="Bad input records: 'error' stops with file:line and reason; 'skip' skips and counts them."),
-    shard_mb: int = typer.Option(1024, "--shard-mb", help="Approximate shard size in MiB."),
+    shard_mb: int = typer.Option(512, "--shard-mb", help="Approximate shard size in MiB."),
+    writers: int = typer.Option(3, "--writers", help="Threads writing shards while the GPU runs (host memory: (writers+1) x shard size)."),
     shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="Tokens per shard (overrides --shard-mb)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (GPU if present; under torchrun: cuda:LOCAL_RANK)."),
     model_dtype: str = typer.Option("auto", "--model-dtype", help="Target weights dtype: auto (bf16 on GPU, as saved on CPU), bf16, fp16, fp32."),
@@ -53,6 +54,7 @@ def capture(
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Run the target from CUDA graphs (static shapes, hooks copy into static buffers)."),
     tp: bool = typer.Option(False, "--tp", help="Load the target with tensor parallelism (transformers tp_plan='auto') across torchrun ranks."),
     glob: Optional[str] = typer.Option(None, "--glob", help="For a directory: which files (default '**/*.py')."),
+    max_samples: Optional[int] = typer.Option(None, "--max-samples", help="Capture only the first N samples (a quick trial)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Capture the target's aux hidden states (and final pre-norm state) into a checksummed, resumable store.
@@ -74,7 +76,7 @@ def capture(
         target=target, data=data, out=out, aux_layers=layers, max_length=max_length, dtype=dtype,
         batch_tokens=batch_tokens, on_bad=on_bad, shard_tokens=shard_tokens, shard_mb=shard_mb, device=device,
         model_dtype=model_dtype, capture_final=not no_final, cuda_graphs=cuda_graphs, tp=tp, glob=glob,
-        progress=not quiet,
+        max_samples=max_samples, writers=writers, progress=not quiet,
     )
     run_capture(cfg, log=lambda *a: typer.echo(" ".join(str(x) for x in a), err=True))
 
@@ -134,10 +136,11 @@ def export(
 
     if format != "speculators":
         raise DraftsmithError(f"--format: {format!r} is not supported (choose: speculators)")
-    from draftsmith.store.export_speculators import export_speculators
+    from draftsmith.store.export_speculators import export_speculators, summary_lines
 
     summary = export_speculators(HiddenStateStore.open(path), out, progress=not quiet)
-    typer.echo(f"wrote {out}: {summary}")
+    for line in summary_lines(summary):
+        typer.echo(line)
 
 
 def register(app: typer.Typer) -> None:

@@ -95,3 +95,68 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise DraftsmithError(f"{path}: {what} not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DraftsmithError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+_ST_DTYPES = {
+    "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
+    "torch.bool": "BOOL", "torch.float64": "F64",
+}
+
+
+def atomic_save_safetensors_streaming(
+    tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None, chunk: int = 1 << 26
+) -> tuple[str, int]:
+    """Write a safetensors file atomically without building it in memory; sha256 computed on the way.
+
+    Same format as `safetensors.torch.save_file` (8-byte header length, JSON header padded to 8 bytes,
+    raw little-endian tensor bytes in header order), readable by `safe_open`. Tensors are laid out by
+    name, so the bytes are a deterministic function of the content. Returns (sha256, bytes written).
+    """
+    import torch
+
+    path = Path(path)
+    names = sorted(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    views = []
+    for name in names:
+        t = tensors[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        views.append(t.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-len(hjson) % 8)
+    head = len(hjson).to_bytes(8, "little") + hjson
+    h = hashlib.sha256()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            f.write(head)
+            h.update(head)
+            for v in views:
+                if v is None:
+                    continue
+                mv = memoryview(v)
+                for i in range(0, len(mv), chunk):
+                    part = mv[i : i + chunk]
+                    h.update(part)  # hashlib and write release the GIL on large buffers
+                    f.write(part)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return h.hexdigest(), len(head) + offset
