@@ -65,7 +65,7 @@ for _mod in STAGE_CLIS:
     try:
         _m = importlib.import_module(_mod)
     except ModuleNotFoundError as _e:  # the stage does not exist yet
-        if _e.name != _mod:
+        if not _e.name or not (_mod == _e.name or _mod.startswith(_e.name + ".")):
             raise
         continue
     _m.register(app)
