@@ -12,6 +12,6 @@ mkdir -p "$OUT"
 draftsmith inspect assets/pycode-tiny
 # 1. capture: aux hidden states of layers 1,3,4 (layer-output ids) + the final pre-norm state
 draftsmith capture --target assets/pycode-tiny --data "$CORPUS" --out "$OUT/store" \
-  --aux-layers 1,3,4 --max-length 512 --max-samples ${DEMO_SAMPLES:-400}
+  --glob "*.py" --on-bad skip --aux-layers 1,3,4 --max-length 512 --max-samples ${DEMO_SAMPLES:-400}
 draftsmith store verify "$OUT/store"
 draftsmith store info "$OUT/store"

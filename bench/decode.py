@@ -1,0 +1,516 @@
+"""Decode benchmarks (issue 6): one script, one device call, < ~8 minutes on an H200.
+
+  P1  plain decode, bs=1, bf16, Llama-3.1-8B-shaped random weights, contexts 128 and 2048:
+      achieved (weight + KV) bytes/s ÷ measured device copy bandwidth (goal >= 0.85).
+  P2a pycode-small + a trained drafter, HumanEval code prompts, 256 new tokens: τ, acceptance rate,
+      speedup vs the engine's own graph-captured plain decode and vs transformers generate()
+      (dynamic cache; static cache, compiled). Best chain and tree settings.
+  P2b projected speedup on the 8B shape: measured t_plain, t_round (draft + verify + hand-off, one CUDA
+      graph) for an 8B-sized drafter (H=4096); speedup = τ(P2a) · t_plain / t_round. Labelled projected.
+
+Usage (device):  python bench/decode.py --target .carry/pycode-small --drafter .carry/drafter \
+                     --prompts .carry/humaneval.jsonl
+CPU smoke test of every code path (tiny shapes, no graphs):  python bench/decode.py --smoke
+Writes $OUT/bench_decode.json when $OUT is set and appends a section to BENCHMARKS.md.
+Each section runs in try/except: a failure is recorded and the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.llama import LlamaFamilyForward  # noqa: E402
+from draftsmith.decode.sampling import SamplingParams  # noqa: E402
+
+T0 = time.perf_counter()
+RESULTS: dict = {"sections": {}, "errors": {}}
+LINES: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def left(budget: float) -> float:
+    return budget - (time.perf_counter() - T0)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __enter__(self):
+        if self.dev.type == "cuda":
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.dev.type == "cuda":
+            self.b.record()
+            torch.cuda.synchronize()
+            self.s = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.s = time.perf_counter() - self.t
+
+
+def llama8b_config(smoke: bool):
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192})
+
+
+def copy_bandwidth(dev, smoke: bool) -> float:
+    """Device copy bandwidth in bytes/s, counting read + write (like the GUIDE's 4.2 TB/s figure)."""
+    n = (1 << 20) if smoke else (1 << 30)  # 2 GiB of bf16 per buffer on GPU
+    a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    reps = 20
+    with Timer(dev) as t:
+        for _ in range(reps):
+            b.copy_(a)
+    del a, b
+    return 2 * n * 2 * reps / t.s
+
+
+def time_steps(engine, fn, n, dev):
+    fn()
+    sync(dev)
+    with Timer(dev) as t:
+        for _ in range(n):
+            fn()
+    return t.s / n
+
+
+@torch.no_grad()
+def p1(args, dev, dtype, bw):
+    cfg = llama8b_config(args.smoke)
+    aux = [1, cfg.num_hidden_layers // 2 - 1, cfg.num_hidden_layers - 4]
+    ctxs = [16, 64] if args.smoke else [128, 2048]
+    steps = 8 if args.smoke else 64
+    log("P1: building the 8B-shaped random model")
+    runner = LlamaFamilyForward.random(cfg, aux, max_len=max(ctxs) + steps + 16, device=dev, dtype=dtype)
+    wbytes = runner.weight_bytes()
+    kvtok = runner.kv_bytes_per_token()
+    rows = []
+    eng = SpeculativeDecoder(runner, None, max_len=runner.max_len)
+    sp = SamplingParams()
+    for ctx in ctxs:
+        eng.set_max_len(ctx + steps + 16)
+        prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+        plain = eng._runner_for(DecodeMode("plain"), sp)
+        eng.prefill(prompt, sp)
+        t_step = time_steps(eng, plain, steps, dev)
+        L_avg = ctx + 1 + steps / 2 + 0.5
+        bytes_step = wbytes + kvtok * L_avg
+        ach = bytes_step / t_step
+        # end-to-end through generate() (host loop, one sync per 8 steps)
+        res = eng.generate(prompt, steps, sampling=sp, mode=DecodeMode("plain"), eos_ids=[])
+        row = {"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
+               "tokens_per_s_generate": (len(res.token_ids) - 1) / max(res.decode_s, 1e-9),
+               "weight_bytes": wbytes, "kv_bytes": kvtok * L_avg, "achieved_bytes_per_s": ach,
+               "fraction_of_copy_bw": ach / bw}
+        rows.append(row)
+        log(f"P1 ctx={ctx}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
+            f"generate() {row['tokens_per_s_generate']:.1f} tok/s")
+    RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
+    LINES.append("### P1 — plain decode, bs=1, bf16, Llama-3.1-8B shape (random weights)")
+    LINES.append(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s; weights {wbytes / 1e9:.2f} GB\n")
+    LINES.append("| context | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | (W+KV) TB/s | ÷ copy bw |")
+    LINES.append("|---|---|---|---|---|---|")
+    for r in rows:
+        LINES.append(f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
+                     f"{r['tokens_per_s_generate']:.1f} | {r['achieved_bytes_per_s'] / 1e12:.2f} | "
+                     f"{r['fraction_of_copy_bw']:.3f} |")
+    return runner, eng
+
+
+@torch.no_grad()
+def p1_compiled(args, dev, dtype, bw, runner):
+    """P1 again with the step forward torch.compile'd (elementwise kernels fused) inside the CUDA graph."""
+    cfg = llama8b_config(args.smoke)
+    steps = 8 if args.smoke else 64
+    ctxs = [16, 64] if args.smoke else [128, 2048]
+    eng = SpeculativeDecoder(runner, None, max_len=max(ctxs) + steps + 16, compile=True)
+    sp = SamplingParams()
+    rows = []
+    for ctx in ctxs:
+        prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+        t0 = time.perf_counter()
+        plain = eng._runner_for(DecodeMode("plain"), sp)
+        compile_s = time.perf_counter() - t0
+        eng.prefill(prompt, sp)
+        t_step = time_steps(eng, plain, steps, dev)
+        L_avg = ctx + 1 + steps / 2 + 0.5
+        ach = (runner.weight_bytes() + runner.kv_bytes_per_token() * L_avg) / t_step
+        rows.append({"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
+                     "achieved_bytes_per_s": ach, "fraction_of_copy_bw": ach / bw, "compile_and_capture_s": compile_s})
+        log(f"P1c ctx={ctx}: {t_step * 1e3:.3f} ms/step, {ach / bw:.3f} of copy bw (compile {compile_s:.0f}s)")
+    RESULTS["sections"]["P1_compiled"] = {"rows": rows}
+    LINES.append("\n### P1 (compiled) — same, step forward torch.compile'd inside the CUDA graph")
+    LINES.append("| context | ms/step | tok/s | (W+KV) TB/s | ÷ copy bw |")
+    LINES.append("|---|---|---|---|---|")
+    for r in rows:
+        LINES.append(f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
+                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy_bw']:.3f} |")
+
+
+def humaneval_prompts(path, tok, limit):
+    out = []
+    for line in open(path):
+        text = json.loads(line)["turns"][0]
+        if text.startswith("Complete the code I provided."):
+            text = text.split("\n", 1)[1]
+        out.append(tok(text)["input_ids"])
+        if len(out) >= limit:
+            break
+    return out
+
+
+@torch.no_grad()
+def p2a(args, dev, dtype):
+    from draftsmith.decode.evaluate import run_eval
+    from draftsmith.drafter import Drafter
+    from draftsmith.target import load_target
+
+    t = load_target(args.target, dtype="bf16" if dev.type == "cuda" else "fp32", device=str(dev))
+    if args.drafter == "random":  # infrastructure check only: an untrained drafter accepts ~nothing (τ≈1)
+        torch.manual_seed(0)
+        d = Drafter.from_target(t, draft_vocab_size=8192)
+    elif args.drafter:
+        d = Drafter.from_pretrained(args.drafter, target=t)
+    else:
+        if not args.smoke:
+            raise RuntimeError("P2a needs --drafter (a drafter trained for the target)")
+        torch.manual_seed(0)
+        d = Drafter.from_target(t, draft_vocab_size=2048)
+    d = d.to(device=dev, dtype=t.dtype).eval()
+    d.requires_grad_(False)
+    prompts = humaneval_prompts(args.prompts, t.tokenizer, args.num_prompts)
+    new = args.new_tokens
+    eng = SpeculativeDecoder(t, d, max_len=max(len(p) for p in prompts) + new + 80, compile=args.compile)
+    settings = ([DecodeMode("chain", draft_tokens=k) for k in args.chain_k] +
+                [DecodeMode("tree", top_k=a, depth=b, tree_tokens=c) for a, b, c in args.tree_cfgs])
+    rows = []
+    plain_tps = {}
+    for mode in settings:
+        if left(args.budget) < 120:
+            log(f"P2a: skipping {mode} (time budget)")
+            continue
+        temps = (0.0, 1.0) if mode in (settings[0],) or args.all_temps else (0.0,)
+        rep = run_eval(eng, prompts, mode, temps, new, seed=0)
+        for temp, e in rep["temperatures"].items():
+            s = e["speculative"]
+            plain_tps[temp] = e["plain"]["tokens_per_s"]
+            row = {"mode": mode.kind, "K": mode.draft_tokens if mode.kind == "chain" else None,
+                   "tree": [mode.top_k, mode.depth, mode.tree_tokens] if mode.kind == "tree" else None,
+                   "T": float(temp), "tau": s["tau"], "acceptance_rate": s["acceptance_rate"],
+                   "p_at_least": s["p_at_least"], "spec_tok_s": s["tokens_per_s"],
+                   "plain_tok_s": e["plain"]["tokens_per_s"], "speedup_vs_plain": e["speedup"],
+                   "greedy_mismatches": e.get("greedy_mismatches")}
+            rows.append(row)
+            RESULTS["sections"]["P2a_rows_so_far"] = rows
+            flush()
+            log(f"P2a {mode.kind} {row['K'] or row['tree']} T={temp}: tau={s['tau']:.2f} "
+                f"acc={s['acceptance_rate']:.2f} {s['tokens_per_s']:.1f} tok/s ({e['speedup']:.2f}x plain)")
+    # transformers generate() baselines (few prompts/tokens: they are slow)
+    hf = {}
+    x = torch.tensor([prompts[0]], device=dev)
+    n_hf = min(64, new)
+    hf_model = t.model
+    for name, kw in (("dynamic", {}), ("static", {"cache_implementation": "static"})):
+        if left(args.budget) < (150 if name == "static" else 60):
+            log(f"P2a: skipping generate({name}) (time budget)")
+            continue
+        try:
+            gen = lambda: hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_hf,  # noqa
+                                           min_new_tokens=n_hf, do_sample=False, pad_token_id=0, **kw)
+            gen()
+            sync(dev)
+            t0 = time.perf_counter()
+            reps = 2
+            for _ in range(reps):
+                gen()
+            sync(dev)
+            hf[name] = reps * n_hf / (time.perf_counter() - t0)
+            log(f"P2a generate({name}): {hf[name]:.1f} tok/s")
+        except Exception as e:  # noqa: BLE001
+            hf[name] = None
+            RESULTS["errors"][f"P2a_generate_{name}"] = f"{type(e).__name__}: {e}"
+    best = {}
+    for kind in ("chain", "tree"):
+        cand = [r for r in rows if r["mode"] == kind and r["T"] == 0.0]
+        if cand:
+            best[kind] = max(cand, key=lambda r: r["spec_tok_s"])
+    for r in rows:
+        for name, v in hf.items():
+            r[f"speedup_vs_generate_{name}"] = r["spec_tok_s"] / v if v else None
+    RESULTS["sections"].pop("P2a_rows_so_far", None)
+    RESULTS["sections"]["P2a"] = {"rows": rows, "generate_tok_s": hf, "plain_tok_s": plain_tps, "best": best,
+                                  "prompts": len(prompts), "new_tokens": new, "cuda_graphs": eng.cuda_graphs}
+    LINES.append(f"\n### P2a — {Path(args.target).name} + drafter, HumanEval code prompts ({len(prompts)}), "
+                 f"{new} new tokens")
+    LINES.append("| setting | T | τ | accept rate | spec tok/s | plain tok/s | × plain | × generate dyn | "
+                 "× generate static |")
+    LINES.append("|---|---|---|---|---|---|---|---|---|")
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in rows:
+        name = f"chain K={r['K']}" if r["mode"] == "chain" else "tree k={} d={} n={}".format(*r["tree"])
+        LINES.append(f"| {name} | {r['T']:g} | {f(r['tau'])} | {f(r['acceptance_rate'])} | {f(r['spec_tok_s'], 1)} | "
+                     f"{f(r['plain_tok_s'], 1)} | {f(r['speedup_vs_plain'])} | "
+                     f"{f(r.get('speedup_vs_generate_dynamic'))} | {f(r.get('speedup_vs_generate_static'))} |")
+    LINES.append(f"generate() tok/s ({n_hf} tokens, greedy): dynamic cache {f(hf.get('dynamic'), 1)}, static cache "
+                 f"{f(hf.get('static'), 1)} (transformers compiles the static-cache forward on CUDA by default)")
+    del eng, t, d
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
+@torch.no_grad()
+def p2b(args, dev, dtype, runner, best):
+    from draftsmith.drafter import Drafter, DrafterConfig
+
+    cfg = llama8b_config(args.smoke)
+    H = cfg.hidden_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or H // nh
+    dcfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=cfg.intermediate_size,
+                         num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, vocab_size=cfg.vocab_size,
+                         draft_vocab_size=min(32000, cfg.vocab_size), num_hidden_layers=1,
+                         aux_layer_ids=runner.aux_layers, target_num_layers=cfg.num_hidden_layers)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        d = Drafter(dcfg)
+    d = d.to(dtype).eval()
+    d.requires_grad_(False)
+    d.set_embedding(runner.embed)
+    ctx = 64 if args.smoke else 512
+    settings = []
+    if "chain" in best:
+        settings.append((DecodeMode("chain", draft_tokens=best["chain"]["K"]), best["chain"]["tau"]))
+    if "tree" in best:
+        a, b, c = best["tree"]["tree"]
+        settings.append((DecodeMode("tree", top_k=a, depth=b, tree_tokens=c), best["tree"]["tau"]))
+    if not settings:  # no P2a: report round costs of default settings with τ unknown
+        settings = [(DecodeMode("chain", draft_tokens=4), None), (DecodeMode("tree", top_k=8, depth=6,
+                                                                            tree_tokens=48), None)]
+    n = 8 if args.smoke else 32
+    need = max(m.cache_need for m, _ in settings)
+    max_acc = max(m.max_accept for m, _ in settings)
+    # every slot a timed round can touch stays in range (an out-of-range index is a fatal device assert)
+    eng = SpeculativeDecoder(runner, d, max_len=ctx + (n + 2) * (max_acc + 1) + need + 16)
+    sp = SamplingParams()
+    prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+    plain = eng._runner_for(DecodeMode("plain"), sp)
+    eng.prefill(prompt, sp)
+    t_plain = time_steps(eng, plain, n, dev)
+    rows = []
+    for mode, tau in settings:
+        fn = eng._runner_for(mode, sp)
+        eng.prefill(prompt, sp)
+        t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
+        # components: one verify forward, one drafter step
+        T = mode.verify_tokens
+        Lt = torch.tensor(ctx, device=dev)
+        pos = Lt + torch.arange(T, device=dev)
+        from draftsmith.decode.engine import _lower_bound_mask
+
+        mask = _lower_bound_mask(eng.max_len, pos, dev)
+        ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
+        verify = lambda: runner.forward(ids[:T], pos, pos, mask)  # noqa: E731
+        t_verify = time_steps(eng, verify, 4, dev)
+        Td = 1 if mode.kind == "chain" else mode.top_k
+        dpos = Lt + torch.arange(Td, device=dev)
+        dmask = _lower_bound_mask(eng.max_len, dpos, dev)
+        hid = torch.zeros(Td, H, dtype=dtype, device=dev)
+        dstep = lambda: eng._draft_fwd(ids[:Td], hid, dpos, dpos, dmask)  # noqa: E731
+        t_draft = time_steps(eng, dstep, 4, dev)
+        row = {"mode": mode.kind, "setting": mode.__dict__, "context": ctx, "t_plain_ms": t_plain * 1e3,
+               "t_round_ms": t_round * 1e3, "t_verify_eager_ms": t_verify * 1e3, "t_draft_step_eager_ms": t_draft * 1e3,
+               "tau_from_P2a": tau, "projected_speedup": tau * t_plain / t_round if tau else None,
+               "breakeven_tau": t_round / t_plain}
+        rows.append(row)
+        log(f"P2b {mode.kind}: t_plain {t_plain * 1e3:.2f} ms, t_round {t_round * 1e3:.2f} ms, "
+            f"projected {row['projected_speedup'] or float('nan'):.2f}x (τ={tau})")
+    RESULTS["sections"]["P2b"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
+    LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, "
+                 f"context {ctx}")
+    LINES.append("| setting | t_plain ms | t_round ms (graph) | verify ms (eager) | draft step ms (eager) | "
+                 "τ (P2a) | break-even τ | projected × |")
+    LINES.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["setting"]
+        name = f"chain K={s['draft_tokens']}" if r["mode"] == "chain" else \
+            f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+        tau = "-" if r["tau_from_P2a"] is None else f"{r['tau_from_P2a']:.2f}"
+        proj = "-" if r["projected_speedup"] is None else f"{r['projected_speedup']:.2f}"
+        LINES.append(f"| {name} | {r['t_plain_ms']:.2f} | {r['t_round_ms']:.2f} | {r['t_verify_eager_ms']:.2f} | "
+                     f"{r['t_draft_step_eager_ms']:.2f} | {tau} | {r['breakeven_tau']:.2f} | {proj} |")
+
+
+def flush(partial: bool = True) -> None:
+    """Write what exists so far to $OUT (a run killed by a time limit still leaves its finished sections)."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    RESULTS["partial"] = partial
+    (Path(out) / "bench_decode.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+    (Path(out) / "BENCHMARKS.decode.md").write_text("\n".join(LINES) + "\n")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        c = out.stdout.strip() or "uncommitted"
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10).stdout
+        return c + ("+dirty" if dirty.strip() else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
+    ap.add_argument("--drafter", default=None, help="drafter trained for --target (P2a); 'random' = an untrained one (timings only, τ≈1)")
+    ap.add_argument("--prompts", default=None, help="humaneval.jsonl (EAGLE question format)")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--chain-k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 5])
+    ap.add_argument("--tree-cfgs", type=lambda s: [tuple(int(y) for y in x.split("/")) for x in s.split(",")],
+                    default=[(4, 4, 16), (8, 5, 32), (8, 6, 48)], help="top_k/depth/tokens,...")
+    ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
+    ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--compile", action="store_true", help="P2a: torch.compile the round forwards (+compile time)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks every code path")
+    ap.add_argument("--no-benchmarks-md", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    here = Path(__file__).resolve().parents[1]
+    args.target = args.target or next((p for p in (".carry/pycode-small", "/work/shared/targets/pycode-small",
+                                                   "/work/shared/targets/pycode-tiny") if os.path.isdir(p)), None)
+    if args.smoke:
+        args.target = next((p for p in (".carry/pycode-tiny", "/work/shared/targets/pycode-tiny")
+                            if os.path.isdir(p)), args.target)
+    args.prompts = args.prompts or next((p for p in (".carry/humaneval.jsonl", "/work/shared/data/eval/humaneval.jsonl")
+                                         if os.path.exists(p)), None)
+    if args.smoke:
+        args.num_prompts, args.new_tokens = min(args.num_prompts, 2), min(args.new_tokens, 16)
+        args.chain_k, args.tree_cfgs = args.chain_k[:1], args.tree_cfgs[:1]
+    sections = set(args.sections.split(","))
+    dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    RESULTS.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": dev_name,
+                    "torch": torch.__version__, "commit": git_commit(),
+                    "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])), "smoke": args.smoke})
+    try:
+        import transformers
+
+        RESULTS["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    log(f"device {dev_name}, torch {torch.__version__}")
+    bw = None
+    try:
+        bw = copy_bandwidth(dev, args.smoke)
+        RESULTS["copy_bandwidth_bytes_per_s"] = bw
+        log(f"copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
+    except Exception as e:  # noqa: BLE001
+        RESULTS["errors"]["bandwidth"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    flush()
+    runner = None
+    best: dict = {}
+    if "P1" in sections or "P2b" in sections:
+        try:
+            runner, _ = p1(args, dev, dtype, bw or float("nan"))
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"]["P1"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        flush()
+    if "P2a" in sections:
+        try:
+            if not args.target or not args.prompts:
+                raise RuntimeError("P2a needs --target and --prompts")
+            best = p2a(args, dev, dtype)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"]["P2a"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        flush()
+    if "P2b" in sections and runner is not None:
+        try:
+            if left(args.budget + 60) < 30:
+                raise RuntimeError("skipped: time budget")
+            p2b(args, dev, dtype, runner, best)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"]["P2b"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        flush()
+    if "P1c" in sections and runner is not None:
+        try:
+            if left(args.budget + 60) < 150:
+                raise RuntimeError("skipped: time budget")
+            p1_compiled(args, dev, dtype, bw or float("nan"), runner)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"]["P1c"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        flush()
+    RESULTS["wall_s"] = time.perf_counter() - T0
+    header = (f"\n## decode — {RESULTS['date']} — {dev_name} — commit {RESULTS['commit']}"
+              f"{' (SMOKE, not a measurement)' if args.smoke else ''}\n"
+              f"`{RESULTS['command']}` (torch {torch.__version__}, transformers {RESULTS.get('transformers')})\n")
+    body = "\n".join(LINES)
+    if RESULTS["errors"]:
+        body += "\n\nerrors: " + "; ".join(f"{k}: {v}" for k, v in RESULTS["errors"].items())
+    print(header + body, flush=True)
+    out = os.environ.get("OUT")
+    flush(partial=False)
+    if out:
+        (Path(out) / "BENCHMARKS.decode.md").write_text(header + body + "\n")
+    if not args.no_benchmarks_md and not args.smoke:
+        md = here / "BENCHMARKS.md"
+        with open(md, "a") as fh:
+            if md.stat().st_size == 0:
+                fh.write("# Benchmarks\n")
+            fh.write(header + body + "\n")
+
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

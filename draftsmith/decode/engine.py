@@ -1,0 +1,620 @@
+"""The speculative decoding engine (batch size 1): plain, chain and EAGLE-2 dynamic-tree decoding.
+
+State between rounds (all on the device): `L` = tokens whose K/V are committed in the target cache
+(cache slot == position for committed tokens), `root` = the next token (already emitted, not yet in the
+target cache), and the drafter's `h_last` = its pre-norm output at position L-1, from which the next
+draft token is predicted. The drafter cache holds one entry per committed position i, built from
+(token i+1, fused target aux state at i) — exactly what prefill builds.
+
+One round (chain, K draft tokens):
+  1. draft: d_1 from h_last; step i feeds (d_i, previous output) at position L+i-1 (drafter slot L+i-1)
+  2. verify: ONE target forward over [root, d_1..d_K] at positions L..L+K, causal mask over the cache
+  3. accept a tokens (greedy: match the target's argmax; T>0: speculative sampling), bonus token b
+  4. hand-off: ONE drafter forward over [d_1..d_a, b] with the fused target aux states of
+     [root, d_1..d_a] (taken from the verify forward) at positions L..L+a — the same inputs prefill uses;
+     its output at row a is the next h_last. L += a+1; root = b.
+The tree round replaces 1-3 with EAGLE-2 expansion (top_k frontier by cumulative log-prob for `depth`
+levels, best `tree_tokens` nodes kept), a tree attention mask with per-node positions, a longest-path
+walk, and KV compaction of the accepted path in the target cache (the drafter cache is rewritten by the
+hand-off). At T>0 the tree uses recursive rejection sampling over siblings with the drafter's
+deterministic (top-k) proposals; for a point-mass proposal each sibling test accepts with p(x)/Σp over
+the residual, which is exactly "draw y ~ p at the node; go to the child whose token is y, if any".
+
+Every step has static shapes and no host sync; a whole round is one CUDA graph on GPU (captured per
+setting), followed by one host read of (accepted count, emitted tokens).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.decode.sampling import SamplingParams, chain_accept, choose, sample, warp
+
+
+@dataclass(frozen=True)
+class DecodeMode:
+    kind: str = "chain"  # "plain" | "chain" | "tree"
+    draft_tokens: int = 4  # chain K
+    top_k: int = 8  # tree expansion width
+    depth: int = 5  # tree depth (max draft tokens on one path)
+    tree_tokens: int = 32  # draft nodes verified per round (root excluded)
+
+    def key(self):
+        return (self.kind, self.draft_tokens, self.top_k, self.depth, self.tree_tokens)
+
+    @property
+    def max_accept(self) -> int:
+        return {"plain": 0, "chain": self.draft_tokens, "tree": self.depth}[self.kind]
+
+    @property
+    def verify_tokens(self) -> int:
+        return {"plain": 1, "chain": self.draft_tokens + 1, "tree": self.tree_tokens + 1}[self.kind]
+
+    def validate(self) -> None:
+        if self.kind not in ("plain", "chain", "tree"):
+            raise ValueError(f"unknown decode mode {self.kind!r}")
+        if self.kind == "chain" and not 1 <= self.draft_tokens <= 250:
+            raise ValueError("--draft-tokens must be in 1..250")
+        if self.kind == "tree":
+            if self.top_k < 1 or self.depth < 1 or self.tree_tokens < 1:
+                raise ValueError("tree needs top_k, depth, tree_tokens >= 1")
+            if self.depth > 250:
+                raise ValueError("--depth must be <= 250")
+            if self.tree_tokens > self.num_candidates:
+                raise ValueError(f"--tree-tokens {self.tree_tokens} > candidates top_k + (depth-1)*top_k^2 = "
+                                 f"{self.num_candidates}")
+
+    @property
+    def cache_need(self) -> int:
+        """Cache slots one round may write past the committed length (target and drafter)."""
+        if self.kind == "plain":
+            return 1
+        if self.kind == "chain":
+            return self.draft_tokens + 1
+        return max(self.tree_tokens + 1, (self.depth - 1) * self.top_k, self.depth + 1)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "eos" | "stop" | "length" | "cache"
+    prompt_tokens: int
+    rounds: int  # target forwards after prefill
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per round (pre-truncation)
+    proposed_per_round: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    trace: list[dict] | None = None
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward (incl. the bonus token), over the decode rounds."""
+        return (sum(self.accepted) + len(self.accepted)) / max(len(self.accepted), 1) if self.accepted else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / max(self.prefill_s + self.decode_s, 1e-9)
+
+    def to_json(self) -> dict:
+        n = len(self.token_ids)
+        return {
+            "text": self.text, "token_ids": self.token_ids, "tau": self.tau, "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens, "new_tokens": n, "rounds": self.rounds,
+            "accepted_per_round": self.accepted, "proposed_per_round": self.proposed_per_round,
+            "acceptance_rate": (sum(self.accepted) / (self.proposed_per_round * len(self.accepted))
+                                if self.accepted and self.proposed_per_round else None),
+            "timing": {"prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                       "total_s": self.prefill_s + self.decode_s,
+                       "tokens_per_s": n / max(self.prefill_s + self.decode_s, 1e-9),
+                       "decode_tokens_per_s": max(n - 1, 0) / max(self.decode_s, 1e-9)},
+        }
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _lower_bound_mask(S: int, limit: torch.Tensor, device) -> torch.Tensor:
+    """mask [T, S]: slot s visible to row t iff s <= limit[t]."""
+    return torch.arange(S, device=device)[None, :] <= limit[:, None]
+
+
+def _region_mask(S: int, L: torch.Tensor, region: torch.Tensor, device) -> torch.Tensor:
+    """Committed slots (< L) plus a [T, R] bool region placed at slots L..L+R-1 -> [T, S]."""
+    ar = torch.arange(S, device=device)
+    R = region.shape[1]
+    rel = ar - L
+    inside = (rel >= 0) & (rel < R)
+    tree = region.gather(1, rel.clamp(0, R - 1)[None].expand(region.shape[0], S)) & inside[None]
+    return tree | (ar < L)[None]
+
+
+class SpeculativeDecoder:
+    """Speculative generator for one target (+ optional EAGLE-3 drafter) at batch size 1.
+
+    target: a `draftsmith.target.Target` or an HF CausalLM. drafter: a `draftsmith.drafter.Drafter` (or
+    any module with its interface) or None (plain decoding only). `max_len`: cache capacity in tokens
+    (prompt + new tokens + one round's draft). `backend`: "auto" (compact Llama-family forward when
+    supported, else HF generic), "llama", "hf". `cuda_graphs`: None = on when the device is CUDA and the
+    compact forward is used.
+    """
+
+    def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
+                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None, compile: bool = False):
+        from draftsmith.decode.llama import LlamaFamilyForward, supports
+
+        prebuilt = target if isinstance(target, LlamaFamilyForward) else None
+        if prebuilt is not None:  # a ready runner (benchmarks: random weights of a large shape, no HF model)
+            model, cfg = None, prebuilt.cfg
+        else:
+            model = target if isinstance(target, torch.nn.Module) else target.model
+            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model = model
+        self.tokenizer = getattr(target, "tokenizer", None) if prebuilt is None else None
+        self.drafter = drafter
+        self.config = cfg
+        if aux_layers is None:
+            if drafter is not None and getattr(drafter.config, "aux_layer_ids", None) is not None:
+                aux_layers = list(drafter.config.aux_layer_ids)
+            else:
+                from draftsmith.target.layers import default_aux_layers
+
+                aux_layers = default_aux_layers(int(cfg.num_hidden_layers))
+        self.aux_layers = [int(i) for i in aux_layers]
+        self.max_len = _round_up(int(max_len), 16)  # aligned masks keep SDPA on its fused kernels
+        ok, why = supports(cfg, self.max_len)
+        if backend == "llama" and not ok:
+            raise ValueError(f"compact forward unavailable: {why}")
+        if prebuilt is not None:
+            if prebuilt.max_len != self.max_len:
+                prebuilt.set_max_len(self.max_len)
+            self.runner = prebuilt
+            self.backend = "llama"
+        elif backend in ("auto", "llama") and ok:
+            self.runner = LlamaFamilyForward.from_hf(model, self.aux_layers, self.max_len)
+            self.backend = "llama"
+        else:
+            from draftsmith.decode.hf_generic import HFGenericForward
+
+            layers = getattr(target, "layers", None)
+            if layers is None:
+                from draftsmith.target.load import _find_decoder_layers
+
+                layers = _find_decoder_layers(model, int(cfg.num_hidden_layers))
+            self.runner = HFGenericForward(model, layers, self.aux_layers, self.max_len)
+            self.backend = "hf"
+            if backend == "auto":
+                warnings.warn(f"using the generic HF path ({why}); it is slower and runs without CUDA graphs",
+                              stacklevel=2)
+        self.device = self.runner.device
+        self.dtype = self.runner.dtype
+        self.vocab_size = int(cfg.vocab_size)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) if model is not None else None
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.backend == "llama"
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and self.backend == "llama"
+        self._graphs: dict = {}
+        # device state
+        dev = self.device
+        self.L = torch.zeros((), dtype=torch.long, device=dev)
+        self.root = torch.zeros((), dtype=torch.long, device=dev)
+        self.n_emit = torch.zeros((), dtype=torch.long, device=dev)
+        self.out = torch.zeros(256, dtype=torch.long, device=dev)
+        if drafter is not None:
+            dc = drafter.config
+            self.d_layers = int(getattr(dc, "num_hidden_layers", 1))
+            nh = int(dc.num_attention_heads)
+            self.d_nkv = int(getattr(dc, "num_key_value_heads", None) or nh)
+            self.d_hd = int(getattr(dc, "head_dim", None) or int(dc.hidden_size) // nh)
+            self.d_scale = self.d_hd ** -0.5
+            p = next(drafter.parameters())
+            self.d_dtype = p.dtype
+            shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
+            self.dk = torch.zeros(shape, dtype=self.d_dtype, device=dev)
+            self.dv = torch.zeros(shape, dtype=self.d_dtype, device=dev)
+            self.h_last = torch.zeros(int(dc.hidden_size), dtype=self.d_dtype, device=dev)
+            if hasattr(drafter, "draft_target_ids"):
+                self.d_ids = drafter.draft_target_ids.to(dev)
+            else:
+                n = int(getattr(dc, "draft_vocab_size", None) or dc.vocab_size)
+                self.d_ids = drafter.draft_to_target(torch.arange(n, device=dev))
+            nfc = drafter.fc.in_features if hasattr(drafter, "fc") else None
+            if nfc is not None and nfc != len(self.aux_layers) * int(cfg.hidden_size):
+                raise ValueError(f"drafter fc expects {nfc} inputs; {len(self.aux_layers)} aux layers x "
+                                 f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
+        self._d_slots = None
+        self._d_mask = None
+        # opt-in: torch.compile the static-shape forwards used inside rounds (fuses the small elementwise
+        # kernels; one compile per shape, done during graph warm-up). Prefill (variable length) stays eager.
+        self._compiled = compile
+        self._t_fwd = self.runner.forward
+        self._d_call = drafter
+        if compile and self.backend == "llama":
+            self._t_fwd = torch.compile(self.runner.forward, dynamic=False)
+            if drafter is not None:
+                self._d_call = torch.compile(drafter, dynamic=False)
+
+    def set_max_len(self, max_len: int) -> None:
+        """Resize the caches (target and drafter); drops captured graphs."""
+        self.max_len = _round_up(int(max_len), 16)
+        if hasattr(self.runner, "set_max_len"):
+            self.runner.set_max_len(self.max_len)
+        else:
+            self.runner.max_len = self.max_len
+        if self.drafter is not None:
+            shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
+            self.dk = self.dv = None
+            self.dk = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+            self.dv = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+        self._graphs.clear()
+
+    # ------------------------------------------------------------------ primitives
+    def _target(self, ids, positions, slots, mask, logits_rows=None, want_aux=True, eager=False):
+        fwd = self.runner.forward if eager else self._t_fwd
+        return fwd(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+
+    def _attn(self, q, k, v, layer_idx):
+        from draftsmith.decode.llama import grouped_attention
+
+        kc, vc = self.dk[layer_idx], self.dv[layer_idx]
+        kc.index_copy_(2, self._d_slots, k.to(kc.dtype))
+        vc.index_copy_(2, self._d_slots, v.to(vc.dtype))
+        S = self._d_mask.shape[1]
+        return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale)
+
+    def _draft_fwd(self, ids, hidden, positions, slots, mask, eager=False):
+        """Drafter forward over T tokens (cache write at slots, attention under mask) -> out [T, H]."""
+        self._d_slots, self._d_mask = slots, mask
+        call = self.drafter if eager else self._d_call
+        out = call(ids[None], hidden[None].to(self.d_dtype), positions[None], attn_fn=self._attn)
+        return out[0]
+
+    def _fuse(self, aux):
+        return self.drafter.fuse(aux.to(self.d_dtype))
+
+    def _draft_logits(self, h):
+        return self.drafter.compute_logits(h).float()
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, prompt_ids: Sequence[int], sp: SamplingParams, draft: bool = True) -> int:
+        """Target forward over the prompt (+ the drafter's prefill from its aux states unless draft=False,
+        as for plain decoding). Returns the first new token."""
+        n = len(prompt_ids)
+        dev = self.device
+        draft = draft and self.drafter is not None
+        ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)
+        pos = torch.arange(n, device=dev)
+        mask = _lower_bound_mask(self.max_len, pos, dev)
+        logits, aux = self._target(ids, pos, pos, mask, logits_rows=pos[-1:], want_aux=draft, eager=True)
+        root = choose(logits[0], sp)
+        self.root.copy_(root)
+        self.L.fill_(n)
+        if draft:
+            d_ids = torch.cat([ids[1:], root.view(1)])
+            h = self._draft_fwd(d_ids, self._fuse(aux), pos, pos, mask, eager=True)
+            self.h_last.copy_(h[-1])
+        return int(root)
+
+    # ------------------------------------------------------------------ rounds (static shapes, no syncs)
+    def _plain_step(self, sp: SamplingParams):
+        dev = self.device
+        L = self.L.view(1)
+        mask = _lower_bound_mask(self.max_len, L, dev)
+        logits, _ = self._target(self.root.view(1), L, L, mask, want_aux=False)
+        nxt = choose(logits[0], sp)
+        self.out[0] = nxt
+        self.n_emit.fill_(1)
+        self.root.copy_(nxt)
+        self.L.add_(1)
+
+    def _handoff(self, tokens, aux_rows, n_acc):
+        """Drafter re-prefill of the accepted tokens: tokens [M] (accepted drafts + bonus, padded),
+        aux_rows [M, kH] (target aux of root + accepted drafts, padded), rows >= n_acc+1 are padding."""
+        M = tokens.shape[0]
+        dev = self.device
+        pos = self.L + torch.arange(M, device=dev)
+        mask = _lower_bound_mask(self.max_len, pos, dev)
+        h = self._draft_fwd(tokens, self._fuse(aux_rows), pos, pos, mask)
+        self.h_last.copy_(h.index_select(0, n_acc.view(1))[0])
+
+    def _chain_round(self, mode: DecodeMode, sp: SamplingParams):
+        K = mode.draft_tokens
+        dev = self.device
+        L = self.L
+        V = self.vocab_size
+        drafts, qs = [], []
+        h = self.h_last
+        for i in range(K):
+            dl = self._draft_logits(h)
+            if sp.greedy:
+                di = torch.argmax(dl, -1)
+            else:
+                qd = warp(dl, sp)
+                di = sample(qd)
+                qs.append(torch.zeros(V, device=dev, dtype=qd.dtype).index_copy(0, self.d_ids, qd))
+            ti = self.d_ids.gather(0, di.view(1))
+            drafts.append(ti)
+            if i < K - 1:
+                p = (L + i).view(1)
+                mask = _lower_bound_mask(self.max_len, p, dev)
+                h = self._draft_fwd(ti, h.view(1, -1), p, p, mask)[0]
+        draft = torch.cat(drafts)  # [K]
+        ids = torch.cat([self.root.view(1), draft])
+        pos = L + torch.arange(K + 1, device=dev)
+        mask = _lower_bound_mask(self.max_len, pos, dev)
+        logits, aux = self._target(ids, pos, pos, mask)
+        if sp.greedy:
+            a, bonus = chain_accept(draft, None, None, torch.argmax(logits, -1))
+        else:
+            a, bonus = chain_accept(draft, warp(logits, sp), torch.stack(qs), None)
+        out = torch.cat([draft, draft[:1]]).index_copy(0, a.view(1), bonus.view(1))
+        self._handoff(out, aux, a)
+        self.out[: K + 1] = out
+        self.n_emit.copy_(a + 1)
+        self.root.copy_(bonus)
+        self.L.add_(a + 1)
+        self._last_draft = ids
+
+    def _tree_round(self, mode: DecodeMode, sp: SamplingParams):
+        k, D, N = mode.top_k, mode.depth, mode.tree_tokens
+        C = mode.num_candidates
+        dev = self.device
+        L = self.L
+        S = self.max_len
+        # candidates: token (target id), score (cumulative log-prob), parent (cand idx, -1 root), depth
+        lp = torch.log_softmax(self._draft_logits(self.h_last), -1)
+        s1, i1 = torch.topk(lp, k)
+        c_tok = [self.d_ids.gather(0, i1)]
+        c_score = [s1]
+        c_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        c_depth = [torch.ones(k, dtype=torch.long, device=dev)]
+        # (no python-scalar advanced-index writes below: those would copy host->device inside a graph)
+        anc = torch.zeros(C, C, dtype=torch.bool, device=dev)  # candidate ancestor-or-self
+        ar_k = torch.arange(k, device=dev)
+        eye_k = torch.eye(k, dtype=torch.bool, device=dev)
+        eye_kk = torch.eye(k * k, dtype=torch.bool, device=dev)
+        anc[:k, :k] = eye_k
+        f_tok, f_score, f_cand = c_tok[0], s1, ar_k  # frontier
+        f_h = self.h_last[None].expand(k, -1)
+        R = max((D - 1) * k, 1)
+        f_mask = torch.zeros(k, R, dtype=torch.bool, device=dev)  # drafter-slot ancestry in the tree region
+        n_c = k
+        for j in range(1, D):
+            f_mask = f_mask.clone()
+            f_mask[:, (j - 1) * k:j * k] |= eye_k
+            pos = (L + j - 1).expand(k)
+            slots = L + (j - 1) * k + ar_k
+            mask = _region_mask(S, L, f_mask, dev)
+            h = self._draft_fwd(f_tok, f_h, pos, slots, mask)  # [k, H]
+            lpj = torch.log_softmax(self._draft_logits(h), -1)
+            sj, ij = torch.topk(lpj, k, dim=-1)  # [k, k]
+            sc = (f_score[:, None] + sj).reshape(-1)
+            tok = self.d_ids[ij.reshape(-1)]
+            par_f = ar_k[:, None].expand(k, k).reshape(-1)  # frontier row of each child
+            new_idx = n_c + torch.arange(k * k, device=dev)
+            pc = f_cand[par_f]
+            anc_rows = anc.index_select(0, pc)
+            anc_rows[:, n_c:n_c + k * k] |= eye_kk
+            anc[n_c:n_c + k * k] = anc_rows
+            c_tok.append(tok)
+            c_score.append(sc)
+            c_parent.append(pc)
+            c_depth.append(torch.full((k * k,), j + 1, dtype=torch.long, device=dev))
+            # next frontier: best k of the k*k children
+            fs, fi = torch.topk(sc, k)
+            f_tok, f_score, f_cand = tok[fi], fs, new_idx[fi]
+            f_h = h[par_f[fi]]
+            f_mask = f_mask[par_f[fi]]
+            n_c += k * k
+        tok = torch.cat(c_tok)
+        score = torch.cat(c_score)
+        parent = torch.cat(c_parent)
+        depth = torch.cat(c_depth)
+        # best N nodes; ties broken toward shallower nodes so the set stays ancestor-closed
+        key = score - depth.to(score.dtype) * 1e-6
+        _, sel = torch.topk(key, N)
+        sel, _ = torch.sort(sel)  # parents (earlier levels) come first
+        node_tok = torch.cat([self.root.view(1), tok[sel]])
+        node_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[sel]])
+        cmap = torch.zeros(C + 1, dtype=torch.long, device=dev).fill_(-1)
+        cmap[sel] = torch.arange(1, N + 1, device=dev)
+        psel = parent[sel]
+        node_parent = torch.cat([torch.full((1,), -2, dtype=torch.long, device=dev),
+                                 torch.where(psel < 0, torch.zeros_like(psel), cmap[psel.clamp_min(0)])])
+        tmask = torch.zeros(N + 1, N + 1, dtype=torch.bool, device=dev)
+        tmask[:, 0] = True
+        tmask[1:, 1:] = anc.index_select(0, sel).index_select(1, sel)
+        # verify
+        pos = L + node_depth
+        slots = L + torch.arange(N + 1, device=dev)
+        mask = _region_mask(S, L, tmask, dev)
+        logits, aux = self._target(node_tok, pos, slots, mask)
+        choice = choose(logits, sp)  # [N+1]: argmax, or one draw per node from p (recursive rejection)
+        cur = torch.zeros((), dtype=torch.long, device=dev)
+        path = [cur]
+        a = torch.zeros((), dtype=torch.long, device=dev)
+        for _ in range(D):
+            m = (node_parent == cur) & (node_tok == choice.index_select(0, cur.view(1)))
+            found = m.any()
+            cur = torch.where(found, torch.argmax(m.long()), cur)
+            a = a + found.long()
+            path.append(cur)
+        path_t = torch.stack(path)  # [D+1]; entries past a repeat the last node
+        bonus = choice.index_select(0, cur.view(1))[0]
+        out = torch.cat([node_tok[path_t[1:]], node_tok[:1]]).index_copy(0, a.view(1), bonus.view(1))
+        # compact the target cache to root + accepted path (entries past a are junk, never attended)
+        self.runner.compact(L + path_t, L + torch.arange(D + 1, device=dev))
+        self._handoff(out, aux.index_select(0, path_t), a)
+        self.out[: D + 1] = out
+        self.n_emit.copy_(a + 1)
+        self.root.copy_(bonus)
+        self.L.add_(a + 1)
+        self._last_tree = (node_tok, node_parent, node_depth, tmask)
+
+    # ------------------------------------------------------------------ graphs
+    def _step_fn(self, mode: DecodeMode, sp: SamplingParams):
+        if mode.kind == "plain":
+            return lambda: self._plain_step(sp)
+        if mode.kind == "chain":
+            return lambda: self._chain_round(mode, sp)
+        return lambda: self._tree_round(mode, sp)
+
+    def _runner_for(self, mode: DecodeMode, sp: SamplingParams):
+        fn = self._step_fn(mode, sp)
+        if not self.cuda_graphs:
+            return fn
+        key = (mode.key(), sp)
+        if key in self._graphs:
+            return self._graphs[key]
+        try:
+            g = self._capture(fn)
+            self._graphs[key] = g
+            return g
+        except Exception as e:  # pragma: no cover - GPU only
+            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly", stacklevel=2)
+            self._graphs[key] = fn
+            return fn
+
+    def _capture(self, fn):  # pragma: no cover - GPU only
+        saved = [t.clone() for t in self._state()]
+        safe = [t.clone() for t in saved]
+        safe[0].fill_(0)  # warm up / capture at L = 0: every slot a round touches is in range
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._set_state(safe)
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        self._set_state(safe)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        self._set_state(saved)
+        torch.cuda.synchronize()
+        return graph.replay
+
+    def _state(self):
+        st = [self.L, self.root]
+        if self.drafter is not None:
+            st.append(self.h_last)
+        return st
+
+    def _set_state(self, values):
+        for t, v in zip(self._state(), values):
+            t.copy_(v)
+
+    def warmup(self, mode: DecodeMode, sp: SamplingParams | None = None) -> None:
+        """Capture the graph for (mode, sp) now (the first generate() would otherwise pay for it).
+        Call it between generations: capturing runs one round at L=0, overwriting cache slots."""
+        sp = sp or SamplingParams()
+        with torch.no_grad():
+            if self.cuda_graphs:
+                self._runner_for(mode, sp)
+
+    # ------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                 mode: DecodeMode | None = None, seed: int | None = None, stop_strings: Sequence[str] = (),
+                 eos_ids: Sequence[int] | None = None, trace: bool = False, sync_every: int = 8) -> GenerationResult:
+        """Decode up to max_new_tokens new tokens after prompt_ids. Returns new tokens only."""
+        sp = sampling or SamplingParams()
+        mode = mode or (DecodeMode("chain") if self.drafter is not None else DecodeMode("plain"))
+        mode.validate()
+        if mode.kind != "plain" and self.drafter is None:
+            raise ValueError(f"{mode.kind} decoding needs a drafter")
+        eos = set(self.eos_ids if eos_ids is None else eos_ids)
+        n = len(prompt_ids)
+        if max_new_tokens <= 0:
+            return GenerationResult([], "" if self.tokenizer is not None else None, "length", n, 0)
+        if n < 1:
+            raise ValueError("empty prompt")
+        if n + 1 > self.max_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the cache ({self.max_len})")
+        if seed is not None:
+            torch.manual_seed(seed)
+        # capture before prefill (capturing runs the step at L=0 and would clobber committed KV) and timing;
+        # the plain step is the fallback when a round no longer fits the cache
+        step = self._runner_for(mode, sp)
+        plain = step if mode.kind == "plain" else self._runner_for(DecodeMode("plain"), sp)
+        sync = self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first = self.prefill(prompt_ids, sp, draft=mode.kind != "plain")
+        if sync:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        res = GenerationResult([], None, "length", n, 0, proposed_per_round=mode.max_accept)
+        res.trace = [] if trace else None
+        L_host = n
+        finished = self._emit(res, [first], eos, stop_strings, max_new_tokens)
+        budget = mode.cache_need + 1
+        while not finished:
+            if mode.kind != "plain" and L_host + budget <= self.max_len:
+                step()
+                vals = torch.cat([self.n_emit.view(1), self.out[: mode.max_accept + 1]]).tolist()
+                k = vals[0]
+                toks = vals[1:1 + k]
+                res.accepted.append(k - 1)
+                res.rounds += 1
+                if trace:
+                    res.trace.append({"L": L_host, "tokens": toks, "draft": self._last_draft.tolist()
+                                      if mode.kind == "chain" and not self.cuda_graphs else None})
+                L_host += k
+                finished = self._emit(res, toks, eos, stop_strings, max_new_tokens)
+            elif L_host + 1 < self.max_len:
+                # plain steps: several per host sync (over-generation past a stop is discarded)
+                m = max(1, min(sync_every if mode.kind == "plain" else 1, max_new_tokens - len(res.token_ids),
+                               self.max_len - 1 - L_host))
+                buf = []
+                for _ in range(m):
+                    plain()
+                    buf.append(self.out[:1].clone())
+                toks = torch.cat(buf).tolist()
+                res.rounds += m
+                L_host += m
+                finished = self._emit(res, toks, eos, stop_strings, max_new_tokens)
+            else:
+                res.finish_reason = "cache"
+                finished = True
+        if sync:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        res.prefill_s, res.decode_s = t1 - t0, t2 - t1
+        if self.tokenizer is not None:
+            res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+        return res
+
+    def _emit(self, res: GenerationResult, toks, eos, stop_strings, max_new) -> bool:
+        for t in toks:
+            res.token_ids.append(int(t))
+            if t in eos:
+                res.finish_reason = "eos"
+                return True
+            if stop_strings and self.tokenizer is not None:
+                tail = self.tokenizer.decode(res.token_ids[-32:], skip_special_tokens=False)
+                if any(s in tail for s in stop_strings):
+                    full = self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+                    prev = self.tokenizer.decode(res.token_ids[:-1], skip_special_tokens=False)
+                    if any(s in full and s not in prev for s in stop_strings):
+                        res.finish_reason = "stop"
+                        return True
+            if len(res.token_ids) >= max_new:
+                res.finish_reason = "length"
+                return True
+        return False

@@ -1,0 +1,183 @@
+"""`draftsmith eval`: what a drafter is worth — τ, acceptance, per-position acceptance, speedup.
+
+Definitions (also written into the JSON):
+- τ (acceptance length): tokens emitted per target forward in the decode rounds, bonus token included.
+- acceptance rate: accepted draft tokens ÷ proposed draft tokens. A chain proposes K per round; a tree
+  proposes `depth` per round (the most one accepted path can hold), so tree rates are comparable to a
+  chain of K = depth.
+- per-position acceptance: `p_at_least[i]` = share of rounds that accepted >= i draft tokens (i = 1..K);
+  `conditional[i]` = p_at_least[i] ÷ p_at_least[i-1] (EAGLE's α_i).
+- tokens/s: new tokens ÷ wall time (prefill included) summed over prompts; speculative and plain decoding
+  run in the same engine (same forward, same CUDA-graph policy), so the ratio is an honest speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+
+
+def load_prompt_ids(path: str, tokenizer, raw: bool = False, limit: int | None = None) -> list[list[int]]:
+    """EAGLE question JSONL / JSONL with text|turns|messages (via draftsmith.data.load_prompts), or a plain
+    text file with one prompt per line (a literal backslash-n in a line is a newline)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DraftsmithError(f"{path}: no such prompts file")
+    first = next((ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()), "")
+    if first.startswith("{"):
+        try:
+            from draftsmith.data import load_prompts
+        except ImportError:  # pragma: no cover - data stage absent
+            load_prompts = None
+        if load_prompts is not None:
+            ids = load_prompts(str(p), tokenizer, raw=raw, limit=limit)
+            return [[int(x) for x in row] for row in ids]
+        out = []
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            text = obj.get("text") or (obj.get("turns") or [None])[0]
+            if text is None:
+                raise DraftsmithError(f"{path}:{i}: no 'text' or 'turns' field")
+            if text.startswith("Complete the code I provided."):
+                text = text.split("\n", 1)[1] if "\n" in text else ""
+            out.append(tokenizer(text)["input_ids"])
+            if limit and len(out) >= limit:
+                break
+        return out
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out.append(tokenizer(line.replace("\\n", "\n"))["input_ids"])
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+def _summary(results, K: int) -> dict:
+    acc = [a for r in results for a in r.accepted]
+    rounds = len(acc)
+    new = sum(len(r.token_ids) for r in results)
+    wall = sum(r.prefill_s + r.decode_s for r in results)
+    decode_s = sum(r.decode_s for r in results)
+    at_least = [sum(1 for a in acc if a >= i) / max(rounds, 1) for i in range(1, K + 1)]
+    cond = [at_least[0] if at_least else 0.0] + [at_least[i] / at_least[i - 1] if at_least[i - 1] else 0.0
+                                                  for i in range(1, len(at_least))]
+    return {
+        "prompts": len(results), "new_tokens": new, "rounds": rounds,
+        "tau": (sum(acc) + rounds) / rounds if rounds else None,
+        "acceptance_rate": sum(acc) / (K * rounds) if rounds and K else None,
+        "p_at_least": at_least, "conditional": cond,
+        "tokens_per_s": new / wall if wall else None, "wall_s": wall,
+        "decode_tokens_per_s": (new - len(results)) / decode_s if decode_s else None,
+    }
+
+
+def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode: DecodeMode,
+             temperatures: Sequence[float] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
+             top_p: float = 1.0, top_k: int = 0, progress=None) -> dict:
+    """Speculative vs plain decoding over prompts, per temperature. Returns a JSON-able dict."""
+    mode.validate()
+    out = {"mode": mode.__dict__ | {"proposed_per_round": mode.max_accept}, "max_new_tokens": max_new_tokens,
+           "backend": engine.backend, "cuda_graphs": engine.cuda_graphs, "device": str(engine.device),
+           "dtype": str(engine.dtype).replace("torch.", ""), "temperatures": {}}
+    for temp in temperatures:
+        sp = SamplingParams(temperature=float(temp), top_p=top_p, top_k=top_k)
+        engine.warmup(mode, sp)
+        engine.warmup(DecodeMode("plain"), sp)
+        if prompts:  # one untimed pass of each path (allocator, caches, first-call overheads)
+            engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=mode, seed=seed)
+            engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=DecodeMode("plain"), seed=seed)
+        spec, plain = [], []
+        mismatches = 0
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            rp = engine.generate(p, max_new_tokens, sampling=sp, mode=DecodeMode("plain"), seed=seed + i)
+            rs = engine.generate(p, max_new_tokens, sampling=sp, mode=mode, seed=seed + i)
+            if sp.greedy and rs.token_ids != rp.token_ids:
+                mismatches += 1
+            spec.append(rs)
+            plain.append(rp)
+            if progress:
+                progress(i + 1, len(prompts))
+        s = _summary(spec, mode.max_accept)
+        pl = _summary(plain, 0)
+        entry = {
+            "speculative": s,
+            "plain": {k: pl[k] for k in ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s")},
+            "speedup": (s["tokens_per_s"] / pl["tokens_per_s"]) if s["tokens_per_s"] and pl["tokens_per_s"] else None,
+            "eval_wall_s": time.perf_counter() - t0,
+        }
+        if sp.greedy:
+            entry["greedy_mismatches"] = mismatches
+        out["temperatures"][f"{float(temp):g}"] = entry
+    return out
+
+
+def print_table(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    m = report["mode"]
+    title = (f"{m['kind']} K={m['draft_tokens']}" if m["kind"] == "chain"
+             else f"tree top_k={m['top_k']} depth={m['depth']} tokens={m['tree_tokens']}")
+    t = Table(title=f"draftsmith eval — {title} ({report['device']}, {report['backend']})")
+    for c in ("T", "τ", "accept rate", "per-position (≥i)", "spec tok/s", "plain tok/s", "speedup", "greedy ok"):
+        t.add_column(c, justify="right")
+    for temp, e in report["temperatures"].items():
+        s = e["speculative"]
+        per = " ".join(f"{x:.2f}" for x in s["p_at_least"])
+        ok = "" if "greedy_mismatches" not in e else ("yes" if e["greedy_mismatches"] == 0 else
+                                                       f"{e['greedy_mismatches']} differ")
+        f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+        t.add_row(temp, f(s["tau"]), f(s["acceptance_rate"]), per, f(s["tokens_per_s"], 1),
+                  f(e["plain"]["tokens_per_s"], 1), f(e["speedup"]) + "×", ok)
+    console.print(t)
+
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    """acceptance_by_position.png and speedup.png (needs matplotlib; returns [] without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for temp, e in report["temperatures"].items():
+        ys = e["speculative"]["p_at_least"]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"T={temp} (≥i accepted)")
+        ax.plot(range(1, len(ys) + 1), e["speculative"]["conditional"], ls="--", marker="x",
+                label=f"T={temp} (α_i conditional)")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    ax.set_title("Acceptance by position")
+    p = out_dir / "acceptance_by_position.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(str(p))
+    fig, ax = plt.subplots(figsize=(5, 4))
+    temps = list(report["temperatures"])
+    ax.bar([f"T={t}" for t in temps], [report["temperatures"][t]["speedup"] or 0 for t in temps])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("speculative ÷ plain tokens/s")
+    ax.set_title("Speedup")
+    p = out_dir / "speedup.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(str(p))
+    return paths

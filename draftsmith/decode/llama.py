@@ -1,0 +1,310 @@
+"""A compact forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), gpt-fast style.
+
+One readable file: it borrows the weights of a loaded HF model (no copies, except the fused qkv and
+gate/up matrices), owns a static KV cache, takes explicit positions, cache slots and a boolean attention
+mask (tree or causal), and returns logits plus the aux states (outputs of the drafter's aux layers,
+layer-output ids). Every shape is static given (T, max_len), so a step can be captured in a CUDA graph.
+
+Numerics follow HF's modules op for op (RMSNorm in fp32, RoPE tables from HF's own rotary module), so
+greedy output matches HF's to the last bit in fp32; in bf16 tiny differences of matmul blocking remain.
+
+Supported: `model_type` in {llama, mistral, qwen2, qwen3} (q/k norm, qkv bias, attention/mlp bias),
+any static RoPE type (default, linear, llama3, yarn...). Not supported (use the generic HF path):
+sliding windows shorter than the cache, dynamic NTK RoPE, MoE, other architectures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def supports(config, max_len: int | None = None) -> tuple[bool, str]:
+    """Whether the compact forward can run this config (and why not)."""
+    cfg = _text_config(config)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return False, f"model_type {mt!r} is not in {SUPPORTED_MODEL_TYPES}"
+    if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
+        return False, "mixture-of-experts is not supported by the compact forward"
+    window = getattr(cfg, "sliding_window", None)
+    use_sw = getattr(cfg, "use_sliding_window", True)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if mt in ("qwen2", "qwen3"):
+        use_sw = bool(getattr(cfg, "use_sliding_window", False)) or any(t == "sliding_attention" for t in layer_types)
+    if window and use_sw and (max_len is None or max_len > window):
+        return False, f"sliding window {window} < cache length {max_len}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) == "dynamic":
+        return False, "dynamic NTK RoPE depends on the sequence length"
+    return True, ""
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def prepare_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S] bool (True = attend) -> [1, 1, groups*T, S] additive mask for `grouped_attention`
+    (built once per forward and shared by all layers)."""
+    if groups > 1:
+        mask = mask.repeat(groups, 1)
+    add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return add[None, None]
+
+
+def grouped_attention(q, k_cache, v_cache, mask, scale):
+    """q [1, nh, T, d]; caches [1, nkv, S, d]; mask [T, S] bool (True = attend) or a `prepare_mask` result
+    -> [1, nh, T, d].
+
+    Query heads that share a KV head are folded into the query length, so the KV cache is read once and
+    never repeated (any SDPA backend, any mask).
+    """
+    _, nh, t, d = q.shape
+    nkv = k_cache.shape[1]
+    g = nh // nkv
+    if mask.dim() == 2:
+        mask = prepare_mask(mask, g, q.dtype)
+    if g > 1:
+        q = q.reshape(1, nkv, g * t, d)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+    if g > 1:
+        out = out.reshape(1, nh, t, d)
+    return out
+
+
+class LlamaFamilyForward(torch.nn.Module):
+    """Static-cache forward of a Llama-family decoder for batch size 1."""
+
+    def __init__(self, cfg, weights: dict, cos: torch.Tensor, sin: torch.Tensor, aux_layers: Sequence[int],
+                 max_len: int, fuse: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
+        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.vocab_size = int(cfg.vocab_size)
+        self.scale = self.head_dim ** -0.5
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[getattr(cfg, "hidden_act", "silu")]
+        self.aux_layers = [int(i) for i in aux_layers]
+        self.max_len = int(max_len)
+        self.w = weights
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            g = lambda n: weights.get(p + n)  # noqa: E731
+            L = {"in": g("input_layernorm.weight"), "post": g("post_attention_layernorm.weight"),
+                 "q_norm": g("self_attn.q_norm.weight"), "k_norm": g("self_attn.k_norm.weight"),
+                 "o": g("self_attn.o_proj.weight"), "o_b": g("self_attn.o_proj.bias"),
+                 "down": g("mlp.down_proj.weight"), "down_b": g("mlp.down_proj.bias")}
+            qkv = [g(f"self_attn.{n}_proj.weight") for n in "qkv"]
+            qkv_b = [g(f"self_attn.{n}_proj.bias") for n in "qkv"]
+            gu = [g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]
+            gu_b = [g("mlp.gate_proj.bias"), g("mlp.up_proj.bias")]
+            if fuse:
+                L["qkv"] = [torch.cat(qkv, 0)]
+                L["qkv_b"] = [torch.cat(qkv_b, 0)] if qkv_b[0] is not None else [None]
+                L["gu"] = [torch.cat(gu, 0)]
+                L["gu_b"] = [torch.cat(gu_b, 0)] if gu_b[0] is not None else [None]
+            else:
+                L["qkv"], L["qkv_b"], L["gu"], L["gu_b"] = qkv, qkv_b, gu, gu_b
+            if L["q_norm"] is not None:  # one RMSNorm over q and k heads together (per-head weights)
+                L["qk_norm"] = torch.cat([L["q_norm"].expand(self.n_heads, -1), L["k_norm"].expand(self.n_kv, -1)])
+            else:
+                L["qk_norm"] = None
+            self.layers.append(L)
+        self.embed = weights["embed_tokens.weight"]
+        self.norm = weights["norm.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self.cos = cos.to(self.device, self.dtype)  # [max_len, d]
+        self.sin = sin.to(self.device, self.dtype)
+        shape = (self.n_layers, 1, self.n_kv, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_hf(cls, model, aux_layers: Sequence[int], max_len: int, fuse: bool = True) -> "LlamaFamilyForward":
+        cfg = _text_config(model.config)
+        ok, why = supports(cfg, max_len)
+        if not ok:
+            raise ValueError(f"compact forward unavailable: {why}")
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        weights = {k: v.detach() for k, v in base.state_dict().items()}
+        weights["lm_head.weight"] = model.get_output_embeddings().weight.detach()
+        rot = getattr(base, "rotary_emb", None)
+        cos, sin = rope_table(cfg, max_len, weights["embed_tokens.weight"].device, rot)
+        return cls(cfg, weights, cos, sin, aux_layers, max_len, fuse=fuse)
+
+    @classmethod
+    def random(cls, cfg, aux_layers: Sequence[int], max_len: int, device="cuda", dtype=torch.bfloat16,
+               seed: int = 0) -> "LlamaFamilyForward":
+        """Random weights of a config's shape (benchmarks of large shapes without an HF model)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        H, I = int(cfg.hidden_size), int(cfg.intermediate_size)
+        nh = int(cfg.num_attention_heads)
+        nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
+        d = int(getattr(cfg, "head_dim", None) or H // nh)
+        V = int(cfg.vocab_size)
+
+        def r(*shape):
+            t = torch.empty(*shape, device=device, dtype=dtype)
+            return t.normal_(0.0, 0.02, generator=gen)
+
+        w = {"embed_tokens.weight": r(V, H), "norm.weight": torch.ones(H, device=device, dtype=dtype)}
+        w["lm_head.weight"] = r(V, H)
+        for i in range(int(cfg.num_hidden_layers)):
+            p = f"layers.{i}."
+            w[p + "input_layernorm.weight"] = torch.ones(H, device=device, dtype=dtype)
+            w[p + "post_attention_layernorm.weight"] = torch.ones(H, device=device, dtype=dtype)
+            w[p + "self_attn.q_proj.weight"] = r(nh * d, H)
+            w[p + "self_attn.k_proj.weight"] = r(nkv * d, H)
+            w[p + "self_attn.v_proj.weight"] = r(nkv * d, H)
+            w[p + "self_attn.o_proj.weight"] = r(H, nh * d)
+            w[p + "mlp.gate_proj.weight"] = r(I, H)
+            w[p + "mlp.up_proj.weight"] = r(I, H)
+            w[p + "mlp.down_proj.weight"] = r(H, I)
+        cos, sin = rope_table(cfg, max_len, device, None)
+        # fuse=False keeps a single copy of each matrix (the 8B shape fits twice, but why pay)
+        obj = cls(cfg, w, cos, sin, aux_layers, max_len, fuse=False)
+        obj.layers = [dict(L, qkv=[torch.cat(L["qkv"], 0)], gu=[torch.cat(L["gu"], 0)], qkv_b=[None], gu_b=[None])
+                      for L in obj.layers]
+        for i in range(obj.n_layers):  # drop the unfused copies
+            for n in ("q", "k", "v"):
+                w.pop(f"layers.{i}.self_attn.{n}_proj.weight")
+            w.pop(f"layers.{i}.mlp.gate_proj.weight")
+            w.pop(f"layers.{i}.mlp.up_proj.weight")
+        return obj
+
+    def set_max_len(self, max_len: int) -> None:
+        """Reallocate the KV cache for another capacity (RoPE tables are extended if needed)."""
+        max_len = int(max_len)
+        if max_len > self.cos.shape[0]:
+            cos, sin = rope_table(self.cfg, max_len, self.device, None)
+            self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        self.max_len = max_len
+        self.k_cache = self.v_cache = None
+        shape = (self.n_layers, 1, self.n_kv, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---------------------------------------------------------------- accounting
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.norm, self.lm_head]
+        for L in self.layers:
+            tensors += [L["in"], L["post"], L["o"], L["down"], *L["qkv"], *L["gu"]]
+            tensors += [t for t in (L["q_norm"], L["k_norm"], L["o_b"], L["down_b"], *L["qkv_b"], *L["gu_b"])
+                        if t is not None]
+        for t in tensors:
+            if t is None or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return total
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv * self.head_dim * self.k_cache.element_size()
+
+    # ---------------------------------------------------------------- forward
+    @staticmethod
+    def _lin(x, ws, bs):
+        if len(ws) == 1:
+            return F.linear(x, ws[0], bs[0])
+        return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                logits_rows: torch.Tensor | None = None, want_aux: bool = True):
+        """input_ids/positions/slots [T] long; mask [T, S] bool over cache slots 0..S-1 (S <= max_len).
+
+        Writes the T tokens' K/V at `slots`, then attends with `mask`. Returns (logits [R, V] fp32 for
+        `logits_rows` (all T when None), aux [T, k*H] in the model dtype or None).
+        """
+        T = input_ids.shape[0]
+        S = mask.shape[1]
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
+        sin = self.sin.index_select(0, positions)[None, :, None, :]
+        amask = prepare_mask(mask, nh // nkv, self.dtype)
+        aux = {}
+        for i, L in enumerate(self.layers):
+            x = _rms(h, L["in"], self.eps)
+            qkv = self._lin(x, L["qkv"], L["qkv_b"]).view(1, T, nh + 2 * nkv, d)
+            qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
+            if L["qk_norm"] is not None:
+                qk = _rms(qk, L["qk_norm"], self.eps)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
+            q, k = qk[:, :, :nh], qk[:, :, nh:]
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc.index_copy_(2, slots, k.transpose(1, 2))
+            vc.index_copy_(2, slots, v.transpose(1, 2))
+            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale)
+            o = o.transpose(1, 2).reshape(T, nh * d)
+            h = h + F.linear(o, L["o"], L["o_b"])
+            x = _rms(h, L["post"], self.eps)
+            gu = self._lin(x, L["gu"], L["gu_b"])
+            g, u = gu.chunk(2, -1)
+            h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
+            if want_aux and i in self.aux_layers:
+                aux[i] = h
+        aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
+        hs = h if logits_rows is None else h.index_select(0, logits_rows)
+        logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
+        return logits, aux_t
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move cache entries: slot dst[j] <- slot src[j] (gathered first, so overlaps are safe)."""
+        k = self.k_cache.index_select(3, src)
+        v = self.v_cache.index_select(3, src)
+        self.k_cache.index_copy_(3, dst, k)
+        self.v_cache.index_copy_(3, dst, v)
+
+
+def rope_table(cfg, max_len: int, device, rotary_module=None):
+    """cos/sin [max_len, head_dim] in fp32, from HF's own rotary module when one is given."""
+    pos = torch.arange(max_len, device=device)[None]
+    if rotary_module is None:
+        try:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            rotary_module = LlamaRotaryEmbedding(config=cfg, device=device)
+        except Exception:  # pragma: no cover - very old/new transformers
+            rotary_module = None
+    if rotary_module is not None:
+        x = torch.zeros(1, device=device, dtype=torch.float32)
+        cos, sin = rotary_module(x, pos)
+        return cos[0].float(), sin[0].float()
+    H, nh = int(cfg.hidden_size), int(cfg.num_attention_heads)  # pragma: no cover
+    d = int(getattr(cfg, "head_dim", None) or H // nh)
+    theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    f = pos[0].float()[:, None] * inv[None]
+    emb = torch.cat([f, f], -1)
+    return emb.cos(), emb.sin()
+
+
+__all__ = ["LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES"]

@@ -1,0 +1,151 @@
+"""Compact Llama-family forward vs HF; tree mask / positions / KV compaction vs a sequential reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from draftsmith.decode.engine import _lower_bound_mask, _region_mask
+from draftsmith.decode.hf_generic import HFGenericForward
+from draftsmith.decode.llama import LlamaFamilyForward, supports
+from draftsmith.decode.testing import tiny_llama, tiny_qwen3
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
+                    if os.path.isdir(p)), None)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _models():
+    out = [("qwen3", tiny_qwen3()), ("qwen2-bias", tiny_llama(vocab_size=50, model_type="qwen2")),
+           ("llama-bias", tiny_llama(vocab_size=50, attention_bias=True)),
+           ("mistral", tiny_llama(vocab_size=50, model_type="mistral"))]
+    if PYCODE_TINY:
+        from transformers import AutoModelForCausalLM
+
+        out.append(("pycode-tiny", AutoModelForCausalLM.from_pretrained(PYCODE_TINY, dtype=torch.float32).eval()))
+    return out
+
+
+MODELS = _models()
+
+
+def _aux_ids(model):
+    n = model.config.num_hidden_layers
+    return [0, n // 2, n - 1]
+
+
+@pytest.mark.parametrize("name,model", MODELS, ids=[m[0] for m in MODELS])
+def test_own_forward_matches_hf(name, model):
+    fwd = LlamaFamilyForward.from_hf(model, _aux_ids(model), 64)
+    torch.manual_seed(1)
+    T = 24
+    ids = torch.randint(0, model.config.vocab_size, (T,))
+    pos = torch.arange(T)
+    with torch.no_grad():
+        logits, aux = fwd(ids, pos, pos, _lower_bound_mask(64, pos, "cpu"))
+        ref = model(ids[None], output_hidden_states=True)
+    H = model.config.hidden_size
+    torch.testing.assert_close(logits, ref.logits[0].float(), atol=1e-4, rtol=1e-4)
+    for j, lid in enumerate(_aux_ids(model)):
+        if lid == model.config.num_hidden_layers - 1:  # HF's last hidden state is post-norm
+            continue
+        torch.testing.assert_close(aux[:, j * H:(j + 1) * H], ref.hidden_states[lid + 1][0], atol=1e-4, rtol=1e-4)
+    # incremental decode with the cache == full forward
+    with torch.no_grad():
+        fwd(ids[:10], pos[:10], pos[:10], _lower_bound_mask(64, pos[:10], "cpu"))
+        for t in range(10, T):
+            p = pos[t:t + 1]
+            lg, _ = fwd(ids[t:t + 1], p, p, _lower_bound_mask(64, p, "cpu"))
+            torch.testing.assert_close(lg[0], ref.logits[0, t].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_supports():
+    assert supports(tiny_qwen3().config, 128)[0]
+    from transformers import GPT2Config
+
+    assert not supports(GPT2Config(), 128)[0]
+
+
+def _runner(kind, model, max_len=64):
+    if kind == "llama":
+        return LlamaFamilyForward.from_hf(model, _aux_ids(model), max_len)
+    from draftsmith.target.load import _find_decoder_layers
+
+    return HFGenericForward(model, _find_decoder_layers(model, model.config.num_hidden_layers), _aux_ids(model),
+                            max_len)
+
+
+def _seq_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("name,model", MODELS[:2], ids=[m[0] for m in MODELS[:2]])
+def test_tree_mask_positions_and_compaction(kind, name, model):
+    """Each tree node's logits == sequential forward of its root-to-node path; after compacting an
+    accepted path, decoding continues exactly as if that path had been decoded sequentially."""
+    S = 64
+    run = _runner(kind, model, S)
+    V = model.config.vocab_size
+    torch.manual_seed(3)
+    prompt = torch.randint(0, V, (9,)).tolist()
+    # tree: node 0 root; parents, with depth up to 3
+    parent = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 6, 3]
+    tok = torch.randint(0, V, (len(parent),)).tolist()
+    depth = [0] * len(parent)
+    for i in range(1, len(parent)):
+        depth[i] = depth[parent[i]] + 1
+    N = len(parent)
+    anc = torch.zeros(N, N, dtype=torch.bool)
+    for i in range(N):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parent[j]
+    L = len(prompt)
+    with torch.no_grad():
+        p = torch.arange(L)
+        run.forward(torch.tensor(prompt), p, p, _lower_bound_mask(S, p, "cpu"))
+        Lt = torch.tensor(L)
+        pos = Lt + torch.tensor(depth)
+        slots = Lt + torch.arange(N)
+        logits, aux = run.forward(torch.tensor(tok), pos, slots, _region_mask(S, Lt, anc, "cpu"))
+
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = parent[i]
+        return out[::-1]
+
+    for i in range(N):
+        ref = _seq_logits(model, prompt + [tok[j] for j in path(i)])
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+    # accept path 0 -> 1 -> 4 -> 8, compact, continue with one token
+    acc = [0, 1, 4, 8]
+    run.compact(Lt + torch.tensor(acc), Lt + torch.arange(len(acc)))
+    nxt = 5 % V
+    L2 = L + len(acc)
+    with torch.no_grad():
+        p2 = torch.tensor([L2])
+        lg, _ = run.forward(torch.tensor([nxt]), p2, p2, _lower_bound_mask(S, p2, "cpu"))
+    ref = _seq_logits(model, prompt + [tok[j] for j in acc] + [nxt])
+    torch.testing.assert_close(lg[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_region_mask_layout():
+    reg = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    m = _region_mask(8, torch.tensor(3), reg, "cpu")
+    assert m.tolist() == [[True, True, True, True, False, False, False, False],
+                          [True, True, True, True, True, False, False, False]]
