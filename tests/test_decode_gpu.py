@@ -78,10 +78,19 @@ def test_graph_sampling_reproducible_with_seed(setup, mode):
     t, d = setup
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50)
     g = SpeculativeDecoder(t, d, max_len=160)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sampling rounds (and the plain fallback step) must capture, not fall back
+        g.warmup(mode, sp)
+        g.warmup(DecodeMode("plain"), sp)
+    assert all(hasattr(r, "__self__") and isinstance(r.__self__, torch.cuda.CUDAGraph) for r in g._graphs.values())
     p = _prompts(t.tokenizer, 1)[0]
     a = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
     b = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    # capturing in the first call must not shift the RNG stream either (warm-up rounds draw random numbers)
+    g2 = SpeculativeDecoder(t, d, max_len=160)
+    c = g2.generate(p, 40, sampling=sp, mode=mode, seed=7)
+    assert c.token_ids == a.token_ids
 
 
 def test_bf16_greedy_mostly_equal(setup):

@@ -436,7 +436,7 @@ class SpeculativeDecoder:
         node_parent = torch.cat([torch.full((1,), -2, dtype=torch.long, device=dev),
                                  torch.where(psel < 0, torch.zeros_like(psel), cmap[psel.clamp_min(0)])])
         tmask = torch.zeros(N + 1, N + 1, dtype=torch.bool, device=dev)
-        tmask[:, 0] = True
+        tmask[:, 0].fill_(True)  # fill_, not `= True` (a Python value via __setitem__ is a host tensor)
         tmask[1:, 1:] = anc.index_select(0, sel).index_select(1, sel)
         # verify
         pos = L + node_depth
@@ -490,6 +490,18 @@ class SpeculativeDecoder:
             return fn
 
     def _capture(self, fn):  # pragma: no cover - GPU only
+        # the eager warm-up rounds draw from the default CUDA generator (sampling); restore its state so
+        # capturing is invisible to the RNG stream (else `generate(seed=s)` differs between its first call,
+        # which captures, and later ones). Inside the graph the default generator is graph-safe: capture
+        # registers it and each replay reads its seed and advances its Philox offset.
+        dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        rng = torch.cuda.get_rng_state(dev)
+        try:
+            return self._capture_graph(fn)
+        finally:
+            torch.cuda.set_rng_state(rng, dev)
+
+    def _capture_graph(self, fn):  # pragma: no cover - GPU only
         saved = [t.clone() for t in self._state()]
         safe = [t.clone() for t in saved]
         safe[0].fill_(0)  # warm up / capture at L = 0: every slot a round touches is in range
@@ -545,12 +557,12 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt")
         if n + 1 > self.max_len:
             raise ValueError(f"prompt of {n} tokens does not fit the cache ({self.max_len})")
-        if seed is not None:
-            torch.manual_seed(seed)
         # capture before prefill (capturing runs the step at L=0 and would clobber committed KV) and timing;
         # the plain step is the fallback when a round no longer fits the cache
         step = self._runner_for(mode, sp)
         plain = step if mode.kind == "plain" else self._runner_for(DecodeMode("plain"), sp)
+        if seed is not None:  # after any capture: the same seed gives the same tokens on every call
+            torch.manual_seed(seed)
         sync = self.device.type == "cuda"
         if sync:
             torch.cuda.synchronize()

@@ -2,6 +2,12 @@
 
 Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p with one
 `torch.rand` and no `multinomial` (no host sync; safe inside CUDA graphs with the default generator).
+
+Capture rules for everything here (checked on CPU by tests/test_decode_syncfree.py): every tensor factory
+gets an explicit `device=`; Python numbers enter only as kernel scalars (`x / t`, `masked_fill(m, v)`,
+`fill_(v)`, comparisons), never through `t[...] = value` or `torch.tensor(...)`; randomness only from the
+default generator of the device (`torch.rand*`, no `generator=`): CUDA graphs register it and advance its
+Philox offset on every replay, so `torch.manual_seed` before a run makes replays reproducible.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ def warp(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         sp_ = torch.softmax(sx, -1)
         before = torch.cumsum(sp_, -1) - sp_
         remove = before >= sp.top_p
-        remove[..., 0] = False
+        # always keep the top token. NOT `remove[..., 0] = False`: a Python value written through
+        # __setitem__ becomes a fresh host tensor, and for a 1-D x (drafter / plain step) the 0-dim
+        # destination takes `copy_` from it: a pageable host->device memcpy, which fails graph capture
+        remove[..., 0].fill_(False)
         sx = sx.masked_fill(remove, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, si, sx)
     return torch.softmax(x, -1)
