@@ -15,3 +15,13 @@ draftsmith capture --target assets/pycode-tiny --data "$CORPUS" --out "$OUT/stor
   --glob "*.py" --on-bad skip --aux-layers 1,3,4 --max-length 512 --max-samples ${DEMO_SAMPLES:-400}
 draftsmith store verify "$OUT/store"
 draftsmith store info "$OUT/store"
+# 2. train: the EAGLE-3 drafter with training-time test (K=7) from the store (a short CPU run)
+draftsmith train --target assets/pycode-tiny --store "$OUT/store" --out "$OUT/run" \
+  --steps ${DEMO_STEPS:-150} --batch-tokens 2048 --draft-vocab-size 4096 --lr 1e-3 --attn-chunk 1024 -q
+draftsmith inspect "$OUT/run/final" --target assets/pycode-tiny
+# 3. evaluate: acceptance length, acceptance rate, per-position acceptance, speed vs plain decoding
+draftsmith eval --target assets/pycode-tiny --drafter "$OUT/run/final" --prompts assets/demo_prompts.jsonl \
+  --raw --max-new-tokens 64 --temperatures 0 --draft-tokens 3 --out "$OUT/eval"
+# 4. export for serving
+draftsmith export "$OUT/run/final" --format sglang --out "$OUT/export-sglang"
+draftsmith export "$OUT/run/final" --format vllm --out "$OUT/export-vllm"
