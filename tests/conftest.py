@@ -37,5 +37,14 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """Run a test with one intra-op thread (small decode steps are slower with two on 2 shared cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_configure(config):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -19,11 +19,8 @@ pytestmark = pytest.mark.skipif(PYCODE_TINY is None, reason="pycode-tiny not ava
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,8 @@ PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/w
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _models():

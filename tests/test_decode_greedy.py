@@ -24,11 +24,8 @@ TREE = DecodeMode("tree", top_k=3, depth=3, tree_tokens=8)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _code_prompts(tok, n=50, max_tokens=24):

@@ -19,11 +19,8 @@ N = 1500
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.target.load import DTYPES
+from draftsmith.utils.io import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,7 @@ EXPORT_INFO = "draftsmith_export.json"
 _INCOMPLETE_MARKER = ".draftsmith-export-incomplete"
 _STAGING_DIR = "_staging"
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
+_DTYPES = {k: v for k, v in DTYPES.items() if k != "auto"}
 
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -115,19 +110,6 @@ def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
 
@@ -316,7 +298,7 @@ def export_speculators(
                 if len(batch["seq_len"]) >= 256:
                     flush()
             flush()
-        _fsync_dir(hs_dir)
+        fsync_dir(hs_dir)
 
         # The Arrow dataset, in save_to_disk's layout with the torch format recorded in state.json —
         # exactly what speculators' prepare-data writes (dataset.set_format("torch"); save_to_disk).
@@ -375,11 +357,11 @@ def export_speculators(
         (tmp / EXPORT_INFO).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
         (tmp / _INCOMPLETE_MARKER).unlink()
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         # Leave nothing half-written under the final name; the marked .tmp is removed too.
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ so the rename itself survives a power cut.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,15 +35,16 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield an unbuffered binary file; on success it is fsync'ed and renamed to `path`, else removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            yield f
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -52,6 +54,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -135,28 +142,15 @@ def atomic_save_safetensors_streaming(
     hjson += b" " * (-len(hjson) % 8)
     head = len(hjson).to_bytes(8, "little") + hjson
     h = hashlib.sha256()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            f.write(head)
-            h.update(head)
-            for v in views:
-                if v is None:
-                    continue
-                mv = memoryview(v)
-                for i in range(0, len(mv), chunk):
-                    part = mv[i : i + chunk]
-                    h.update(part)  # hashlib and write release the GIL on large buffers
-                    f.write(part)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    with atomic_file(path) as f:
+        f.write(head)
+        h.update(head)
+        for v in views:
+            if v is None:
+                continue
+            mv = memoryview(v)
+            for i in range(0, len(mv), chunk):
+                part = mv[i : i + chunk]
+                h.update(part)  # hashlib and write release the GIL on large buffers
+                f.write(part)
     return h.hexdigest(), len(head) + offset
