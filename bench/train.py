@@ -10,6 +10,13 @@ soft-CE loss, backward, grad clip, AdamW step — under bf16 autocast. Data: row
 (memory-mapped, as in training), otherwise synthetic rows with the target's shapes (random documents of
 256..2048 tokens, random hidden states; the cost of a step does not depend on the values).
 
+Per configuration (seq_len x backend) the table also gives `kernels_per_step` (GPU kernels of one profiled
+step, torch.profiler) and `new_dynamo_graphs` (compiles it caused: flex should add a few per seq_len, never
+one per TTT step). Each configuration is isolated (try/except, gc + empty_cache after it; a flex failure is
+reported in `note`, not inherited by the next configuration), and configurations that would start after
+`--time-budget` seconds (default 210) are reported as skipped, so the default run (3 lengths x 2 backends)
+stays under ~4 minutes on an H200.
+
 Floors: the drafter is one decoder layer, so a step is ~K x (fc + layer + lm_head over V_d) forward and
 twice that backward: FLOPs ~= 6 * K * T * (params of layer + H * V_d) + attention; the table prints the
 model-FLOP utilisation against ~790 TFLOP/s bf16 (H200, GUIDE §8).
@@ -62,9 +69,36 @@ def store_rows(store, T: int, n: int, seed: int, device):
     return [build_micro_batch(store, r, T, with_states=True, pad_to=pad).to(device) for r in rows]
 
 
+def _kernels_per_step(step, mb) -> int | None:
+    """GPU kernels launched by one training step (torch.profiler, CUDA activity); None if unavailable."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(mb)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
+                   and "emset" not in e.name)
+    except Exception:
+        return None
+
+
+def _dynamo_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return -1
+
+
 def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup: int, rows, aux_layers,
-              device="cuda") -> dict:
+              device="cuda", profile_kernels: bool = True) -> dict:
+    import warnings
+
     from draftsmith.drafter import Drafter
+    from draftsmith.train import ttt as _ttt
     from draftsmith.train.trainer import TrainConfig, TTTModel
     from draftsmith.train.ttt import compute_teacher
 
@@ -73,10 +107,12 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    _ttt._FLEX_BROKEN = False  # every configuration gets its own try of flex (a failure is reported, not inherited)
+    graphs0 = _dynamo_graphs()
     counts = torch.arange(target.vocab_size, 0, -1)
     drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32, aux_layer_ids=aux_layers,
                                   draft_vocab_size=vd).to(dev)
-    cfg = TrainConfig(ttt_steps=K, attn_backend=backend, batch_tokens=T)
+    cfg = TrainConfig(ttt_steps=K, attn_backend=backend, batch_tokens=T)  # library defaults: auto chunk, loss chunk
     model = TTTModel(drafter, cfg)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
@@ -97,36 +133,47 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    t_compile = time.perf_counter()
-    for i in range(warmup):
-        step(rows[i % len(rows)])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    t_compile = time.perf_counter() - t_compile
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    tokens = 0
-    t0 = time.perf_counter()
-    for i in range(steps):
-        mb = rows[i % len(rows)]
-        step(mb)
-        tokens += mb.num_tokens
-    sync()
-    secs = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    flex_note = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t_compile = time.perf_counter()
+        for i in range(warmup):
+            step(rows[i % len(rows)])
+        sync()
+        t_compile = time.perf_counter() - t_compile
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        tokens = 0
+        t0 = time.perf_counter()
+        for i in range(steps):
+            mb = rows[i % len(rows)]
+            step(mb)
+            tokens += mb.num_tokens
+        sync()
+        secs = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        kernels = _kernels_per_step(step, rows[0]) if (cuda and profile_kernels) else None
+    for w in caught:
+        msg = str(w.message)
+        if "flex attention unavailable" in msg or "recompile" in msg.lower():
+            flex_note = msg.splitlines()[0][:160]
+            break
     H = drafter.config.hidden_size
     layer_params = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("layers."))
     flops = 6.0 * K * tokens * (layer_params + H * vd) + 2.0 * tokens * drafter.fc.weight.numel()
-    from draftsmith.train import ttt as _ttt
-
     used = "chunked (flex failed)" if backend == "flex" and _ttt._FLEX_BROKEN else backend
-    return {
+    r = {
         "seq_len": T, "ttt_steps": K, "backend": used, "draft_vocab": vd,
         "tokens_per_s": tokens / secs, "step_ms": 1e3 * secs / steps,
         "peak_mem_gib": peak / 2**30,
         "peak_over_weights_gib": (peak - base_mem) / 2**30,
         "mfu_pct": 100.0 * flops / secs / PEAK_BF16, "warmup_s": t_compile,
+        "kernels_per_step": kernels, "new_dynamo_graphs": _dynamo_graphs() - graphs0,
     }
+    if flex_note:
+        r["note"] = flex_note
+    return r
 
 
 def main() -> None:
@@ -140,7 +187,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=210.0,
+                    help="seconds: configurations that would start after this are reported as skipped")
+    ap.add_argument("--no-profile", action="store_true", help="skip the one profiled step (kernel count) per config")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     if not torch.cuda.is_available():
         sys.exit("bench/train.py needs a CUDA device")
     from draftsmith.target import load_target
@@ -157,27 +208,42 @@ def main() -> None:
         aux_layers = store.aux_layers
     rng = np.random.default_rng(args.seed)
     results = []
+    import gc
+
     for T in [int(x) for x in args.seq.split(",")]:
         n_rows = max(args.steps, args.warmup)
-        if store is not None:
-            rows = store_rows(store, T, n_rows, args.seed, torch.device("cuda"))
-        else:
-            rows = [synthetic_row(T, target.hidden_size, len(aux_layers), target.vocab_size, rng, "cuda")
-                    for _ in range(min(n_rows, 4))]
+        rows = None
         for backend in args.backends.split(","):
-            try:
-                r = bench_one(target, T, args.ttt_steps, backend, vd, args.steps, args.warmup, rows, aux_layers)
-            except torch.cuda.OutOfMemoryError as e:
-                r = {"seq_len": T, "ttt_steps": args.ttt_steps, "backend": backend, "draft_vocab": vd,
-                     "error": f"OOM: {str(e).splitlines()[0][:80]}"}
-            except Exception as e:  # keep measuring the other settings; report the failure
-                r = {"seq_len": T, "ttt_steps": args.ttt_steps, "backend": backend, "draft_vocab": vd,
-                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            base = {"seq_len": T, "ttt_steps": args.ttt_steps, "backend": backend, "draft_vocab": vd}
+            if time.perf_counter() - t_start > args.time_budget:
+                r = {**base, "error": f"skipped (time budget {args.time_budget:.0f} s spent)"}
+            else:
+                try:
+                    if rows is None:
+                        if store is not None:
+                            rows = store_rows(store, T, n_rows, args.seed, torch.device("cuda"))
+                        else:
+                            rows = [synthetic_row(T, target.hidden_size, len(aux_layers), target.vocab_size, rng,
+                                                  "cuda") for _ in range(min(n_rows, 4))]
+                    r = bench_one(target, T, args.ttt_steps, backend, vd, args.steps, args.warmup, rows, aux_layers,
+                                  profile_kernels=not args.no_profile)
+                except torch.cuda.OutOfMemoryError as e:
+                    r = {**base, "error": f"OOM: {str(e).splitlines()[0][:80]}"}
+                except Exception as e:  # keep measuring the other settings; report the failure
+                    r = {**base, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            r["elapsed_s"] = time.perf_counter() - t_start
             print(r, flush=True)
             results.append(r)
-            torch.cuda.empty_cache()
+            gc.collect()
+            try:  # a broken CUDA context must not hide the results measured so far
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as e:
+                print(f"cleanup after {base}: {type(e).__name__}: {e}", flush=True)
+        rows = None
     cols = ["seq_len", "backend", "ttt_steps", "draft_vocab", "tokens_per_s", "step_ms", "peak_mem_gib",
-            "peak_over_weights_gib", "mfu_pct", "warmup_s", "error"]
+            "peak_over_weights_gib", "mfu_pct", "kernels_per_step", "new_dynamo_graphs", "warmup_s", "error",
+            "note"]
     body = (f"Target {args.target} (bf16), data: {'store ' + args.store if store else 'synthetic packed rows'}, "
             f"aux layers {aux_layers} (layer-output ids), AdamW, bf16 autocast, {args.steps} timed steps after "
             f"{args.warmup} warm-up steps. One step = teacher + K-step TTT unroll + backward + AdamW on one packed "

@@ -255,3 +255,134 @@ def test_chunked_loss_matches_whole_row():
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(sa.as_tensor(), sb.as_tensor(), atol=1e-10, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# throughput rewrites: flex = step-0 flex + LSE-merged diagonals, fused soft CE, budget-sized chunks
+# ---------------------------------------------------------------------------------------------------
+def _dense_step0(q, k0, v0, doc):
+    """Differentiable dense stand-in for flex over the step-0 keys: (out0, lse0)."""
+    B, nh, T, d = q.shape
+    g = nh // k0.shape[1]
+    K, V = k0.repeat_interleave(g, 1), v0.repeat_interleave(g, 1)
+    ar = torch.arange(T)
+    allowed = (doc[:, :, None] == doc[:, None, :]) & (ar[None, None, :] <= ar[None, :, None])
+    s = (q @ K.transpose(-1, -2) / d**0.5).masked_fill(~allowed[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ V, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("nh,nkv", [(4, 2), (6, 6)])
+def test_lse_merge_of_diagonals_is_exact_with_grads(nh, nkv):
+    from draftsmith.train.ttt import merge_diagonal
+
+    torch.manual_seed(2)
+    B, T, d = 2, 30, 8
+    doc = torch.stack([document_ids_from_lengths([11, 19], T), document_ids_from_lengths([30], T)])
+    for n in (2, 4, 7):
+        q = torch.randn(B, nh, T, d, dtype=torch.float64, requires_grad=True)
+        ks = [torch.randn(B, nkv, T, d, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+        vs = [torch.randn(B, nkv, T, d, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+        out0, lse0 = _dense_step0(q, ks[0], vs[0], doc)
+        got = merge_diagonal(out0, lse0, q, ks[1:], vs[1:], d**-0.5)
+        want = reference_ttt_attention(q, ks, vs, doc)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        g = torch.randn_like(want)
+        inputs = [q] + ks + vs
+        for a, b in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_flex_unroll_matches_chunked_without_grad():
+    """The flex backend (CPU: eager flex, forward only) in a whole K-step unroll, 2 layers: same loss/stats;
+    the BlockMask is built once per batch (shared by all steps and layers)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import warnings
+
+    from draftsmith.train import ttt
+
+    torch.manual_seed(4)
+    drafter = _tiny_drafter(2).float()
+    T = 48
+    doc = document_ids_from_lengths([20, 28], T)[None]
+    ids = torch.randint(0, 50, (1, T))
+    lmask = torch.ones(1, T, dtype=torch.bool)
+    aux = torch.randn(1, T, 96)
+    teacher = compute_teacher(torch.randn(1, T, 32), _Norm(), torch.randn(50, 32) * 3, drafter.draft_target_ids,
+                              drafter.t2d)
+    calls = []
+    orig = ttt.doc_causal_block_mask
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    ttt.doc_causal_block_mask = counting
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a, sa = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=5, backend="flex")
+            b, sb = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=5, backend="chunked")
+    finally:
+        ttt.doc_causal_block_mask = orig
+    assert not ttt._FLEX_BROKEN
+    assert len(calls) == 1
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sa.as_tensor(), sb.as_tensor(), atol=1e-4, rtol=1e-5)
+
+
+def test_fused_soft_ce_matches_log_softmax():
+    from draftsmith.train.ttt import soft_ce_sum, ttt_loss_step
+
+    torch.manual_seed(6)
+    x = torch.randn(2, 13, 40, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(2, 13, 40, dtype=torch.float64) * 2, -1)
+    valid = torch.rand(2, 13) > 0.3
+    a = soft_ce_sum(x, p, valid)
+    b, _ = ttt_loss_step(x, p, valid)
+    torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.autograd.grad(a * 1.7, x)[0], torch.autograd.grad(b * 1.7, x)[0],
+                               atol=1e-10, rtol=1e-10)
+    xb = x.detach().to(torch.bfloat16).requires_grad_()  # autocast dtype: math in fp32, grad in bf16
+    a = soft_ce_sum(xb, p.float(), valid)
+    b, _ = ttt_loss_step(xb.float(), p.float(), valid)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+    assert torch.autograd.grad(a, xb)[0].dtype == torch.bfloat16
+
+
+def test_auto_chunk_is_exact_and_within_budget():
+    from draftsmith.train.ttt import auto_chunk, chunk_plan
+
+    torch.manual_seed(7)
+    B, nh, nkv, T, d = 1, 4, 2, 300, 8
+    doc = document_ids_from_lengths([50, 130, 120], T)[None]
+    q = torch.randn(B, nh, T, d, dtype=torch.float64)
+    ks = [torch.randn(B, nkv, T, d, dtype=torch.float64) for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, d, dtype=torch.float64) for _ in range(3)]
+    want = reference_ttt_attention(q, ks, vs, doc)
+    for budget, want_chunk in ((1 << 10, 128), (1 << 30, 256)):  # budget-bound; about the longest document
+        chunk, lo = chunk_plan(doc, None, nh, budget_bytes=budget)
+        assert chunk == want_chunk
+        got = chunked_ttt_attention(q, ks, vs, doc, chunk=chunk, chunk_lo=lo)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(chunked_ttt_attention(q, ks, vs, doc, chunk=None), want, atol=1e-10, rtol=1e-10)
+    # H200-sized: 16k tokens, 6 heads, documents <= 2048 tokens, 3 GiB -> 8 chunks (not 64)
+    assert auto_chunk(1, 6, 16384, 2047, 3 << 30, min_chunk=1024) == 2048
+    assert auto_chunk(1, 6, 16384, 99, 3 << 30, min_chunk=1024) == 1024  # short documents: few launches anyway
+    c = auto_chunk(1, 6, 16384, 16383, 3 << 30, min_chunk=1024)  # one long document: the budget decides
+    assert c < 16384 and c % 128 == 0 and 6 * c * (c + 16383) * 24 <= 3 << 30
+
+
+def test_flex_compile_raises_dynamo_recompile_limit():
+    """Past dynamo's recompile limit (default 8) flex attention silently runs eagerly with dense scores; the
+    compiled flex path raises it (one compiled shape per sequence length x grad mode is needed)."""
+    from draftsmith.train import ttt
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    try:
+        setattr(cfg, name, 8)
+        ttt._raise_recompile_limit()
+        assert getattr(cfg, name) >= ttt.FLEX_RECOMPILE_LIMIT
+    finally:
+        setattr(cfg, name, old)

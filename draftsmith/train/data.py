@@ -110,6 +110,15 @@ class MicroBatch:
         return MicroBatch(mv(self.input_ids), mv(self.loss_mask), mv(self.doc_ids), mv(self.position_ids),
                           mv(self.aux_hidden, True), mv(self.final_hidden, True), self.doc_lengths, self.num_tokens)
 
+    def pin_memory(self) -> "MicroBatch":
+        """Page-locked copies (built in the prefetch thread) so that `.to(cuda, non_blocking=True)` is a real
+        asynchronous DMA instead of a synchronous pageable copy of the [T, k*H] states on every step."""
+        def pin(x):
+            return None if x is None or x.is_cuda else x.pin_memory()
+
+        return MicroBatch(pin(self.input_ids), pin(self.loss_mask), pin(self.doc_ids), pin(self.position_ids),
+                          pin(self.aux_hidden), pin(self.final_hidden), self.doc_lengths, self.num_tokens)
+
 
 def _get(item, key):
     if isinstance(item, dict):

@@ -76,8 +76,8 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: auto = bf16 on CUDA, fp32 on CPU
     target_dtype: str = "auto"  # target weights: auto = bf16 on CUDA, fp32 on CPU
     attn_backend: str = "auto"  # auto (flex on CUDA, chunked on CPU) | chunked | flex
-    attn_chunk: int = 256
-    loss_chunk: int = 8192  # tokens per checkpointed lm_head+CE chunk (0: whole row at once)
+    attn_chunk: int = 0  # chunked TTT attention query rows per chunk; 0 = sized by a memory budget (auto_chunk)
+    loss_chunk: int = 16384  # tokens per checkpointed lm_head+CE chunk (0: whole row at once)
     pad_to_budget: bool | None = None  # pad each packed row to batch_tokens (static shapes); None: with flex
     max_length: int | None = None  # online: tokenizer cut (default batch_tokens)
     on_bad: str = "error"
@@ -389,9 +389,12 @@ class Trainer:
         # static shapes (one compile of flex attention per TTT step), a multiple of flex's 128-token blocks
         self._pad_to = (-(-cfg.batch_tokens // 128) * 128) if pad else 1
 
+        pin = device.type == "cuda"
+
         def build(row):
             with self._source_lock:
-                return build_micro_batch(source, row, cfg.batch_tokens, with_states=not online, pad_to=self._pad_to)
+                mb = build_micro_batch(source, row, cfg.batch_tokens, with_states=not online, pad_to=self._pad_to)
+            return mb.pin_memory() if pin else mb  # async host->device copy of the states
 
         def stream():
             epoch, off = data_pos

@@ -11,9 +11,15 @@ Nothing here builds a dense [K*T, K*T] (or even [T, T]) mask. Two exact backends
 * ``chunked`` (CPU default, any device): query chunks of ``chunk`` rows, each attending to the key range
   that its documents can reach, with the diagonal terms appended as extra score columns and one joint
   softmax. Each chunk runs under activation checkpointing, so autograd keeps only the inputs: memory is
-  O(T * chunk) transient + O(T) saved per step.
-* ``flex`` (CUDA default): ``flex_attention`` over the concatenation [K_0; K_1; ...; K_k] with a
-  ``BlockMask`` (document-causal on the first T keys, ``kv % T == q`` on the rest), compiled.
+  O(T * chunk) transient + O(T) saved per step. ``chunk=None`` (``auto_chunk``): about the longest document,
+  >= 1024 rows on CUDA, within a memory budget — T/2048 chunks at 16k instead of T/256 (8x fewer launches).
+* ``flex`` (CUDA default): ONE compiled ``flex_attention`` over the step-0 keys only (a document-causal
+  ``BlockMask`` of [T, T], built once per batch and shared by all steps and layers), returning its
+  log-sum-exp; the k diagonal scores q_i . k_j[i] are [T, k] elementwise terms merged into the same softmax
+  through the LSE (exact: softmax over [s_0 | s_diag] = weights exp(lse_0 - M) and exp(s_j - M)). So every
+  step calls the same kernel with the same shapes: one compile per sequence length (not one per KV length
+  T, 2T, ..., K*T, which overflowed dynamo's recompile limit of 8 after the second sequence length and
+  silently fell back to eager flex attention — dense [B, H, T, k*T] scores: 73 GiB at 8k, OOM at 16k).
 
 ``reference_ttt_attention`` is the naive per-step loop with a fully materialised mask; tests compare
 both backends with it.
@@ -110,14 +116,53 @@ def _chunk_attn(q, k0, v0, doc_q, doc_k, qpos, kpos, diag_k, diag_v, scale):
     return out
 
 
-def chunk_lower_bounds(doc_ids: torch.Tensor, chunk: int) -> list[int]:
-    """First key position each query chunk can see (its earliest document start), one host sync."""
+def chunk_lower_bounds(doc_ids: torch.Tensor, chunk: int, starts: torch.Tensor | None = None) -> list[int]:
+    """First key position each query chunk can see (its earliest document start), one host sync.
+    `starts`: the per-position earliest document start [T] when already computed (any device)."""
     T = doc_ids.shape[-1]
-    starts = _doc_starts(doc_ids).amin(0)  # [T]
+    if starts is None:
+        starts = _doc_starts(doc_ids).amin(0)  # [T]
     pad = (-T) % chunk
     if pad:
         starts = torch.cat([starts, starts.new_full((pad,), T)])
     return starts.view(-1, chunk).amin(-1).tolist()
+
+
+# bytes of transient memory per (query row x reachable key x head) of one chunk: fp32 scores, mask,
+# softmax and their grads in the checkpointed recompute (measured ~20 B; margin included)
+_CHUNK_BYTES_PER_SCORE = 24
+CHUNK_BUDGET_CUDA = 3 << 30
+CHUNK_BUDGET_CPU = 256 << 20
+
+
+def auto_chunk(B: int, n_heads: int, T: int, max_back: int, budget_bytes: int, multiple: int = 128,
+               min_chunk: int = 128) -> int:
+    """Query rows per chunk: about the longest document (a chunk then reaches <= 2x its rows of keys, so the
+    dense masked scores waste at most ~2x), at least `min_chunk` (few launches when documents are short),
+    at most what keeps B*heads*C*(C+max_back) scores within `budget_bytes`. A multiple of `multiple`, or T.
+
+    max_back: how far before its own position a query can see (the longest document - 1)."""
+    per_row = B * n_heads * _CHUNK_BYTES_PER_SCORE
+    lim = budget_bytes / per_row  # C^2 + max_back*C <= lim
+    c_budget = int((-max_back + math.sqrt(max_back * max_back + 4 * lim)) / 2)
+    c_target = max(min_chunk, -(-(max_back + 1) // multiple) * multiple)
+    c = min(c_target, c_budget)
+    c = max(multiple, c // multiple * multiple)
+    return T if c >= T else c
+
+
+def chunk_plan(doc_ids: torch.Tensor, chunk: int | None, n_heads: int, budget_bytes: int | None = None):
+    """(chunk, lower bounds) for `chunked_ttt_attention`; chunk None = sized by the memory budget.
+    One host sync (the per-position document starts come to the host once)."""
+    B, T = doc_ids.shape
+    starts = _doc_starts(doc_ids).amin(0).cpu()  # [T] the single host sync of the plan
+    if chunk is None or chunk <= 0:
+        if budget_bytes is None:
+            budget_bytes = CHUNK_BUDGET_CUDA if doc_ids.is_cuda else CHUNK_BUDGET_CPU
+        max_back = int((torch.arange(T) - starts).max()) if T else 0
+        chunk = auto_chunk(B, n_heads, T, max_back, budget_bytes, min_chunk=1024 if doc_ids.is_cuda else 128)
+    chunk = max(1, min(int(chunk), max(T, 1)))
+    return chunk, chunk_lower_bounds(doc_ids, chunk, starts=starts)
 
 
 def chunked_ttt_attention(
@@ -125,16 +170,19 @@ def chunked_ttt_attention(
     ks: list[torch.Tensor],
     vs: list[torch.Tensor],
     doc_ids: torch.Tensor,
-    chunk: int = 256,
+    chunk: int | None = 256,
     scale: float | None = None,
     use_checkpoint: bool | None = None,
     chunk_lo: list[int] | None = None,
 ) -> torch.Tensor:
     """TTT attention of step len(ks)-1. q [B,nh,T,d]; ks/vs: per step [B,nkv,T,d]; doc_ids [B,T].
 
-    Returns [B,nh,T,d]. Exact (one joint softmax); memory O(T*chunk) transient.
+    Returns [B,nh,T,d]. Exact (one joint softmax); memory O(T*chunk) transient. chunk None: `auto_chunk`
+    (then chunk_lo, if given, must come from the same `chunk_plan`).
     """
     B, nh, T, d = q.shape
+    if chunk is None or chunk <= 0 or chunk_lo is None:
+        chunk, chunk_lo = chunk_plan(doc_ids, chunk, nh)
     nkv = ks[0].shape[1]
     g = nh // nkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -146,8 +194,6 @@ def chunked_ttt_attention(
     kd = [k[:, :, None] for k in ks[1:]]
     vd = [v[:, :, None] for v in vs[1:]]
     pos = torch.arange(T, device=q.device).expand(B, T)
-    if chunk_lo is None:
-        chunk_lo = chunk_lower_bounds(doc_ids, chunk)
     outs = []
     for a, lo in zip(range(0, T, chunk), chunk_lo):
         b = min(T, a + chunk)
@@ -170,49 +216,103 @@ def chunked_ttt_attention(
     return torch.cat(outs, dim=-2).reshape(B, nh, T, d)
 
 
-_FLEX = None
+_FLEX: dict = {}
 _FLEX_BROKEN = False  # set after flex attention failed once in this process (then: chunked)
+# dynamo's default recompile limit (8) is per code object; past it, it silently runs flex attention EAGER
+# (dense [B, H, T, KV] scores). One compiled shape per sequence length (x grad mode) is needed here.
+FLEX_RECOMPILE_LIMIT = 64
 
 
-def _flex():
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _raise_recompile_limit(limit: int = FLEX_RECOMPILE_LIMIT) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            if getattr(cfg, name) < limit:
+                setattr(cfg, name, limit)
+            break
 
-        fa = flex_attention
-        if torch.cuda.is_available():
-            fa = torch.compile(flex_attention, dynamic=False)
-        _FLEX = (fa, create_block_mask)
-    return _FLEX
+
+def _flex_lse(q, k, v, block_mask, scale, enable_gqa):
+    """flex_attention returning (out, natural-log LSE [B, H, T])."""
+    from torch.nn.attention import flex_attention as _fa_mod
+
+    AuxRequest = getattr(_fa_mod, "AuxRequest", None)
+    if AuxRequest is not None:
+        out, aux = _fa_mod.flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                          return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return _fa_mod.flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+
+
+def _flex(compiled: bool):
+    """(attention fn (q, k, v, block_mask, scale, enable_gqa) -> (out, lse), create_block_mask)."""
+    if compiled not in _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        fn = _flex_lse
+        if compiled:
+            _raise_recompile_limit()
+            # fullgraph: a graph break would run flex attention eagerly (dense scores); fail loudly instead
+            fn = torch.compile(_flex_lse, dynamic=False, fullgraph=True)
+        _FLEX[compiled] = (fn, create_block_mask)
+    return _FLEX[compiled]
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor, create_block_mask=None):
+    """BlockMask [B, 1, T, T]: same document and kv <= q (the step-0 part of the TTT pattern)."""
+    if create_block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+    B, T = doc_ids.shape
+    docs = doc_ids
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)
+
+    kw = {"_compile": True} if doc_ids.is_cuda else {}  # compiled: never materialises the [T, T] mask
+    with warnings.catch_warnings():  # torch >= 2.13 deprecates the (still working) _compile flag
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, **kw)
+
+
+def merge_diagonal(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor, kd: list, vd: list, scale: float):
+    """Exact TTT attention from the step-0 part and the diagonal keys.
+
+    out0 [B,nh,T,d] = softmax-weighted step-0 values, lse0 [B,nh,T] their log-sum-exp (natural log);
+    kd/vd: per step j >= 1 [B,nkv,T,d]. Joint softmax over [lse0 | q_i . kd_j[i] * scale]: the weight of
+    out0 is exp(lse0)/Z, of vd_j[i] exp(s_j)/Z. Gradients flow into out0 AND lse0 (flex supports dLSE).
+    """
+    B, nh, T, d = q.shape
+    nkv = kd[0].shape[1]
+    g = nh // nkv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):
+        qg = q.reshape(B, nkv, g, T, 1, d).to(acc)
+        K = torch.stack(kd, dim=-2).to(acc)[:, :, None]  # [B,nkv,1,T,k,d]
+        V = torch.stack(vd, dim=-2).to(acc)[:, :, None]
+        sd = torch.matmul(qg, K.transpose(-1, -2)) * scale  # [B,nkv,g,T,1,k]
+        s = torch.cat([lse0.reshape(B, nkv, g, T, 1, 1).to(acc), sd], dim=-1)
+        p = torch.softmax(s, dim=-1)
+        out = p[..., :1] * out0.reshape(B, nkv, g, T, 1, d).to(acc) + torch.matmul(p[..., 1:], V)
+    return out.reshape(B, nh, T, d).to(q.dtype)
 
 
 def flex_ttt_attention(q, ks, vs, doc_ids, scale=None, block_mask_cache: dict | None = None):
-    """TTT attention via flex_attention over cat(K_0..K_k) with a sparse block mask (exact)."""
-    fa, create_block_mask = _flex()
+    """TTT attention: one flex_attention over the step-0 keys (document-causal BlockMask, shared by all
+    steps and layers through `block_mask_cache`) + the diagonal keys merged through its LSE (exact)."""
+    fa, create_block_mask = _flex(q.is_cuda)
     B, nh, T, d = q.shape
     nkv = ks[0].shape[1]
-    n = len(ks)
-    key = n
-    bm = block_mask_cache.get(key) if block_mask_cache is not None else None
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bm = block_mask_cache.get("doc_causal") if block_mask_cache is not None else None
     if bm is None:
-        docs = doc_ids
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            first = kv_idx < T
-            kv0 = torch.where(first, kv_idx, 0)
-            causal = (docs[b, q_idx] == docs[b, kv0]) & (kv0 <= q_idx)
-            diag = (kv_idx % T) == q_idx
-            return torch.where(first, causal, diag)
-
-        kw = {"_compile": True} if q.is_cuda else {}  # compiled: never materialises the [T, n*T] mask
-        with warnings.catch_warnings():  # torch >= 2.13 deprecates the (still working) _compile flag
-            warnings.simplefilter("ignore", DeprecationWarning)
-            bm = create_block_mask(mask_mod, B, None, T, n * T, device=q.device, **kw)
+        bm = doc_causal_block_mask(doc_ids, create_block_mask)
         if block_mask_cache is not None:
-            block_mask_cache[key] = bm
-    K = torch.cat(ks, dim=2)
-    V = torch.cat(vs, dim=2)
-    return fa(q, K, V, block_mask=bm, scale=scale, enable_gqa=(nh != nkv))
+            block_mask_cache["doc_causal"] = bm
+    k0, v0 = ks[0].to(q.dtype), vs[0].to(q.dtype)
+    out0, lse0 = fa(q, k0, v0, bm, scale, nh != nkv)
+    if len(ks) == 1:
+        return out0
+    return merge_diagonal(out0, lse0, q, ks[1:], vs[1:], scale)
 
 
 def reference_ttt_attention(q, ks, vs, doc_ids, scale=None) -> torch.Tensor:
@@ -234,31 +334,40 @@ class TTTAttention:
     """The `attn_fn(q, k, v, layer_idx)` hook for one TTT unroll of a packed batch.
 
     Each call appends the step's k/v to the per-layer cache; the step index is the number of earlier
-    calls for that layer. Create a fresh instance per batch (or call `reset()`).
+    calls for that layer. Create a fresh instance per batch (or call `reset()`). Everything that depends
+    only on the batch (flex BlockMask, chunk plan) is built once here and shared by all steps and layers.
+    chunk None: chunked backend sizes its query chunks by a memory budget (`auto_chunk`).
     """
 
-    def __init__(self, doc_ids: torch.Tensor, backend: str = "auto", chunk: int = 256, scale: float | None = None):
+    def __init__(self, doc_ids: torch.Tensor, backend: str = "auto", chunk: int | None = None,
+                 scale: float | None = None):
         if backend == "auto":
             backend = "flex" if doc_ids.is_cuda else "chunked"
         if backend not in ("chunked", "flex", "reference"):
             raise ValueError(f"unknown TTT attention backend {backend!r}")
         self.backend = backend
         self.doc_ids = doc_ids
-        self.chunk = chunk
+        self.chunk = chunk if chunk else None
         self.scale = scale
         self.cache: dict[int, tuple[list, list]] = {}
         self._bm: dict = {}
-        self._lo = chunk_lower_bounds(doc_ids, chunk) if backend == "chunked" else None
+        self._plan: tuple[int, list[int]] | None = None
 
     def reset(self) -> None:
         self.cache.clear()
+
+    def _chunked(self, q, ks, vs):
+        if self._plan is None:
+            self._plan = chunk_plan(self.doc_ids, self.chunk, q.shape[1])
+        chunk, lo = self._plan
+        return chunked_ttt_attention(q, ks, vs, self.doc_ids, chunk, self.scale, chunk_lo=lo)
 
     def __call__(self, q, k, v, layer_idx: int = 0):
         ks, vs = self.cache.setdefault(layer_idx, ([], []))
         ks.append(k)
         vs.append(v)
         if self.backend == "chunked":
-            return chunked_ttt_attention(q, ks, vs, self.doc_ids, self.chunk, self.scale, chunk_lo=self._lo)
+            return self._chunked(q, ks, vs)
         if self.backend == "flex":
             global _FLEX_BROKEN
             if not _FLEX_BROKEN:
@@ -270,8 +379,7 @@ class TTTAttention:
                     _FLEX_BROKEN = True
                     warnings.warn(f"flex attention unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                   "using the chunked TTT attention backend", stacklevel=2)
-            self._lo = self._lo or chunk_lower_bounds(self.doc_ids, self.chunk)
-            return chunked_ttt_attention(q, ks, vs, self.doc_ids, self.chunk, self.scale, chunk_lo=self._lo)
+            return self._chunked(q, ks, vs)
         return reference_ttt_attention(q, ks, vs, self.doc_ids, self.scale)
 
 
@@ -370,10 +478,40 @@ def ttt_loss_step(logits: torch.Tensor, teacher_probs: torch.Tensor, valid: torc
     return ce.sum(), ce
 
 
+class _SoftCE(torch.autograd.Function):
+    """sum over valid rows of -sum_v p_v log_softmax(x)_v = lse(x) * sum(p) - <p, x>, fused.
+
+    Saves only the logits in their own dtype (bf16 under autocast) + the [rows] LSE, instead of the fp32
+    log-softmax and its intermediates; backward is one pass: (softmax(x) * sum(p) - p) * valid * g."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, valid):
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.to(acc)
+        lse = torch.logsumexp(x, dim=-1)
+        psum = probs.sum(-1)
+        ce = lse * psum - torch.linalg.vecdot(probs.to(acc), x)
+        ce = torch.where(valid, ce, torch.zeros((), dtype=acc, device=ce.device))
+        ctx.save_for_backward(logits, probs, valid, lse, psum)
+        return ce.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, probs, valid, lse, psum = ctx.saved_tensors
+        x = logits.to(lse.dtype)
+        scale = torch.where(valid, g.to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
+        grad = (torch.exp(x - lse[..., None]) * psum[..., None] - probs) * scale[..., None]
+        return grad.to(logits.dtype), None, None
+
+
+def soft_ce_sum(logits: torch.Tensor, teacher_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Fused `ttt_loss_step(...)[0]` (same value, less memory, fewer kernels)."""
+    return _SoftCE.apply(logits, teacher_probs, valid)
+
+
 def _ce_block(compute_logits, h, probs, valid):
     logits = compute_logits(h)
-    ce_sum, _ = ttt_loss_step(logits, probs, valid)
-    return ce_sum, logits.detach().argmax(-1)
+    return soft_ce_sum(logits, probs, valid), logits.detach().argmax(-1)
 
 
 def _step_ce(compute_logits, h, probs, valid, loss_chunk: int):
@@ -390,6 +528,12 @@ def _step_ce(compute_logits, h, probs, valid, loss_chunk: int):
     return total, torch.cat(preds, dim=1)
 
 
+def _windows(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """[B, n+1, T] views: row j = x shifted left by j along dim 1 (tail = fill). One pad, no per-step copies."""
+    T = x.shape[1]
+    return F.pad(x, (0, n), value=fill).unfold(1, T, 1)
+
+
 def ttt_unroll(
     drafter,
     input_ids: torch.Tensor,
@@ -400,7 +544,7 @@ def ttt_unroll(
     ttt_steps: int = 7,
     step_weight: float = 0.8,
     backend: str = "auto",
-    chunk: int = 256,
+    chunk: int | None = None,
     position_ids: torch.Tensor | None = None,
     pad_token_id: int = 0,
     loss_chunk: int = 0,
@@ -410,39 +554,47 @@ def ttt_unroll(
     loss = sum_k w^k * mean_{valid_k}(CE_k)  (each step normalised by its own valid-token count).
     loss_chunk > 0: norm + lm_head + soft CE run in token chunks under activation checkpointing, so the
     [T, V_d] logits of the K steps are never all alive (memory O(loss_chunk * V_d) instead of O(K*T*V_d)).
+
+    Everything that depends only on the batch (shifted inputs, valid masks of all K steps, counts) is
+    built once, vectorised over k; the statistics are computed once after the unroll — the per-step work
+    is the drafter step, its loss, and nothing else (no per-step small-kernel bookkeeping, no host sync).
     """
     if position_ids is None:
         position_ids = positions_from_doc_ids(doc_ids)
     attn = TTTAttention(doc_ids, backend=backend, chunk=chunk)
     hidden = drafter.fuse(aux_hidden)
     K = ttt_steps
+    B, T = input_ids.shape
     dev = input_ids.device
-    ce_sum = torch.zeros(K, dtype=torch.float64, device=dev)
-    n_valid = torch.zeros_like(ce_sum)
-    correct = torch.zeros_like(ce_sum)
-    cond_num = torch.zeros_like(ce_sum)
-    cond_den = torch.zeros_like(ce_sum)
-    loss = None
-    chain = torch.ones_like(loss_mask, dtype=torch.bool)
+    # once per batch: [B, K+2, T] shifted views; valid[:, k] = positions trained at step k
+    ids_w = _windows(input_ids, K, pad_token_id)  # ids_w[:, k+1] = input shifted by k+1
+    doc_w = _windows(doc_ids, K + 1, -1)
+    lm_w = _windows(loss_mask, K + 1, False)
+    iv_w = _windows(teacher.in_vocab, K + 1, False)
+    valid_all = (doc_w[:, 2 : K + 2] == doc_ids[:, None]) & lm_w[:, 2 : K + 2] & iv_w[:, 1 : K + 1]  # [B,K,T]
+    n_all = valid_all.sum(dim=(0, 2))  # [K]
+    inv_n = torch.as_tensor([step_weight**k for k in range(K)], dtype=torch.float64, device=dev) / n_all.clamp(min=1)
+    ce_list, pred_list = [], []
     for k in range(K):
-        ids_k = shift_left(input_ids, k + 1, fill=pad_token_id)
-        hidden = drafter(ids_k, hidden, position_ids, attn_fn=attn)
+        hidden = drafter(ids_w[:, k + 1], hidden, position_ids, attn_fn=attn)
         # position i at step k is taught by the target at i+k+1: compare views, never shifted copies
-        m = max(0, input_ids.shape[1] - (k + 1))
-        valid = step_valid_mask(k, doc_ids, loss_mask, teacher.in_vocab)[:, :m]
-        s, pred = _step_ce(drafter.compute_logits, hidden[:, :m], teacher.probs[:, k + 1 :], valid, loss_chunk)
-        n = valid.sum()
-        lk = s / n.clamp(min=1)
-        w = step_weight**k
-        loss = lk * w if loss is None else loss + lk * w
-        with torch.no_grad():
-            hit = torch.zeros_like(loss_mask, dtype=torch.bool)
-            hit[:, :m] = pred == teacher.argmax[:, k + 1 :]
-            valid = F.pad(valid, (0, input_ids.shape[1] - m), value=False)
-            ce_sum[k] = s.detach().double()
-            n_valid[k] = n.double()
-            correct[k] = (hit & valid).sum().double()
-            cond_den[k] = (chain & valid).sum().double()
-            cond_num[k] = (chain & hit & valid).sum().double()
-            chain = chain & hit
-    return loss, TTTStats(ce_sum, n_valid, correct, cond_num, cond_den)
+        m = max(0, T - (k + 1))
+        s, pred = _step_ce(drafter.compute_logits, hidden[:, :m], teacher.probs[:, k + 1 :], valid_all[:, k, :m],
+                           loss_chunk)
+        ce_list.append(s)
+        pred_list.append(F.pad(pred, (0, T - m), value=-1))
+    ce = torch.stack(ce_list)  # [K]
+    loss = (ce * inv_n.to(ce.dtype)).sum()
+    with torch.no_grad():
+        preds = torch.stack(pred_list, dim=1)  # [B,K,T]
+        t_arg = _windows(teacher.argmax, K, -2)[:, 1 : K + 1]  # [B,K,T]: teacher argmax at i+k+1
+        hit = preds == t_arg
+        chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()  # hit at all j<k
+        stats = torch.stack([
+            ce.detach().double(),
+            n_all.double(),
+            (hit & valid_all).sum(dim=(0, 2)).double(),
+            (chain & hit & valid_all).sum(dim=(0, 2)).double(),
+            (chain & valid_all).sum(dim=(0, 2)).double(),
+        ])
+    return loss, TTTStats(*stats.unbind(0))
