@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -249,12 +248,10 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
         say(f"{out}: already complete ({len(samples)} samples); nothing to do")
         return read_json(out / fmt.MANIFEST)
 
-    todo = [si for si in range(len(shards)) if si % data_world == data_rank and not _shard_done(out, si)]
-    done_tokens = sum(shards[si][2] for si in range(len(shards)) if si % data_world == data_rank) - sum(
-        shards[si][2] for si in todo
-    )
-    if done_tokens:
-        say(f"resuming: {len(shards) - len(todo)} shard(s) already committed")
+    mine = [si for si in range(len(shards)) if si % data_world == data_rank]
+    todo = [si for si in mine if not _shard_done(out, si)]
+    if len(todo) < len(mine):
+        log(f"resuming: {len(mine) - len(todo)} of rank {rank}'s {len(mine)} shard(s) already committed")
 
     cap = AuxCapture(target, aux_layers, capture_final=cfg.capture_final)
     graphs: dict = {}
