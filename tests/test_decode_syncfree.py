@@ -52,6 +52,21 @@ def _names_device(args, kwargs) -> bool:
                for a in args)
 
 
+class _IndexGuard(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__:
+            index, value = args[1], args[2]
+            if _is_host_value(value):
+                raise AssertionError(f"t[...] = {value!r} (Python value -> host tensor -> device copy) inside a round")
+            if _has_host_index(index):
+                raise AssertionError("t[<Python list>] = ... inside a round")
+        elif func is torch.Tensor.__getitem__:
+            if _has_host_index(args[1]):
+                raise AssertionError("t[<Python list>] inside a round")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def no_host_sync():
     def boom(name):
@@ -62,7 +77,11 @@ def no_host_sync():
     patched = {}
 
     def patch(obj, name, fn):
-        patched[(obj, name)] = getattr(obj, name)
+        # remember whether the attribute lived on obj itself or was inherited (e.g. Tensor.__getitem__ from
+        # the C base class): restoring an inherited slot by setattr would put a Python-level __getitem__ on
+        # torch.Tensor and change how torch treats tensors as sequences in every later test
+        own = name in getattr(obj, "__dict__", {})
+        patched[(obj, name)] = (getattr(obj, name), own)
         setattr(obj, name, fn)
 
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "cuda",
@@ -83,7 +102,6 @@ def no_host_sync():
         patch(torch, name, factory(name, getattr(torch, name)))
 
     to, copy_ = torch.Tensor.to, torch.Tensor.copy_
-    setitem, getitem = torch.Tensor.__setitem__, torch.Tensor.__getitem__
 
     def to_(self, *a, **k):
         if _names_device(a, k):
@@ -95,27 +113,20 @@ def no_host_sync():
             raise AssertionError("Tensor.copy_ across devices inside a round")
         return copy_(self, src, *a, **k)
 
-    def set_(self, index, value):
-        if _is_host_value(value):
-            raise AssertionError(f"t[...] = {value!r} (Python value -> host tensor -> device copy) inside a round")
-        if _has_host_index(index):
-            raise AssertionError("t[<Python list>] = ... inside a round")
-        return setitem(self, index, value)
-
-    def get_(self, index):
-        if _has_host_index(index):
-            raise AssertionError("t[<Python list>] inside a round")
-        return getitem(self, index)
-
     patch(torch.Tensor, "to", to_)
     patch(torch.Tensor, "copy_", copy)
-    patch(torch.Tensor, "__setitem__", set_)
-    patch(torch.Tensor, "__getitem__", get_)
     try:
-        yield
+        # Indexing is checked through a TorchFunctionMode, not by patching Tensor.__getitem__/__setitem__:
+        # assigning those on the class changes its C sequence slots for good (torch.tensor([0-d tensors])
+        # then fails with "len() of a 0-d tensor" in every later test, even after restoring).
+        with _IndexGuard():
+            yield
     finally:
-        for (obj, name), fn in patched.items():
-            setattr(obj, name, fn)
+        for (obj, name), (fn, own) in patched.items():
+            if own:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
 
 
 @pytest.fixture(scope="module")
