@@ -46,13 +46,9 @@ def _is_path(x: Any) -> bool:
 
 def _target_config_dict(target: Any) -> tuple[dict, str | None]:
     if _is_path(target):
-        p = Path(target) / "config.json"
-        try:
-            d = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise DraftsmithError(f"{p}: not found — is {target} a Hugging Face model directory?") from None
-        except json.JSONDecodeError as e:
-            raise DraftsmithError(f"{p}: invalid JSON ({e})") from None
+        from draftsmith.target.load import read_target_config
+
+        d = read_target_config(target)
         name = str(target)
     else:
         cfg = getattr(target, "text_config", None) or getattr(target, "config", target)

@@ -57,15 +57,20 @@ def _canonical_config(config_dict: dict) -> dict:
     return {k: v for k, v in sorted(config_dict.items()) if k not in volatile}
 
 
-def config_hash(path: str | os.PathLike) -> str:
-    """sha256 of the target's config.json (volatile fields removed): names the architecture + sizes."""
+def read_target_config(path: str | os.PathLike) -> dict:
+    """The raw config.json of a target directory, with a one-line error naming the file."""
     p = Path(path) / "config.json"
     try:
-        cfg = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except FileNotFoundError:
         raise DraftsmithError(f"{p}: not found — is {path} a Hugging Face model directory?") from None
     except json.JSONDecodeError as e:
         raise DraftsmithError(f"{p}: invalid JSON ({e})") from None
+
+
+def config_hash(path: str | os.PathLike) -> str:
+    """sha256 of the target's config.json (volatile fields removed): names the architecture + sizes."""
+    cfg = read_target_config(path)
     blob = json.dumps(_canonical_config(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
