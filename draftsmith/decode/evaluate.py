@@ -143,6 +143,13 @@ def print_table(report: dict, console=None) -> None:
     console.print(t)
 
 
+def _save(plt, fig, path: Path, paths: list[str]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    paths.append(str(path))
+
+
 def write_plots(report: dict, out_dir: Path) -> list[str]:
     """acceptance_by_position.png and speedup.png (needs matplotlib; returns [] without it)."""
     try:
@@ -165,10 +172,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     ax.legend()
     ax.set_title("Acceptance by position")
     p = out_dir / "acceptance_by_position.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    paths.append(str(p))
+    _save(plt, fig, p, paths)
     fig, ax = plt.subplots(figsize=(5, 4))
     temps = list(report["temperatures"])
     ax.bar([f"T={t}" for t in temps], [report["temperatures"][t]["speedup"] or 0 for t in temps])
@@ -176,8 +180,5 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     ax.set_ylabel("speculative ÷ plain tokens/s")
     ax.set_title("Speedup")
     p = out_dir / "speedup.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    paths.append(str(p))
+    _save(plt, fig, p, paths)
     return paths

@@ -18,7 +18,6 @@ the target's own embedding is attached instead.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from draftsmith.drafter.config import NATIVE_ARCH, NATIVE_MODEL_TYPE, DrafterConfig
 from draftsmith.drafter.vocab import check_mappings, identity_draft_vocab
 from draftsmith.errors import DraftsmithError
+from draftsmith.utils.io import read_json
 
 FORMATS = ("draftsmith", "sglang", "vllm", "speculators", "eagle")
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
@@ -147,12 +147,7 @@ def _target_tensors_via_hf(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ============================================================================================ reading
 def _read_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise DraftsmithError(f"{p}: not found — is {p.parent} a drafter directory?") from None
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{p}: invalid JSON ({e})") from None
+    return read_json(p, f"drafter file (is {p.parent} a drafter directory?)")
 
 
 def read_weights(root: Path) -> tuple[dict[str, torch.Tensor], str]:

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from draftsmith.train.data import build_micro_batch, pack_rows, source_lengths, split_train_eval
-from draftsmith.train.trainer import TTTModel, TrainConfig
+from draftsmith.train.trainer import TTTModel, TrainConfig, amp_dtype
 from draftsmith.train.ttt import TTTStats, compute_teacher
 
 __all__ = ["heldout_split", "open_store", "evaluate_drafter", "eval_rows"]
@@ -53,19 +53,6 @@ def eval_rows(store, sample_ids: Sequence[int], batch_tokens: int, max_batches: 
     """The trainer's packed eval rows: `pack_rows(sample_ids, lengths, batch_tokens)[:max_batches]`."""
     rows = pack_rows(list(sample_ids), source_lengths(store), batch_tokens)
     return rows[:max_batches] if max_batches is not None else rows
-
-
-def _amp_dtype(dtype: str, device: torch.device):
-    # = Trainer._amp_dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    if dtype in ("fp32", "float32"):
-        return None
-    if dtype in ("bf16", "bfloat16"):
-        return torch.bfloat16
-    if dtype in ("fp16", "float16"):
-        return torch.float16
-    raise ValueError(f"dtype: unknown {dtype!r} (auto, fp32, bf16, fp16)")
 
 
 @torch.no_grad()
@@ -98,7 +85,7 @@ def evaluate_drafter(
     drafter = drafter.to(dev)
     model = TTTModel(drafter, cfg)
     model.eval()
-    amp = _amp_dtype(dtype, dev)
+    amp = amp_dtype(dtype, dev)
     backend = attn_backend if attn_backend != "auto" else ("flex" if dev.type == "cuda" else "chunked")
     pad = pad_to_budget if pad_to_budget is not None else backend == "flex"
     pad_to = (-(-batch_tokens // 128) * 128) if pad else 1  # = Trainer._pad_to

@@ -158,6 +158,19 @@ def lr_lambda_factory(total: int, warmup: int, min_ratio: float) -> Callable[[in
 # ---------------------------------------------------------------------------------------------------
 # the trainer
 # ---------------------------------------------------------------------------------------------------
+
+def amp_dtype(dtype: str, device: torch.device):
+    """Autocast dtype for a --dtype value on a device (None = no autocast)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if dtype in ("fp32", "float32"):
+        return None
+    if dtype in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    if dtype in ("fp16", "float16"):
+        return torch.float16
+    raise DraftsmithError(f"--dtype: unknown {dtype!r} (auto, fp32, bf16, fp16)")
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, target=None, source=None, log: Callable[[str], None] | None = None):
         self.cfg = cfg
@@ -502,16 +515,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- pieces
     def _amp_dtype(self, device):
-        d = self.cfg.dtype
-        if d == "auto":
-            return torch.bfloat16 if device.type == "cuda" else None
-        if d in ("fp32", "float32"):
-            return None
-        if d in ("bf16", "bfloat16"):
-            return torch.bfloat16
-        if d in ("fp16", "float16"):
-            return torch.float16
-        raise DraftsmithError(f"--dtype: unknown {d!r} (auto, fp32, bf16, fp16)")
+        return amp_dtype(self.cfg.dtype, device)
 
     def _forward(self, wrapped, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype):
         teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
