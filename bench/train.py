@@ -69,8 +69,9 @@ def store_rows(store, T: int, n: int, seed: int, device):
     return [build_micro_batch(store, r, T, with_states=True, pad_to=pad).to(device) for r in rows]
 
 
-def _kernels_per_step(step, mb) -> int | None:
-    """GPU kernels launched by one training step (torch.profiler, CUDA activity); None if unavailable."""
+def _kernels_per_step(step, mb, label: str = "") -> int | None:
+    """GPU kernels launched by one training step (torch.profiler, CUDA activity); None if unavailable.
+    With $OUT set (device runs), the step's op table (by GPU time) is appended to $OUT/train_profile.txt."""
     try:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
@@ -78,6 +79,12 @@ def _kernels_per_step(step, mb) -> int | None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(mb)
             torch.cuda.synchronize()
+        import os
+
+        if os.environ.get("OUT") and label:
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            with open(Path(os.environ["OUT"], "train_profile.txt"), "a") as f:
+                f.write(f"=== {label}\n{table}\n")
         return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
                    and "emset" not in e.name)
     except Exception:
@@ -153,7 +160,7 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
         sync()
         secs = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        kernels = _kernels_per_step(step, rows[0]) if (cuda and profile_kernels) else None
+        kernels = _kernels_per_step(step, rows[0], f"{backend}_{T}") if (cuda and profile_kernels) else None
     for w in caught:
         msg = str(w.message)
         if "flex attention unavailable" in msg or "recompile" in msg.lower():
