@@ -159,6 +159,26 @@ def test_resume_after_kill9_equals_uninterrupted(tiny, target, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5)
 
 
+def test_max_time_stops_then_resume_continues(tiny, target, tmp_path):
+    """--max-time stops after the step that crosses it with a checkpoint and final/; --resume then finishes the
+    same schedule, equal to an uninterrupted run."""
+    from draftsmith.train import train
+
+    full = tmp_path / "full"
+    train(target=target, cfg=_cfg(tiny, full, steps=4), log=_quiet)
+    cut = tmp_path / "cut"
+    msgs = []
+    train(target=target, cfg=_cfg(tiny, cut, steps=4, max_time=0.0), log=msgs.append)
+    assert [r["step"] for r in _metrics(cut)] == [1]
+    assert (cut / "final" / "model.safetensors").is_file()
+    assert any("--max-time" in m and "step 1 of 4" in m for m in msgs), msgs
+    train(target=target, cfg=_cfg(tiny, cut, steps=4, resume=True), log=_quiet)
+    a, b = _metrics(full), _metrics(cut)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-6
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tiny, target, tmp_path_factory):
     """1 process, grad_accum 2: the reference for 2 processes x grad_accum 1 (same global batch)."""

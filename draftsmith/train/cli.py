@@ -71,7 +71,8 @@ def train_command(
     attn_backend: Optional[str] = typer.Option(None, "--attn-backend", help="TTT attention: auto (flex on GPU, chunked on CPU), flex, chunked."),
     attn_chunk: Optional[int] = typer.Option(None, "--attn-chunk", help="Chunked TTT attention: query rows per chunk (default auto: about the longest document, >= 1024 rows on GPU, within a memory budget)."),
     loss_chunk: Optional[int] = typer.Option(None, "--loss-chunk", help="Tokens per checkpointed lm_head + loss chunk (default 16384; 0 = off)."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="Online mode: tokenizer cut (default --batch-tokens)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Online mode: tokenizer cut; longer source files are split into windows (default: min(--batch-tokens, 2048, the target's max_position_embeddings), as `draftsmith capture`)."),
+    max_time: Optional[float] = typer.Option(None, "--max-time", help="Wall-clock seconds: stop after the step that crosses it, saving a checkpoint and final/ (the LR schedule stays that of --steps; --resume continues it)."),
     glob: Optional[str] = typer.Option(None, "--glob", help="Online mode, directory data: which files (default '**/*.py')."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -92,7 +93,7 @@ def train_command(
         weight_decay=weight_decay, grad_clip=grad_clip, batch_tokens=batch_tokens, grad_accum=grad_accum,
         step_weight=step_weight, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, log_every=log_every, seed=seed, num_layers=num_layers, device=device,
-        dtype=dtype, attn_backend=attn_backend, max_length=max_length, glob=glob, attn_chunk=attn_chunk,
+        dtype=dtype, attn_backend=attn_backend, max_length=max_length, max_time=max_time, glob=glob, attn_chunk=attn_chunk,
         loss_chunk=loss_chunk,
     )
     vals.update({k: v for k, v in given.items() if v is not None})

@@ -185,7 +185,7 @@ class OnlineStates:
     @torch.no_grad()
     def fill(self, mb: MicroBatch, device) -> MicroBatch:
         dev = torch.device(device)
-        ids = mb.input_ids[0]
+        ids = mb.input_ids[0].cpu()  # one device->host copy, not one sync per document slice
         starts = np.cumsum([0] + mb.doc_lengths)
         aux_parts, fin_parts = [], []
         docs = [(int(starts[j]), int(starts[j + 1])) for j in range(len(mb.doc_lengths))]

@@ -79,7 +79,8 @@ class TrainConfig:
     attn_chunk: int = 0  # chunked TTT attention query rows per chunk; 0 = sized by a memory budget (auto_chunk)
     loss_chunk: int = 16384  # tokens per checkpointed lm_head+CE chunk (0: whole row at once)
     pad_to_budget: bool | None = None  # pad each packed row to batch_tokens (static shapes); None: with flex
-    max_length: int | None = None  # online: tokenizer cut (default batch_tokens)
+    max_length: int | None = None  # online: tokenizer cut (default min(batch_tokens, 2048, target's positions))
+    max_time: float | None = None  # seconds: stop after the step that crosses it (checkpoint + final drafter)
     on_bad: str = "error"
     glob: str | None = None  # online, directory data: which files
     online_state_dtype: str = "bf16"  # online: round captured states like a bf16 store ("fp32": keep)
@@ -229,7 +230,11 @@ class Trainer:
 
                 if target.tokenizer is None:
                     raise DraftsmithError(f"{cfg.target}: no tokenizer, needed by --online")
-                samples, report = load_samples(cfg.data, target.tokenizer, max_length=cfg.max_length or cfg.batch_tokens,
+                # the capture's default cut (2048), never past the target's trained positions: online data must
+                # look like a store captured with default settings (offline == online)
+                max_len = cfg.max_length or min(cfg.batch_tokens, 2048, int(getattr(
+                    target.config, "max_position_embeddings", None) or 2048))
+                samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len,
                                                on_bad=cfg.on_bad, glob=cfg.glob)
                 if hasattr(report, "summary"):
                     self.log(f"data: {report.summary()}")
@@ -462,19 +467,21 @@ class Trainer:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step = s + 1
+            over = float(cfg.max_time is not None and time.time() - t0 >= cfg.max_time)
             red = torch.cat([acc_stats.reshape(-1).double(), loss_acc.reshape(1),
-                             torch.tensor([float(tokens)], dtype=torch.float64, device=device)])
+                             torch.tensor([float(tokens), over], dtype=torch.float64, device=device)])
             red = _all_reduce(red.to(device if self.world > 1 and device.type == "cuda" else "cpu"), self.world).cpu()
-            st = TTTStats.from_tensor(red[:-2].view(5, -1))
-            loss_mean = float(red[-2]) / G
-            step_tokens = int(red[-1])
+            st = TTTStats.from_tensor(red[:-3].view(5, -1))
+            loss_mean = float(red[-3]) / G
+            step_tokens = int(red[-2])
+            stop_early = bool(red[-1] > 0) and step < total_steps  # any rank over --max-time: all stop together
             acc_stats, loss_acc, tokens = None, torch.zeros((), dtype=torch.float64, device=device), 0
             tok_window += step_tokens
             rec = {"step": step, "epoch": epoch, "loss": loss_mean, **st.metrics(), "lr": lr,
                    "grad_norm": float(gnorm), "tokens": step_tokens}
             do_eval = eval_rows and ((cfg.eval_every and step % cfg.eval_every == 0) or
                                      (not cfg.eval_every and cfg.save_every and step % cfg.save_every == 0) or
-                                     step == total_steps)
+                                     step == total_steps or stop_early)
             if do_eval:
                 rec.update(self._evaluate(wrapped, eval_rows, source, online_states, target, lm_w, d2t_ids, t2d,
                                           amp_dtype, online))
@@ -493,8 +500,13 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss_mean:.3f}", acc0=f"{rec['acc'][0]:.3f}", tau=f"{rec['tau_sim']:.2f}",
                                 refresh=False)
                 bar.update(1)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
+            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
                 self._save(step, (epoch, next_off), wrapped, optimizer, scheduler, names)
+            if stop_early:
+                self.log(f"--max-time {cfg.max_time:g}s reached: stopped after step {step} of {total_steps} "
+                         f"(checkpoint saved; --resume continues the same schedule)")
+                total_steps = step
+                break
             kill_at = os.environ.get("DRAFTSMITH_TEST_KILL_AT_STEP")
             if kill_at and int(kill_at) == step:  # test hook: simulate `kill -9` right after this step
                 os.kill(os.getpid(), 9)
