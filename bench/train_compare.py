@@ -277,11 +277,25 @@ def run_speculators_inprocess(argv: list[str], stats_path: Path) -> int:
     from speculators.train.config import TrainConfig
 
     records: list = []
+    t0 = time.time()
+    last_write = [t0]
+
+    def write_stats(rc, err):
+        stats = {"wall_s": time.time() - t0, "rc": rc, "error": err, "metrics": records, **_peak_memory()}
+        tmp = stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, stats_path)
 
     class _Rec(logging.Handler):
         def emit(self, record):
             if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
                 records.append(_jsonable(record.msg))
+                # partial stats every few seconds: a run stopped by the time budget still reports its throughput
+                if time.time() - last_write[0] > 5:
+                    last_write[0] = time.time()
+                    write_stats("running", None)
+                    print(f"speculators: {len(records)} metric records after {time.time() - t0:.0f}s: "
+                          f"{str(records[-1])[:300]}", flush=True)
 
     orig = scli.setup_metric_logger
 
@@ -290,7 +304,6 @@ def run_speculators_inprocess(argv: list[str], stats_path: Path) -> int:
         logging.getLogger("speculators.metrics").addHandler(_Rec())
 
     scli.setup_metric_logger = patched
-    t0 = time.time()
     rc, err = 0, None
     try:
         scli.main(TrainConfig.resolve(argv))
@@ -298,8 +311,7 @@ def run_speculators_inprocess(argv: list[str], stats_path: Path) -> int:
         rc = int(e.code or 0)
     except BaseException:
         rc, err = 1, traceback.format_exc()
-    stats = {"wall_s": time.time() - t0, "rc": rc, "error": err, "metrics": records, **_peak_memory()}
-    stats_path.write_text(json.dumps(stats))
+    write_stats(rc, err)
     if err:
         print(err, file=sys.stderr)
     return rc
@@ -389,6 +401,8 @@ def parse_args(argv=None):
                    help="seconds for the whole script; each training subprocess is killed when it would pass it")
     p.add_argument("--score-reserve", type=float, default=90.0,
                    help="seconds of --time-budget kept for scoring both drafters and the report")
+    p.add_argument("--spec-share", type=float, default=0.5,
+                   help="fraction of the remaining budget speculators may use when both trainers run (it runs first)")
     p.add_argument("--spec-workers", type=int, default=4, help="speculators --num-workers")
     p.add_argument("--spec-dynamo-disable", action="store_true", help="also set TORCHDYNAMO_DISABLE=1 for speculators")
     p.add_argument("--attn-backend", default="auto", choices=["auto", "flex", "chunked"],
@@ -494,7 +508,9 @@ def main(argv=None) -> int:
         if stats.exists():
             stats.unlink()
         # keep --score-reserve for scoring and the report; split the rest fairly between the trainers still to run
-        left = (deadline - time.time() - a.score_reserve) / max(1, n_phases - done_phases[0])
+        left = deadline - time.time() - a.score_reserve
+        if n_phases - done_phases[0] > 1:  # speculators first, with its --spec-share of what is left
+            left *= a.spec_share if kind == "speculators" else 1.0 / (n_phases - done_phases[0])
         done_phases[0] += 1
         if left < 30:
             res["errors"][kind] = f"skipped: time budget ({a.time_budget:.0f}s) spent"
