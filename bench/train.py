@@ -1,7 +1,7 @@
 """Training benchmark (GPU): TTT training tokens/s and peak memory at packed sequence lengths 2k/8k/16k, K=7.
 
     python bench/train.py --target PATH/pycode-small [--store STORE] [--seq 2048,8192,16384] [--ttt-steps 7]
-                          [--backends flex,chunked] [--steps 10] [--draft-vocab-size 8192]
+                          [--backends compiled,flex,chunked] [--steps 10] [--draft-vocab-size 8192]
 
 What one timed step is: the real training step of `draftsmith train` — teacher (target final norm +
 lm_head over the stored pre-norm states, softmax over the draft columns), the K-step TTT unroll with the
@@ -119,8 +119,12 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     counts = torch.arange(target.vocab_size, 0, -1)
     drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32, aux_layer_ids=aux_layers,
                                   draft_vocab_size=vd).to(dev)
-    cfg = TrainConfig(ttt_steps=K, attn_backend=backend, batch_tokens=T)  # library defaults: auto chunk, loss chunk
+    # "compiled" = flex + the whole unroll as one torch.compile graph (the trainer's CUDA default)
+    cfg = TrainConfig(ttt_steps=K, attn_backend="flex" if backend == "compiled" else backend, batch_tokens=T,
+                      compile="on" if backend == "compiled" else "off")  # library defaults: auto chunk, loss chunk
     model = TTTModel(drafter, cfg)
+    if backend == "compiled":
+        model.enable_compile()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     lm_w = target.lm_head.weight
@@ -189,7 +193,8 @@ def main() -> None:
     ap.add_argument("--store", default=None)
     ap.add_argument("--seq", default="2048,8192,16384")
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--backends", default="flex,chunked")
+    ap.add_argument("--backends", default="compiled,flex,chunked",
+                    help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), flex, chunked")
     ap.add_argument("--draft-vocab-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

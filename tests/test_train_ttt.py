@@ -386,3 +386,55 @@ def test_flex_compile_raises_dynamo_recompile_limit():
         assert getattr(cfg, name) >= ttt.FLEX_RECOMPILE_LIMIT
     finally:
         setattr(cfg, name, old)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the compiled unroll (GPU default): one graph, same loss, grads and statistics as the eager reference
+# ---------------------------------------------------------------------------------------------------
+def _dense_flex(q, k, v, mask, scale, enable_gqa):
+    """Stand-in for flex attention (no CPU backward in torch): same contract, (out, natural-log LSE)."""
+    g = q.shape[1] // k.shape[1]
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v.repeat_interleave(g, 1), torch.logsumexp(s, -1)
+
+
+def _dense_doc_causal(doc_ids, create_block_mask=None):
+    ar = torch.arange(doc_ids.shape[-1])
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & (ar[None, None, :] <= ar[None, :, None]))[:, None]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_unroll_is_one_graph_and_matches_reference(backend, monkeypatch):
+    """`CompiledUnroll` traces the whole K-step unroll (drafter steps, the LSE merge of the diagonal keys, the fused
+    soft CE and its backward, the statistics) with fullgraph=True — no graph break can silently run parts eagerly —
+    and equals the dense reference. Flex attention itself is replaced by a dense function with its contract, as
+    torch has no flex backward on CPU; on the GPU the real kernel runs inside the same graph."""
+    import torch._dynamo
+
+    import draftsmith.train.ttt as ttt
+
+    monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
+    monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    V, Vd, H, K = 50, 20, 32, 4
+    drafter = _tiny_drafter(1, V, Vd, H).float()
+    T = 128
+    doc = document_ids_from_lengths([40, 60, 20], T)[None]
+    ids = torch.randint(0, V, (1, T))
+    lmask = torch.rand(1, T) > 0.2
+    aux = torch.randn(1, T, 3 * H)
+    teacher = compute_teacher(torch.randn(1, T, H), _Norm(), torch.randn(V, H) * 3, drafter.draft_target_ids,
+                              drafter.t2d)
+    pos = positions_from_doc_ids(doc)
+    params = list(drafter.parameters())
+    want, st = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=K, backend="reference", position_ids=pos)
+    g_want = torch.autograd.grad(want, params)
+    got, st_got = ttt.CompiledUnroll(backend=backend)(drafter, ids, aux, doc, pos, lmask, teacher, K, 0.8, 0)
+    g_got = torch.autograd.grad(got, params)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_got, st.as_tensor(), atol=1e-4, rtol=1e-6)
+    torch._dynamo.reset()

@@ -74,6 +74,7 @@ def train_command(
     max_length: Optional[int] = typer.Option(None, "--max-length", help="Online mode: tokenizer cut; longer source files are split into windows (default: min(--batch-tokens, 2048, the target's max_position_embeddings), as `draftsmith capture`)."),
     max_time: Optional[float] = typer.Option(None, "--max-time", help="Wall-clock seconds: stop after the step that crosses it, saving a checkpoint and final/ (the LR schedule stays that of --steps; --resume continues it)."),
     on_bad: Optional[str] = typer.Option(None, "--on-bad", help="Online mode, bad input records: 'error' (default) stops with file:line and reason; 'skip' skips and counts them."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="Compile the whole TTT unroll (forward + backward) as one graph: auto (default: on for CUDA with flex attention, not with --fsdp), on, off. Costs a compile per sequence length (~tens of seconds), then fewer kernels per step."),
     glob: Optional[str] = typer.Option(None, "--glob", help="Online mode, directory data: which files (default '**/*.py')."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -94,7 +95,7 @@ def train_command(
         weight_decay=weight_decay, grad_clip=grad_clip, batch_tokens=batch_tokens, grad_accum=grad_accum,
         step_weight=step_weight, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, log_every=log_every, seed=seed, num_layers=num_layers, device=device,
-        dtype=dtype, attn_backend=attn_backend, max_length=max_length, max_time=max_time, on_bad=on_bad, glob=glob, attn_chunk=attn_chunk,
+        dtype=dtype, attn_backend=attn_backend, max_length=max_length, max_time=max_time, on_bad=on_bad, compile=compile, glob=glob, attn_chunk=attn_chunk,
         loss_chunk=loss_chunk,
     )
     vals.update({k: v for k, v in given.items() if v is not None})

@@ -78,6 +78,7 @@ class TrainConfig:
     attn_backend: str = "auto"  # auto (flex on CUDA, chunked on CPU) | chunked | flex
     attn_chunk: int = 0  # chunked TTT attention query rows per chunk; 0 = sized by a memory budget (auto_chunk)
     loss_chunk: int = 16384  # tokens per checkpointed lm_head+CE chunk (0: whole row at once)
+    compile: str = "auto"  # the whole TTT unroll as one torch.compile graph: auto (on for CUDA + flex, not FSDP) | on | off
     pad_to_budget: bool | None = None  # pad each packed row to batch_tokens (static shapes); None: with flex
     max_length: int | None = None  # online: tokenizer cut (default min(batch_tokens, 2048, target's positions))
     max_time: float | None = None  # seconds: stop after the step that crosses it (checkpoint + final drafter)
@@ -132,10 +133,23 @@ class TTTModel(nn.Module):
         self.backend = cfg.attn_backend
         self.chunk = cfg.attn_chunk
         self.loss_chunk = cfg.loss_chunk
+        self.compiled = None  # set by `enable_compile`
+
+    def enable_compile(self, backend: str = "inductor") -> None:
+        from draftsmith.train.ttt import CompiledUnroll
+
+        self.compiled = CompiledUnroll(backend=backend)
+
+    def disable_compile(self) -> None:
+        self.compiled = None
 
     def forward(self, input_ids, aux, doc_ids, position_ids, loss_mask, t_probs, t_argmax, t_in_vocab):
         from draftsmith.train.ttt import Teacher
 
+        if self.compiled is not None and torch.is_grad_enabled():  # eval stays eager: no second compile
+            return self.compiled(self.drafter, input_ids, aux, doc_ids, position_ids, loss_mask,
+                                 Teacher(t_probs, t_argmax, t_in_vocab), self.ttt_steps, self.step_weight,
+                                 self.loss_chunk)
         loss, stats = ttt_unroll(
             self.drafter, input_ids, aux, doc_ids, loss_mask, Teacher(t_probs, t_argmax, t_in_vocab),
             ttt_steps=self.ttt_steps, step_weight=self.step_weight, backend=self.backend, chunk=self.chunk,
@@ -361,6 +375,9 @@ class Trainer:
                 raise DraftsmithError(f"{resume_from}/model.safetensors: does not match the drafter ({missing})")
             start_step = int(st["step"])
             data_pos = tuple(st["data_position"])
+        if self._use_compile(device):
+            model.enable_compile()
+        compile_pending = model.compiled is not None  # the first step may still fail to compile: then eager
         wrapped = self._wrap(model)
         opt_params = params if not cfg.fsdp else [p for n, p in wrapped.drafter.named_parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(opt_params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
@@ -393,7 +410,8 @@ class Trainer:
         self.log(f"train: {len(train_idx)} train / {len(eval_idx)} eval samples, {len(rows0)} micro-batches of "
                  f"<= {cfg.batch_tokens} tokens per epoch, world {self.world} x accum {cfg.grad_accum}, "
                  f"{total_steps} steps (warmup {warmup}), K={cfg.ttt_steps}, V_d={drafter.config.draft_vocab_size}, "
-                 f"aux layers {aux_layers} (layer-output ids), {n_params / 1e6:.2f}M trainable params, device {device}")
+                 f"aux layers {aux_layers} (layer-output ids), {n_params / 1e6:.2f}M trainable params, device {device}"
+                 f"{', compiled TTT unroll' if model.compiled is not None else ''}")
 
         online_states = OnlineStates(target, aux_layers) if online else None
         lm_w = target.lm_head.weight
@@ -449,10 +467,23 @@ class Trainer:
                 if cfg.online_state_dtype == "bf16":
                     mb.aux_hidden = mb.aux_hidden.to(torch.bfloat16)
                     mb.final_hidden = mb.final_hidden.to(torch.bfloat16)
-            loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
             sync_ctx = self._no_sync(wrapped) if j < cfg.grad_accum - 1 else contextlib.nullcontext()
-            with sync_ctx:
-                (loss / cfg.grad_accum).backward()
+            try:
+                loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
+                with sync_ctx:
+                    (loss / cfg.grad_accum).backward()
+            except Exception as e:  # only the very first step, before any gradient exists, may fall back
+                if not compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or cfg.compile == "on":
+                    raise
+                self.log(f"warning: the compiled TTT unroll failed ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); training eagerly "
+                         f"(--compile off hides this)")
+                model.disable_compile()
+                optimizer.zero_grad(set_to_none=True)
+                loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
+                with sync_ctx:
+                    (loss / cfg.grad_accum).backward()
+            compile_pending = False
             acc_stats = stats if acc_stats is None else acc_stats + stats
             loss_acc += loss.detach().double()
             tokens += mb.num_tokens
@@ -526,6 +557,19 @@ class Trainer:
         return last
 
     # ----------------------------------------------------------------------------------------- pieces
+    def _use_compile(self, device) -> bool:
+        """--compile: auto = on for CUDA with the flex backend and without FSDP (one graph per sequence length)."""
+        c, b = self.cfg.compile, self.cfg.attn_backend
+        if c not in ("auto", "on", "off"):
+            raise DraftsmithError(f"--compile: unknown {c!r} (auto, on, off)")
+        flex = b == "flex" or (b == "auto" and device.type == "cuda")
+        if c == "on":
+            if not flex or device.type != "cuda":
+                raise DraftsmithError("--compile on: needs a CUDA device and the flex attention backend "
+                                      "(flex attention has no CPU backward); use --compile off")
+            return True
+        return c == "auto" and flex and device.type == "cuda" and not self.cfg.fsdp
+
     def _amp_dtype(self, device):
         return amp_dtype(self.cfg.dtype, device)
 

@@ -246,6 +246,10 @@ def _flex_lse(q, k, v, block_mask, scale, enable_gqa):
 
 def _flex(compiled: bool):
     """(attention fn (q, k, v, block_mask, scale, enable_gqa) -> (out, lse), create_block_mask)."""
+    if not compiled:  # looked up at call time (the raw op inside an enclosing compiled graph)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return _flex_lse, create_block_mask
     if compiled not in _FLEX:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -299,7 +303,7 @@ def merge_diagonal(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor, kd: 
 def flex_ttt_attention(q, ks, vs, doc_ids, scale=None, block_mask_cache: dict | None = None):
     """TTT attention: one flex_attention over the step-0 keys (document-causal BlockMask, shared by all
     steps and layers through `block_mask_cache`) + the diagonal keys merged through its LSE (exact)."""
-    fa, create_block_mask = _flex(q.is_cuda)
+    fa, create_block_mask = _flex(q.is_cuda and not torch.compiler.is_compiling())
     B, nh, T, d = q.shape
     nkv = ks[0].shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -340,7 +344,7 @@ class TTTAttention:
     """
 
     def __init__(self, doc_ids: torch.Tensor, backend: str = "auto", chunk: int | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, block_mask=None):
         if backend == "auto":
             backend = "flex" if doc_ids.is_cuda else "chunked"
         if backend not in ("chunked", "flex", "reference"):
@@ -350,7 +354,7 @@ class TTTAttention:
         self.chunk = chunk if chunk else None
         self.scale = scale
         self.cache: dict[int, tuple[list, list]] = {}
-        self._bm: dict = {}
+        self._bm: dict = {} if block_mask is None else {"doc_causal": block_mask}
         self._plan: tuple[int, list[int]] | None = None
 
     def reset(self) -> None:
@@ -370,6 +374,8 @@ class TTTAttention:
             return self._chunked(q, ks, vs)
         if self.backend == "flex":
             global _FLEX_BROKEN
+            if torch.compiler.is_compiling():  # inside the compiled unroll: no fallback (a failure surfaces there)
+                return flex_ttt_attention(q, ks, vs, self.doc_ids, self.scale, self._bm)
             if not _FLEX_BROKEN:
                 try:
                     return flex_ttt_attention(q, ks, vs, self.doc_ids, self.scale, self._bm)
@@ -548,6 +554,7 @@ def ttt_unroll(
     position_ids: torch.Tensor | None = None,
     pad_token_id: int = 0,
     loss_chunk: int = 0,
+    block_mask=None,
 ):
     """Run the K-step TTT unroll on one packed micro-batch. Returns (loss, TTTStats).
 
@@ -561,7 +568,7 @@ def ttt_unroll(
     """
     if position_ids is None:
         position_ids = positions_from_doc_ids(doc_ids)
-    attn = TTTAttention(doc_ids, backend=backend, chunk=chunk)
+    attn = TTTAttention(doc_ids, backend=backend, chunk=chunk, block_mask=block_mask)
     hidden = drafter.fuse(aux_hidden)
     K = ttt_steps
     B, T = input_ids.shape
@@ -598,3 +605,39 @@ def ttt_unroll(
             (chain & valid_all).sum(dim=(0, 2)).double(),
         ])
     return loss, TTTStats(*stats.unbind(0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole unroll as one compiled graph
+# ----------------------------------------------------------------------------------------------------
+def _unroll_tensors(drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, t_probs, t_argmax, t_in_vocab,
+                    block_mask, ttt_steps: int, step_weight: float, loss_chunk: int):
+    loss, stats = ttt_unroll(drafter, input_ids, aux_hidden, doc_ids, loss_mask, Teacher(t_probs, t_argmax, t_in_vocab),
+                             ttt_steps=ttt_steps, step_weight=step_weight, backend="flex", position_ids=position_ids,
+                             loss_chunk=loss_chunk, block_mask=block_mask)
+    return loss, stats.as_tensor()
+
+
+class CompiledUnroll:
+    """`ttt_unroll` (flex backend) compiled as ONE graph: the K drafter steps, the flex attention over the step-0
+    keys with the exact diagonal merge, the soft-CE losses and the statistics, forward and backward.
+
+    Why: eager, a 16k-token step of a one-layer drafter is ~2,000 kernels (small elementwise ops, dtype copies,
+    the [T, V_d] soft CE in several passes), host- and launch-bound at ~5% MFU; inductor fuses the elementwise
+    work and the loss passes. Shapes are static per sequence length (rows are padded to the token budget), so
+    there is one compile per length. The document-causal BlockMask is built outside the graph, once per batch.
+
+    `backend`: torch.compile backend ("inductor" on GPU; tests use "aot_eager" on CPU to prove the unroll traces
+    as one graph, `fullgraph=True`). If compiling fails at the first call, `__call__` raises; the trainer then
+    falls back to eager and says so.
+    """
+
+    def __init__(self, backend: str = "inductor", fullgraph: bool = True):
+        _raise_recompile_limit()
+        self.fn = torch.compile(_unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph)
+
+    def __call__(self, drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher: Teacher,
+                 ttt_steps: int, step_weight: float, loss_chunk: int = 0):
+        bm = doc_causal_block_mask(doc_ids)
+        return self.fn(drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher.probs,
+                       teacher.argmax, teacher.in_vocab, bm, ttt_steps, step_weight, loss_chunk)
