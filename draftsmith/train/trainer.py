@@ -558,7 +558,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- pieces
     def _use_compile(self, device) -> bool:
-        """--compile: auto = on for CUDA with the flex backend and without FSDP (one graph per sequence length)."""
+        """--compile: auto = on for a single CUDA process with the flex backend (one graph per sequence length).
+        Not yet auto under torchrun: a compile failure at the first step of one rank would leave DDP's reducer
+        mid-iteration, and the multi-GPU runs (issue 5) have not measured it; `--compile on` forces it."""
         c, b = self.cfg.compile, self.cfg.attn_backend
         if c not in ("auto", "on", "off"):
             raise DraftsmithError(f"--compile: unknown {c!r} (auto, on, off)")
@@ -568,7 +570,7 @@ class Trainer:
                 raise DraftsmithError("--compile on: needs a CUDA device and the flex attention backend "
                                       "(flex attention has no CPU backward); use --compile off")
             return True
-        return c == "auto" and flex and device.type == "cuda" and not self.cfg.fsdp
+        return c == "auto" and flex and device.type == "cuda" and not self.cfg.fsdp and self.world == 1
 
     def _amp_dtype(self, device):
         return amp_dtype(self.cfg.dtype, device)
