@@ -248,10 +248,11 @@ class Trainer:
                 # look like a store captured with default settings (offline == online)
                 max_len = cfg.max_length or min(cfg.batch_tokens, 2048, int(getattr(
                     target.config, "max_position_embeddings", None) or 2048))
+                t_data = time.time()
                 samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len,
                                                on_bad=cfg.on_bad, glob=cfg.glob)
                 if hasattr(report, "summary"):
-                    self.log(f"data: {report.summary()}")
+                    self.log(f"data: {report.summary()} ({time.time() - t_data:.1f}s)")
             if len(samples) == 0:
                 raise DraftsmithError(f"{cfg.data}: no samples — nothing to train on")
             aux = list(cfg.aux_layers) if cfg.aux_layers else list(target.default_aux_layers)
