@@ -119,12 +119,14 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     counts = torch.arange(target.vocab_size, 0, -1)
     drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32, aux_layer_ids=aux_layers,
                                   draft_vocab_size=vd).to(dev)
-    # "compiled" = flex + the whole unroll as one torch.compile graph (the trainer's CUDA default)
-    cfg = TrainConfig(ttt_steps=K, attn_backend="flex" if backend == "compiled" else backend, batch_tokens=T,
-                      compile="on" if backend == "compiled" else "off")  # library defaults: auto chunk, loss chunk
+    # "compiled" = flex + the whole unroll as one torch.compile graph (the trainer's CUDA default);
+    # "compiled-step" = flex + one graph reused by every TTT step (`--compile step`)
+    compiled = backend.startswith("compiled")
+    cfg = TrainConfig(ttt_steps=K, attn_backend="flex" if compiled else backend, batch_tokens=T,
+                      compile="off")  # library defaults: auto chunk, loss chunk
     model = TTTModel(drafter, cfg)
-    if backend == "compiled":
-        model.enable_compile()
+    if compiled:
+        model.enable_compile(granularity="step" if backend == "compiled-step" else "unroll")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     lm_w = target.lm_head.weight
@@ -193,8 +195,9 @@ def main() -> None:
     ap.add_argument("--store", default=None)
     ap.add_argument("--seq", default="2048,8192,16384")
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--backends", default="compiled,flex,chunked",
-                    help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), flex, chunked")
+    ap.add_argument("--backends", default="compiled-step,compiled,flex,chunked",
+                    help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), compiled-step "
+                         "(one graph reused by every TTT step), flex, chunked")
     ap.add_argument("--draft-vocab-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

@@ -404,8 +404,9 @@ def _dense_doc_causal(doc_ids, create_block_mask=None):
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & (ar[None, None, :] <= ar[None, :, None]))[:, None]
 
 
+@pytest.mark.parametrize("granularity", ["unroll", "step"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_unroll_is_one_graph_and_matches_reference(backend, monkeypatch):
+def test_compiled_unroll_is_one_graph_and_matches_reference(backend, granularity, monkeypatch):
     """`CompiledUnroll` traces the whole K-step unroll (drafter steps, the LSE merge of the diagonal keys, the fused
     soft CE and its backward, the statistics) with fullgraph=True — no graph break can silently run parts eagerly —
     and equals the dense reference. Flex attention itself is replaced by a dense function with its contract, as
@@ -416,10 +417,13 @@ def test_compiled_unroll_is_one_graph_and_matches_reference(backend, monkeypatch
 
     monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
     monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
-    V, Vd, H, K = 50, 20, 32, 4
-    drafter = _tiny_drafter(1, V, Vd, H).float()
+    V, Vd, H, K = 50, 20, 32, 5
+    drafter = _tiny_drafter(2 if granularity == "step" else 1, V, Vd, H).float()
     T = 128
     doc = document_ids_from_lengths([40, 60, 20], T)[None]
     ids = torch.randint(0, V, (1, T))
@@ -431,8 +435,11 @@ def test_compiled_unroll_is_one_graph_and_matches_reference(backend, monkeypatch
     params = list(drafter.parameters())
     want, st = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=K, backend="reference", position_ids=pos)
     g_want = torch.autograd.grad(want, params)
-    got, st_got = ttt.CompiledUnroll(backend=backend)(drafter, ids, aux, doc, pos, lmask, teacher, K, 0.8, 0)
+    cls = ttt.CompiledStepUnroll if granularity == "step" else ttt.CompiledUnroll
+    got, st_got = cls(backend=backend)(drafter, ids, aux, doc, pos, lmask, teacher, K, 0.8, 0)
     g_got = torch.autograd.grad(got, params)
+    # "unroll": the K steps are one graph; "step": step 0 and ONE graph reused by steps 1..K-1 (fixed-slot keys)
+    assert counters["stats"]["unique_graphs"] == (2 if granularity == "step" else 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

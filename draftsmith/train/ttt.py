@@ -641,3 +641,131 @@ class CompiledUnroll:
         bm = doc_causal_block_mask(doc_ids)
         return self.fn(drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher.probs,
                        teacher.argmax, teacher.in_vocab, bm, ttt_steps, step_weight, loss_chunk)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-step compiled unroll: the same graph for every TTT step >= 1 (compile time independent of K)
+# ----------------------------------------------------------------------------------------------------
+class _SlotAttention:
+    """attn_fn for one TTT step with shape-stable state: per layer the step-0 keys/values (k0, v0) and the
+    diagonal keys/values of steps 1..K-1 in fixed slots Kd/Vd [B, nkv, T, K-1, d]. `slot` (a 0-d long tensor)
+    is where this step's k/v go; `bias` [K-1] is 0 for slots 1..k and -inf for later ones. Step 0
+    (k0s is None) records its own k/v as k0/v0 and attends to the step-0 keys only."""
+
+    def __init__(self, k0s, v0s, kds, vds, slot, bias, block_mask, n_slots: int):
+        self.k0s, self.v0s, self.kds, self.vds = k0s, v0s, kds, vds
+        self.slot, self.bias, self.bm, self.n_slots = slot, bias, block_mask, n_slots
+        self.out_k0, self.out_v0, self.out_kd, self.out_vd = {}, {}, {}, {}
+
+    def __call__(self, q, k, v, layer_idx: int = 0):
+        fa, _ = _flex(False)  # the raw op: this runs inside a compiled graph (or eagerly in tests)
+        B, nh, T, d = q.shape
+        nkv = k.shape[1]
+        scale = 1.0 / math.sqrt(d)
+        if self.k0s is None:  # step 0
+            self.out_k0[layer_idx], self.out_v0[layer_idx] = k, v
+            # the slots start as step 0's k/v in slot 0 (masked by `bias`, overwritten by step 1, so their gradient
+            # is zero): step 1 then gets slot tensors of the same kind as every later step -> one graph for k >= 1
+            z = k.new_zeros(B, nkv, T, self.n_slots, d)
+            self.out_kd[layer_idx] = z.index_copy(3, self.slot.view(1), k[:, :, :, None])
+            self.out_vd[layer_idx] = z.to(v.dtype).index_copy(3, self.slot.view(1), v[:, :, :, None])
+            out0, _ = fa(q, k.to(q.dtype), v.to(q.dtype), self.bm, scale, nh != nkv)
+            return out0
+        k0, v0 = self.k0s[layer_idx], self.v0s[layer_idx]
+        Kd = self.kds[layer_idx].index_copy(3, self.slot.view(1), k.to(self.kds[layer_idx].dtype)[:, :, :, None])
+        Vd = self.vds[layer_idx].index_copy(3, self.slot.view(1), v.to(self.vds[layer_idx].dtype)[:, :, :, None])
+        self.out_kd[layer_idx], self.out_vd[layer_idx] = Kd, Vd
+        out0, lse0 = fa(q, k0.to(q.dtype), v0.to(q.dtype), self.bm, scale, nh != nkv)
+        return _merge_slots(out0, lse0, q, Kd, Vd, self.bias, scale)
+
+
+def _merge_slots(out0, lse0, q, Kd, Vd, bias, scale):
+    """`merge_diagonal` over fixed slots: Kd/Vd [B,nkv,T,S,d], bias [S] (0 = active, -inf = not yet)."""
+    B, nh, T, d = q.shape
+    nkv = Kd.shape[1]
+    g = nh // nkv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):
+        qg = q.reshape(B, nkv, g, T, 1, d).to(acc)
+        K = Kd.to(acc)[:, :, None]  # [B,nkv,1,T,S,d]
+        V = Vd.to(acc)[:, :, None]
+        sd = torch.matmul(qg, K.transpose(-1, -2)) * scale + bias.to(acc)  # [B,nkv,g,T,1,S]
+        s = torch.cat([lse0.reshape(B, nkv, g, T, 1, 1).to(acc), sd], dim=-1)
+        p = torch.softmax(s, dim=-1)
+        out = p[..., :1] * out0.reshape(B, nkv, g, T, 1, d).to(acc) + torch.matmul(p[..., 1:], V)
+    return out.reshape(B, nh, T, d).to(q.dtype)
+
+
+def _one_step(drafter, ids_k, hidden, position_ids, probs_k, valid_k, k0s, v0s, kds, vds, slot, bias, block_mask,
+              n_slots: int):
+    """One TTT step over the full row (fixed shapes): drafter step, soft CE of the valid positions, argmax.
+    Returns (hidden, ce_sum, pred, (k0s, v0s, kds, vds))."""
+    attn = _SlotAttention(k0s, v0s, kds, vds, slot, bias, block_mask, n_slots)
+    hidden = drafter(ids_k, hidden, position_ids, attn_fn=attn)
+    logits = drafter.compute_logits(hidden)
+    ce = soft_ce_sum(logits, probs_k, valid_k)
+    pred = logits.detach().argmax(-1)
+    n = len(attn.out_kd)
+    state = (
+        tuple(attn.out_k0[i] for i in range(n)) if k0s is None else k0s,
+        tuple(attn.out_v0[i] for i in range(n)) if v0s is None else v0s,
+        tuple(attn.out_kd[i] for i in range(n)),
+        tuple(attn.out_vd[i] for i in range(n)),
+    )
+    return hidden, ce, pred, state
+
+
+class CompiledStepUnroll:
+    """The TTT unroll with ONE compiled graph per step kind (step 0, and all steps >= 1), instead of one graph
+    for the whole K-step unroll (`CompiledUnroll`). Why: compile time of the whole unroll grows linearly with
+    K (CPU inductor, pycode-small drafter shapes: 21 / 42 / 88 s at K = 1 / 3 / 7; 155 s on the H200 at K=7),
+    while every step >= 1 does the same computation on the same shapes once the diagonal keys live in fixed
+    slots (inactive slots masked with -inf) and the teacher rows are fixed-length views of a once-padded
+    tensor. Same loss, gradients and statistics as `ttt_unroll` (tested on CPU against the reference).
+    Memory: each step keeps its own [B, nkv, T, K-1, d] slot tensors (K-1 small key/value rows per token), and
+    the loss runs over whole rows ([T, V_d] logits per step: `loss_chunk` is not applied)."""
+
+    def __init__(self, backend: str = "inductor", fullgraph: bool = True):
+        _raise_recompile_limit()
+        self.fn = torch.compile(_one_step, backend=backend, dynamic=False, fullgraph=fullgraph)
+
+    def __call__(self, drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher: Teacher,
+                 ttt_steps: int, step_weight: float, loss_chunk: int = 0, pad_token_id: int = 0):
+        K = ttt_steps
+        B, T = input_ids.shape
+        dev = input_ids.device
+        bm = doc_causal_block_mask(doc_ids)
+        ids_w = _windows(input_ids, K, pad_token_id)
+        doc_w = _windows(doc_ids, K + 1, -1)
+        lm_w = _windows(loss_mask, K + 1, False)
+        iv_w = _windows(teacher.in_vocab, K + 1, False)
+        valid_all = (doc_w[:, 2 : K + 2] == doc_ids[:, None]) & lm_w[:, 2 : K + 2] & iv_w[:, 1 : K + 1]  # [B,K,T]
+        n_all = valid_all.sum(dim=(0, 2))
+        inv_n = torch.as_tensor([step_weight**k for k in range(K)], dtype=torch.float64, device=dev) / n_all.clamp(min=1)
+        # teacher rows of step k = probs[i + k + 1]: a [B, T, V_d] window of a once-padded tensor (fixed shape)
+        probs_p = F.pad(teacher.probs, (0, 0, 0, K + 1))
+        n_slots = max(1, K - 1)
+        slots = torch.arange(n_slots, device=dev)
+        hidden = drafter.fuse(aux_hidden)
+        state = (None, None, None, None)
+        ce_list, pred_list = [], []
+        for k in range(K):
+            slot = slots[max(k - 1, 0)]
+            bias = torch.where(slots < k, 0.0, float("-inf"))
+            hidden, ce, pred, state = self.fn(drafter, ids_w[:, k + 1], hidden, position_ids,
+                                              probs_p[:, k + 1 : k + 1 + T], valid_all[:, k], *state, slot, bias, bm,
+                                              n_slots)
+            ce_list.append(ce)
+            pred_list.append(torch.where(torch.arange(T, device=dev) < T - (k + 1), pred, -1))  # as ttt_unroll
+        ce = torch.stack(ce_list)
+        loss = (ce * inv_n.to(ce.dtype)).sum()
+        with torch.no_grad():
+            preds = torch.stack(pred_list, dim=1)
+            t_arg = _windows(teacher.argmax, K, -2)[:, 1 : K + 1]
+            hit = preds == t_arg
+            chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()
+            stats = torch.stack([
+                ce.detach().double(), n_all.double(), (hit & valid_all).sum(dim=(0, 2)).double(),
+                (chain & hit & valid_all).sum(dim=(0, 2)).double(), (chain & valid_all).sum(dim=(0, 2)).double(),
+            ])
+        return loss, stats
