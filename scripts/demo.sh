@@ -8,6 +8,9 @@ bash scripts/setup.sh
 export TOKENIZERS_PARALLELISM=false
 OUT=${OUT_DIR:-runs/demo}
 CORPUS=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+# a demo starts fresh each time (capture would refuse a store made with other settings, train a run dir
+# that already holds checkpoints): remove only what this script writes
+rm -rf "$OUT/store" "$OUT/run" "$OUT/eval" "$OUT/export-sglang" "$OUT/export-vllm"
 mkdir -p "$OUT"
 draftsmith inspect assets/pycode-tiny
 # 1. capture: aux hidden states of layers 1,3,4 (layer-output ids) + the final pre-norm state
