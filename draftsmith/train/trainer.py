@@ -565,6 +565,8 @@ class Trainer:
         Not yet auto under torchrun: a compile failure at the first step of one rank would leave DDP's reducer
         mid-iteration, and the multi-GPU runs (issue 5) have not measured it; `--compile on` forces it."""
         c, b = self.cfg.compile, self.cfg.attn_backend
+        if isinstance(c, bool):  # YAML 1.1 reads `compile: on/off` as booleans
+            c = self.cfg.compile = "on" if c else "off"
         if c not in ("auto", "on", "unroll", "step", "off"):
             raise DraftsmithError(f"--compile: unknown {c!r} (auto, unroll, step, on = unroll, off)")
         flex = b == "flex" or (b == "auto" and device.type == "cuda")
