@@ -88,6 +88,22 @@ def test_greedy_equal_random_drafter_pycode(pycode, mode):
     _check_equal(eng, prompts, refs, mode)
 
 
+def test_greedy_equal_compiled_rounds_pycode(pycode):
+    """`compile=True` (torch.compile of the round forwards: bench/decode.py --compile, P1c) keeps greedy
+    equality, chain and tree, on a few prompts (compiling takes most of the time)."""
+    import torch._dynamo
+
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64, compile=True)
+    for mode in (CHAIN, TREE, DecodeMode("plain")):
+        _check_equal(eng, prompts[:4], refs[:4], mode)
+    torch._dynamo.reset()
+
+
 QWEN_MODES = [CHAIN, TREE, DecodeMode("plain"), DecodeMode("chain", draft_tokens=1),
               DecodeMode("tree", top_k=1, depth=4, tree_tokens=4), DecodeMode("tree", top_k=5, depth=1, tree_tokens=5),
               DecodeMode("tree", top_k=4, depth=4, tree_tokens=40)]
