@@ -414,7 +414,7 @@ class Trainer:
                  f"<= {cfg.batch_tokens} tokens per epoch, world {self.world} x accum {cfg.grad_accum}, "
                  f"{total_steps} steps (warmup {warmup}), K={cfg.ttt_steps}, V_d={drafter.config.draft_vocab_size}, "
                  f"aux layers {aux_layers} (layer-output ids), {n_params / 1e6:.2f}M trainable params, device {device}"
-                 f"{', compiled TTT unroll' if model.compiled is not None else ''}")
+                 f"{'; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off skips it)' if model.compiled is not None else ''}")
 
         online_states = OnlineStates(target, aux_layers) if online else None
         lm_w = target.lm_head.weight
