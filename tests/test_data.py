@@ -576,3 +576,30 @@ def test_load_prompts_real_eval_sets(tok):
     assert all(t.lstrip().startswith(("def ", "from ", "import ")) for t in he)
     mt = load_prompts(d / "mt_bench.jsonl", tok)
     assert len(mt) == 80 and all(a[0] == 0 for a in mt)
+
+
+def test_worker_pool_tokenization_equals_serial(tok, tmp_path, monkeypatch):
+    """DRAFTSMITH_TOKENIZE_WORKERS=N tokenizes text batches in N forked workers: same samples, same report."""
+    import shutil
+
+    import draftsmith.data.loader as L
+
+    pkg = REPO / "draftsmith"
+    for i, f in enumerate(sorted(pkg.rglob("*.py"))[:40]):
+        shutil.copy(f, tmp_path / f"m{i:02d}.py")
+    monkeypatch.setattr(L, "_BATCH_ITEMS", 6)  # several batches: the pool starts at the second one
+    monkeypatch.delenv("DRAFTSMITH_TOKENIZE_WORKERS", raising=False)
+    a, ra = load_samples(tmp_path, tok, max_length=256, on_bad="skip")
+    monkeypatch.setenv("DRAFTSMITH_TOKENIZE_WORKERS", "2")
+    started = []
+    orig = L._TextPool.__init__
+    monkeypatch.setattr(L._TextPool, "__init__", lambda self, *a, **k: (started.append(1), orig(self, *a, **k))[1])
+    b, rb = load_samples(tmp_path, tok, max_length=256, on_bad="skip")
+    assert started, "the worker pool was not used"
+    assert ra.to_dict() == rb.to_dict() and len(a) == len(b) > 40
+    for x, y in zip(a, b):
+        assert x.source == y.source and np.array_equal(x.input_ids, y.input_ids)
+        assert np.array_equal(x.loss_mask, y.loss_mask) and x.input_ids.dtype == y.input_ids.dtype
+    monkeypatch.setenv("DRAFTSMITH_TOKENIZE_WORKERS", "lots")
+    with pytest.raises(DraftsmithError, match="DRAFTSMITH_TOKENIZE_WORKERS"):
+        load_samples(tmp_path, tok, max_length=256, on_bad="skip")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -86,9 +87,83 @@ def _encode(tokenizer, texts: list[str], *, offsets=False, as_text=False):
     return enc["input_ids"], enc.get("offset_mapping") if offsets else None
 
 
-def _encode_safe(tokenizer, texts, wheres, on_error, **kw):
+# ------------------------------------------------------------------------------------------------
+# Text tokenization in worker processes (large source-code corpora)
+# ------------------------------------------------------------------------------------------------
+# Why: on the 16-core GPU machine 390 MB of Python took ~70 s to tokenize (~5.5 MB/s), no faster than on
+# 2 cores: the per-text Python work around the Rust tokenizer (encodings -> lists -> arrays) is serial.
+# Worker processes take whole texts, so the result is identical to the serial path (tested). Opt-in
+# (DRAFTSMITH_TOKENIZE_WORKERS=N) until measured on a many-core machine: on 2 cores it is slower than the
+# tokenizer's own threads (15 s vs 10 s for 54 MB).
+_POOL_TOKENIZER = None
+
+
+def tokenize_workers() -> int:
+    """Worker processes for text tokenization: $DRAFTSMITH_TOKENIZE_WORKERS ('auto' = the usable cores), else 1
+    (= in this process, the tokenizer's own threads)."""
+    env = os.environ.get("DRAFTSMITH_TOKENIZE_WORKERS", "").strip()
+    if not env:
+        return 1
+    if env == "auto":
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    try:
+        return max(1, int(env))
+    except ValueError:
+        raise DraftsmithError(f"DRAFTSMITH_TOKENIZE_WORKERS={env!r}: expected an integer or 'auto'") from None
+
+
+def _pool_init(tokenizer):
+    global _POOL_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _POOL_TOKENIZER = tokenizer
+
+
+def _pool_encode(texts):
+    ids, _ = _encode(_POOL_TOKENIZER, texts, as_text=True)
+    return [np.asarray(x, dtype=np.int32) for x in ids]
+
+
+class _TextPool:
+    """A fork pool holding the tokenizer (fork: unlike spawn/forkserver it never re-imports the caller's
+    __main__, so a user script without an `if __name__ == "__main__"` guard is safe; the workers only tokenize)."""
+
+    def __init__(self, tokenizer, workers: int):
+        import multiprocessing as mp
+        import warnings
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers = workers
+        with warnings.catch_warnings():  # Python 3.12 warns on fork() of a multi-threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_pool_init,
+                                          initargs=(tokenizer,))
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        # ~4 chunks per worker, balanced by characters; map keeps the order
+        target = max(1, sum(len(t) for t in texts) // (4 * self.workers))
+        chunks, cur, size = [], [], 0
+        for t in texts:
+            cur.append(t)
+            size += len(t)
+            if size >= target:
+                chunks.append(cur)
+                cur, size = [], 0
+        if cur:
+            chunks.append(cur)
+        return [a for part in self.ex.map(_pool_encode, chunks) for a in part]
+
+    def close(self):
+        self.ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode_safe(tokenizer, texts, wheres, on_error, pool: _TextPool | None = None, **kw):
     """_encode, but a text the tokenizer rejects becomes a bad record (on_error(BadRecordError)) and None."""
     try:
+        if pool is not None and kw.get("as_text") and not kw.get("offsets"):
+            return pool.encode(texts), None
         return _encode(tokenizer, texts, **kw)
     except Exception:  # noqa: BLE001 - find the culprit(s) one by one
         ids, offs = [], []
@@ -134,6 +209,8 @@ class _Loader:
         self.samples: list[Sample] = []
         self.has_template = _has_template(tokenizer)
         self.tkw = dict(template_kwargs or {})
+        self.pool: _TextPool | None = None
+        self._text_batches = 0
 
     # -- bad records ---------------------------------------------------------------------------
     def bad(self, err: BadRecordError):
@@ -166,20 +243,34 @@ class _Loader:
         """items: (where, thunk) pairs; thunk() -> Record or raises BadRecordError."""
         split = self.split_long if self.split_long is not None else split_default
         batch, chars = [], 0
-        for where, thunk in items:
-            self.report.total += 1
-            try:
-                item = self.classify(thunk())
-            except BadRecordError as e:
-                self.bad(e)
-                continue
-            batch.append((where, item))
-            chars += len(item[1]) if item[0] == "text" else len(item[1].full)
-            if len(batch) >= _BATCH_ITEMS or chars >= _BATCH_CHARS:
+        try:
+            for where, thunk in items:
+                self.report.total += 1
+                try:
+                    item = self.classify(thunk())
+                except BadRecordError as e:
+                    self.bad(e)
+                    continue
+                batch.append((where, item))
+                chars += len(item[1]) if item[0] == "text" else len(item[1].full)
+                if len(batch) >= _BATCH_ITEMS or chars >= _BATCH_CHARS:
+                    self.flush(batch, split)
+                    batch, chars = [], 0
+            if batch:
                 self.flush(batch, split)
-                batch, chars = [], 0
-        if batch:
-            self.flush(batch, split)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+
+    def _text_pool(self):
+        """Worker pool for the text path, started at the second full batch (small data never pays for it)."""
+        self._text_batches += 1
+        if self.pool is None and self._text_batches >= 2:
+            n = tokenize_workers()
+            if n > 1:
+                self.pool = _TextPool(self.tok, n)
+        return self.pool
 
     def flush(self, batch, split):
         texts = [(i, it) for i, (_, it) in enumerate(batch) if it[0] == "text"]
@@ -187,7 +278,7 @@ class _Loader:
         out: list = [None] * len(batch)
         if texts:
             ids_list, _ = _encode_safe(self.tok, [it[1] for _, it in texts], [batch[i][0] for i, _ in texts],
-                                       self.bad, as_text=True)
+                                       self.bad, pool=self._text_pool(), as_text=True)
             for (i, it), ids in zip(texts, ids_list):
                 if ids is None:
                     continue
