@@ -1,3 +1,4 @@
 from draftsmith.cli import main
 
-main()
+if __name__ == "__main__":  # spawned worker processes import __main__ again: never re-run the CLI there
+    main()
