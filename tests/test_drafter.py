@@ -155,6 +155,20 @@ def test_positions_matter_and_1d_positions_accepted():
     assert not torch.allclose(a, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_computed_rope(dtype):
+    """The decoder indexes `rope_table` rows instead of recomputing RoPE per step: bit-identical outputs."""
+    d = small_drafter().to(dtype)
+    ids, aux = inputs(d, b=1)
+    pos = torch.tensor([[3, 4, 5, 9, 17, 18, 19, 20, 40]])
+    cos, sin = d.rope_table(64, torch.device("cpu"), dtype)
+    with torch.no_grad():
+        h = d.fuse(aux.to(dtype))
+        a = d(ids, h, pos)
+        b = d(ids, h, pos, rope=(cos[pos[0]][None], sin[pos[0]][None]))
+    assert torch.equal(a, b)
+
+
 def _reference_forward(d: Drafter, ids, hidden, pos):
     """Independent re-statement of GUIDE §3 with transformers' own Llama RoPE / RMSNorm."""
     from transformers import LlamaConfig

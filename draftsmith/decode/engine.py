@@ -237,6 +237,9 @@ class SpeculativeDecoder:
                                  f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
         self._d_slots = None
         self._d_mask = None
+        self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
+        self._d_rope = None  # (cos, sin) [max_len, head_dim] of a draftsmith Drafter: indexed, not recomputed
+        self._set_drafter_rope()
         # opt-in: torch.compile the static-shape forwards used inside rounds (fuses the small elementwise
         # kernels; one compile per shape, done during graph warm-up). Prefill (variable length) stays eager.
         self._compiled = compile
@@ -247,9 +250,20 @@ class SpeculativeDecoder:
             if drafter is not None:
                 self._d_call = torch.compile(drafter, dynamic=False)
 
+    def _set_drafter_rope(self) -> None:
+        from draftsmith.drafter import Drafter
+
+        if isinstance(self.drafter, Drafter):
+            self._d_rope = self.drafter.rope_table(self.max_len, self.device, self.d_dtype)
+
+    def _mask(self, limit: torch.Tensor) -> torch.Tensor:
+        """`_lower_bound_mask` over the cached slot indices."""
+        return self._ar[None, :] <= limit[:, None]
+
     def set_max_len(self, max_len: int) -> None:
         """Resize the caches (target and drafter); drops captured graphs."""
         self.max_len = _round_up(int(max_len), 16)
+        self._ar = torch.arange(self.max_len, device=self.device)
         if hasattr(self.runner, "set_max_len"):
             self.runner.set_max_len(self.max_len)
         else:
@@ -259,6 +273,7 @@ class SpeculativeDecoder:
             self.dk = self.dv = None
             self.dk = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
             self.dv = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+            self._set_drafter_rope()
         self._graphs.clear()
 
     # ------------------------------------------------------------------ primitives
@@ -279,7 +294,10 @@ class SpeculativeDecoder:
         """Drafter forward over T tokens (cache write at slots, attention under mask) -> out [T, H]."""
         self._d_slots, self._d_mask = slots, mask
         call = self.drafter if eager else self._d_call
-        out = call(ids[None], hidden[None].to(self.d_dtype), positions[None], attn_fn=self._attn)
+        kw = {}
+        if self._d_rope is not None:
+            kw["rope"] = (self._d_rope[0][positions][None], self._d_rope[1][positions][None])
+        out = call(ids[None], hidden[None].to(self.d_dtype), positions[None], attn_fn=self._attn, **kw)
         return out[0]
 
     def _fuse(self, aux):
@@ -298,7 +316,7 @@ class SpeculativeDecoder:
         draft = draft and self.drafter is not None
         ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)
-        mask = _lower_bound_mask(self.max_len, pos, dev)
+        mask = self._mask(pos)
         logits, aux = self._target(ids, pos, pos, mask, logits_rows=pos[-1:], want_aux=draft, eager=True)
         root = choose(logits[0], sp)
         self.root.copy_(root)
@@ -311,9 +329,8 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ rounds (static shapes, no syncs)
     def _plain_step(self, sp: SamplingParams):
-        dev = self.device
         L = self.L.view(1)
-        mask = _lower_bound_mask(self.max_len, L, dev)
+        mask = self._mask(L)
         logits, _ = self._target(self.root.view(1), L, L, mask, want_aux=False)
         nxt = choose(logits[0], sp)
         self.out[0] = nxt
@@ -327,7 +344,7 @@ class SpeculativeDecoder:
         M = tokens.shape[0]
         dev = self.device
         pos = self.L + torch.arange(M, device=dev)
-        mask = _lower_bound_mask(self.max_len, pos, dev)
+        mask = self._mask(pos)
         h = self._draft_fwd(tokens, self._fuse(aux_rows), pos, pos, mask)
         self.h_last.copy_(h.index_select(0, n_acc.view(1))[0])
 
@@ -350,12 +367,12 @@ class SpeculativeDecoder:
             drafts.append(ti)
             if i < K - 1:
                 p = (L + i).view(1)
-                mask = _lower_bound_mask(self.max_len, p, dev)
+                mask = self._mask(p)
                 h = self._draft_fwd(ti, h.view(1, -1), p, p, mask)[0]
         draft = torch.cat(drafts)  # [K]
         ids = torch.cat([self.root.view(1), draft])
         pos = L + torch.arange(K + 1, device=dev)
-        mask = _lower_bound_mask(self.max_len, pos, dev)
+        mask = self._mask(pos)
         logits, aux = self._target(ids, pos, pos, mask)
         if sp.greedy:
             a, bonus = chain_accept(draft, None, None, torch.argmax(logits, -1))

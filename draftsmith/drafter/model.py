@@ -287,10 +287,19 @@ class Drafter(nn.Module):
                                   "load with Drafter.from_pretrained(path, target=...)")
         return self.embed_tokens(input_ids)
 
+    def rope_table(self, max_len: int, device: torch.device, dtype: torch.dtype):
+        """(cos, sin) [max_len, head_dim] for positions 0..max_len-1: rows equal what `forward` computes for
+        those positions (same fp32 arithmetic), so a decoder can index them instead (fewer kernels per step)."""
+        pos = torch.arange(max_len, device=device)[None]
+        cos, sin = rope_cos_sin(self.inv_freq(device), pos, dtype)
+        return cos[0], sin[0]
+
     def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attn_fn: AttnFn | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                attn_fn: AttnFn | None = None, inputs_embeds: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One draft step. input_ids [B,T] (or inputs_embeds [B,T,H]); hidden [B,T,H] = fused aux at
-        step 0 or the previous step's output; position_ids [B,T] (default 0..T-1).
+        step 0 or the previous step's output; position_ids [B,T] (default 0..T-1); rope: precomputed
+        (cos, sin) [B,T,head_dim] for those positions (rows of `rope_table`), else computed here.
         Returns the pre-norm output [B,T,H]."""
         embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         embeds = embeds.to(hidden.dtype)
@@ -298,7 +307,10 @@ class Drafter(nn.Module):
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(hidden.shape[0], -1)
-        cos, sin = rope_cos_sin(self.inv_freq(hidden.device), position_ids, hidden.dtype)
+        if rope is not None:
+            cos, sin = rope
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq(hidden.device), position_ids, hidden.dtype)
         attn_fn = attn_fn or causal_attention
         h = self.layers[0](embeds, hidden, cos, sin, attn_fn)
         for layer in self.layers[1:]:
