@@ -125,8 +125,10 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     cfg = TrainConfig(ttt_steps=K, attn_backend="flex" if compiled else backend, batch_tokens=T,
                       compile="off")  # library defaults: auto chunk, loss chunk
     model = TTTModel(drafter, cfg)
-    if compiled:
-        model.enable_compile(granularity="step" if backend == "compiled-step" else "unroll")
+    if compiled:  # "compiled-graphs": the unroll's graphs replayed as CUDA graphs (mode="reduce-overhead")
+        model.enable_compile(granularity="step" if backend == "compiled-step" else "unroll",
+                             mode="reduce-overhead" if backend == "compiled-graphs" else None)
+    graphs = backend == "compiled-graphs"
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     lm_w = target.lm_head.weight
@@ -136,6 +138,8 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def step(mb):
+        if graphs:  # a new training step: earlier CUDA-graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
         with amp:
             loss, _ = model(mb.input_ids, mb.aux_hidden, mb.doc_ids, mb.position_ids, mb.loss_mask,
@@ -197,7 +201,8 @@ def main() -> None:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--backends", default="compiled-step,compiled,flex,chunked",
                     help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), compiled-step "
-                         "(one graph reused by every TTT step), flex, chunked")
+                         "(one graph reused by every TTT step), compiled-graphs (compiled, replayed as CUDA graphs), "
+                         "flex, chunked")
     ap.add_argument("--draft-vocab-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

@@ -632,9 +632,13 @@ class CompiledUnroll:
     falls back to eager and says so.
     """
 
-    def __init__(self, backend: str = "inductor", fullgraph: bool = True):
+    def __init__(self, backend: str = "inductor", fullgraph: bool = True, mode: str | None = None):
+        # mode="reduce-overhead": inductor replays the forward and backward graphs as CUDA graphs (the compiled
+        # step is host-bound: 24 ms wall for ~16 ms of GPU work at 8k); callers must then call
+        # torch.compiler.cudagraph_mark_step_begin() per step and copy outputs they keep. Benchmark-only so far.
         _raise_recompile_limit()
-        self.fn = torch.compile(_unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph)
+        self.fn = torch.compile(_unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph,
+                                **({"mode": mode} if mode else {}))
 
     def __call__(self, drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher: Teacher,
                  ttt_steps: int, step_weight: float, loss_chunk: int = 0):
