@@ -1,7 +1,7 @@
 """Training benchmark (GPU): TTT training tokens/s and peak memory at packed sequence lengths 2k/8k/16k, K=7.
 
     python bench/train.py --target PATH/pycode-small [--store STORE] [--seq 2048,8192,16384] [--ttt-steps 7]
-                          [--backends compiled,flex,chunked] [--steps 10] [--draft-vocab-size 8192]
+                          [--backends compiled,flex] [--steps 10] [--draft-vocab-size 8192]
 
 What one timed step is: the real training step of `draftsmith train` — teacher (target final norm +
 lm_head over the stored pre-norm states, softmax over the draft columns), the K-step TTT unroll with the
@@ -14,15 +14,16 @@ Per configuration (seq_len x backend) the table also gives `kernels_per_step` (G
 step, torch.profiler) and `new_dynamo_graphs` (compiles it caused: flex should add a few per seq_len, never
 one per TTT step). Each configuration is isolated (try/except, gc + empty_cache after it; a flex failure is
 reported in `note`, not inherited by the next configuration), and configurations that would start after
-`--time-budget` seconds (default 210) are reported as skipped, so the default run (3 lengths x 2 backends)
-stays under ~4 minutes on an H200.
+`--time-budget` seconds (default 540) are reported as skipped. The compiled rows cost their compile in
+`warmup_s` (155 s at 8k for the whole-unroll graph on an H200), so the default run (3 lengths x compiled, flex)
+fills about 9 minutes; pick `--seq`/`--backends` for shorter calls.
 
 Floors: the drafter is one decoder layer, so a step is ~K x (fc + layer + lm_head over V_d) forward and
 twice that backward: FLOPs ~= 6 * K * T * (params of layer + H * V_d) + attention; the table prints the
 model-FLOP utilisation against ~790 TFLOP/s bf16 (H200, GUIDE §8).
 
-TODO (later session): the side-by-side with speculators 0.9.0 (same store exported with
-`draftsmith store export --format speculators`, same aux layers, V_d, TTT steps and token budget).
+The side-by-side with speculators 0.9.0 (same store, split, draft vocab, K, token budget, evaluator) is
+bench/train_compare.py.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def main() -> None:
     ap.add_argument("--store", default=None)
     ap.add_argument("--seq", default="2048,8192,16384")
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--backends", default="compiled-step,compiled,flex,chunked",
+    ap.add_argument("--backends", default="compiled,flex",
                     help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), compiled-step "
                          "(one graph reused by every TTT step), compiled-graphs (compiled, replayed as CUDA graphs), "
                          "flex, chunked")
@@ -207,7 +208,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=210.0,
+    ap.add_argument("--time-budget", type=float, default=540.0,
                     help="seconds: configurations that would start after this are reported as skipped")
     ap.add_argument("--no-profile", action="store_true", help="skip the one profiled step (kernel count) per config")
     args = ap.parse_args()
