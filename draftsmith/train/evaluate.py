@@ -19,15 +19,14 @@ speculators layout) is scored with the same code on the same samples as ours.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Sequence
 
 import torch
 
 from draftsmith.train.data import build_micro_batch, pack_rows, source_lengths, split_train_eval
-from draftsmith.train.trainer import TTTModel, TrainConfig, amp_dtype
-from draftsmith.train.ttt import TTTStats, compute_teacher
+from draftsmith.train.trainer import TTTModel, TrainConfig, amp_dtype, forward_micro_batch
+from draftsmith.train.ttt import TTTStats
 
 __all__ = ["heldout_split", "open_store", "evaluate_drafter", "eval_rows"]
 
@@ -97,14 +96,7 @@ def evaluate_drafter(
     total, loss_sum, n = None, 0.0, 0
     for row in rows:
         mb = build_micro_batch(store, row, batch_tokens, with_states=True, pad_to=pad_to).to(dev)
-        # = Trainer._forward
-        teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
-        aux = mb.aux_hidden.to(torch.float32) if amp is None else mb.aux_hidden
-        ctx = torch.autocast(mb.input_ids.device.type, dtype=amp) if amp else contextlib.nullcontext()
-        with ctx:
-            loss, stats = model(mb.input_ids, aux, mb.doc_ids, mb.position_ids, mb.loss_mask,
-                                teacher.probs, teacher.argmax, teacher.in_vocab)
-        stats = stats.detach()
+        loss, stats = forward_micro_batch(model, mb, target, lm_w, d2t_ids, t2d, amp)
         total = stats if total is None else total + stats
         loss_sum += float(loss)
         n += 1

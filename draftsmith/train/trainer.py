@@ -179,6 +179,18 @@ def lr_lambda_factory(total: int, warmup: int, min_ratio: float) -> Callable[[in
 # the trainer
 # ---------------------------------------------------------------------------------------------------
 
+def forward_micro_batch(model, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype):
+    """Teacher from the micro-batch's final states, then the TTT unroll under autocast -> (loss, stats).
+    The one forward of training and of `evaluate_drafter` (so the evaluator reproduces the trainer's numbers)."""
+    teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
+    aux = mb.aux_hidden.to(torch.float32) if amp_dtype is None else mb.aux_hidden
+    ctx = torch.autocast(mb.input_ids.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    with ctx:
+        loss, stats = model(mb.input_ids, aux, mb.doc_ids, mb.position_ids, mb.loss_mask,
+                            teacher.probs, teacher.argmax, teacher.in_vocab)
+    return loss, stats.detach()
+
+
 def amp_dtype(dtype: str, device: torch.device):
     """Autocast dtype for a --dtype value on a device (None = no autocast)."""
     if dtype == "auto":
@@ -473,11 +485,14 @@ class Trainer:
                 if cfg.online_state_dtype == "bf16":
                     mb.aux_hidden = mb.aux_hidden.to(torch.bfloat16)
                     mb.final_hidden = mb.final_hidden.to(torch.bfloat16)
-            sync_ctx = self._no_sync(wrapped) if j < cfg.grad_accum - 1 else contextlib.nullcontext()
-            try:
-                loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
-                with sync_ctx:
+            def forward_backward():
+                loss, stats = forward_micro_batch(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
+                with self._no_sync(wrapped) if j < cfg.grad_accum - 1 else contextlib.nullcontext():
                     (loss / cfg.grad_accum).backward()
+                return loss, stats
+
+            try:
+                loss, stats = forward_backward()
             except Exception as e:  # only the very first step, before any gradient exists, may fall back
                 if not compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or cfg.compile != "auto":
                     raise
@@ -486,9 +501,7 @@ class Trainer:
                          f"(--compile off hides this)")
                 model.disable_compile()
                 optimizer.zero_grad(set_to_none=True)
-                loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
-                with sync_ctx:
-                    (loss / cfg.grad_accum).backward()
+                loss, stats = forward_backward()
             compile_pending = False
             acc_stats = stats if acc_stats is None else acc_stats + stats
             loss_acc += loss.detach().double()
@@ -583,15 +596,6 @@ class Trainer:
     def _amp_dtype(self, device):
         return amp_dtype(self.cfg.dtype, device)
 
-    def _forward(self, wrapped, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype):
-        teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
-        aux = mb.aux_hidden.to(torch.float32) if amp_dtype is None else mb.aux_hidden
-        ctx = torch.autocast(mb.input_ids.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-        with ctx:
-            loss, stats = wrapped(mb.input_ids, aux, mb.doc_ids, mb.position_ids, mb.loss_mask,
-                                  teacher.probs, teacher.argmax, teacher.in_vocab)
-        return loss, stats.detach()
-
     @torch.no_grad()
     def _evaluate(self, wrapped, eval_rows, source, online_states, target, lm_w, d2t_ids, t2d, amp_dtype, online):
         wrapped.eval()
@@ -608,7 +612,7 @@ class Trainer:
                 mb = online_states.fill(mb, self.device)
                 if self.cfg.online_state_dtype == "bf16":
                     mb.aux_hidden, mb.final_hidden = mb.aux_hidden.to(torch.bfloat16), mb.final_hidden.to(torch.bfloat16)
-            loss, stats = self._forward(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
+            loss, stats = forward_micro_batch(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
             if real:
                 total = stats if total is None else total + stats
                 loss_sum += float(loss)
