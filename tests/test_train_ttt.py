@@ -113,6 +113,19 @@ class _Norm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+def _random_row(drafter, lens, T, mask_p=None):
+    """A random packed fp32 row for `drafter` (V=50, H=32): (ids, aux, doc, loss_mask, teacher).
+    mask_p: fraction of loss-masked-out tokens (None: every token is a target)."""
+    V, H = drafter.config.vocab_size, drafter.config.hidden_size
+    doc = document_ids_from_lengths(lens, T)[None]
+    ids = torch.randint(0, V, (1, T))
+    lmask = torch.ones(1, T, dtype=torch.bool) if mask_p is None else torch.rand(1, T) > mask_p
+    aux = torch.randn(1, T, 3 * H)
+    teacher = compute_teacher(torch.randn(1, T, H), _Norm(), torch.randn(V, H) * 3, drafter.draft_target_ids,
+                              drafter.t2d)
+    return ids, aux, doc, lmask, teacher
+
+
 def _naive_loss(drafter, ids, aux, doc, lmask, final, norm, W, K, w):
     """Per-step loop with the materialised mask and explicit per-position targets."""
     T = ids.shape[1]
@@ -183,14 +196,7 @@ def test_unroll_fp32_matches_reference_backend():
     """fp32, the production dtype on CPU: chunked backend vs the dense reference mask, 1e-5."""
     torch.manual_seed(3)
     drafter = _tiny_drafter(1).float()
-    T = 40
-    doc = document_ids_from_lengths([12, 28], T)[None]
-    ids = torch.randint(0, 50, (1, T))
-    lmask = torch.ones(1, T, dtype=torch.bool)
-    aux = torch.randn(1, T, 96)
-    final = torch.randn(1, T, 32)
-    W = torch.randn(50, 32) * 3
-    teacher = compute_teacher(final, _Norm(), W, drafter.draft_target_ids, drafter.t2d)
+    ids, aux, doc, lmask, teacher = _random_row(drafter, [12, 28], 40)
     a, _ = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=7, backend="chunked", chunk=16)
     b, _ = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=7, backend="reference")
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -302,13 +308,7 @@ def test_flex_unroll_matches_chunked_without_grad():
 
     torch.manual_seed(4)
     drafter = _tiny_drafter(2).float()
-    T = 48
-    doc = document_ids_from_lengths([20, 28], T)[None]
-    ids = torch.randint(0, 50, (1, T))
-    lmask = torch.ones(1, T, dtype=torch.bool)
-    aux = torch.randn(1, T, 96)
-    teacher = compute_teacher(torch.randn(1, T, 32), _Norm(), torch.randn(50, 32) * 3, drafter.draft_target_ids,
-                              drafter.t2d)
+    ids, aux, doc, lmask, teacher = _random_row(drafter, [20, 28], 48)
     calls = []
     orig = ttt.doc_causal_block_mask
 
@@ -422,15 +422,9 @@ def test_compiled_unroll_is_one_graph_and_matches_reference(backend, granularity
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    V, Vd, H, K = 50, 20, 32, 5
-    drafter = _tiny_drafter(2 if granularity == "step" else 1, V, Vd, H).float()
-    T = 128
-    doc = document_ids_from_lengths([40, 60, 20], T)[None]
-    ids = torch.randint(0, V, (1, T))
-    lmask = torch.rand(1, T) > 0.2
-    aux = torch.randn(1, T, 3 * H)
-    teacher = compute_teacher(torch.randn(1, T, H), _Norm(), torch.randn(V, H) * 3, drafter.draft_target_ids,
-                              drafter.t2d)
+    K = 5
+    drafter = _tiny_drafter(2 if granularity == "step" else 1).float()
+    ids, aux, doc, lmask, teacher = _random_row(drafter, [40, 60, 20], 128, mask_p=0.2)
     pos = positions_from_doc_ids(doc)
     params = list(drafter.parameters())
     want, st = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=K, backend="reference", position_ids=pos)
