@@ -251,6 +251,14 @@ def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
     assert _tree_bytes(out) == _tree_bytes(ref)
 
 
+def _torchrun_capture(args, port: int) -> None:
+    """`torchrun --nproc-per-node 2 -m draftsmith capture ARGS` (gloo on CPU); fails the test on a non-zero exit."""
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "draftsmith", "capture", *args], cwd=REPO, env=e, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process(tiny_path, corpus, tmp_path):
     args = ["--target", str(tiny_path), "--data", str(corpus), "--max-length", "128", "--batch-tokens", "512",
@@ -258,11 +266,7 @@ def test_two_gloo_ranks_equal_one_process(tiny_path, corpus, tmp_path):
     one = tmp_path / "one"
     _cli(["capture", *args, "--out", str(one)])
     two = tmp_path / "two"
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        "29531", "-m", "draftsmith", "capture", *args, "--out", str(two)], cwd=REPO, env=e,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _torchrun_capture([*args, "--out", str(two)], port=29531)
     assert _tree_bytes(two) == _tree_bytes(one)
 
 
@@ -295,11 +299,7 @@ def test_tensor_parallel_capture_matches_single_process(small_path, corpus, tmp_
     one = tmp_path / "one"
     _cli(["capture", *args, "--out", str(one)])
     tp = tmp_path / "tp"
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        "29533", "-m", "draftsmith", "capture", *args, "--tp", "--out", str(tp)], cwd=REPO, env=e,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _torchrun_capture([*args, "--tp", "--out", str(tp)], port=29533)
     a, b = HiddenStateStore.open(one, dtype=torch.float32), HiddenStateStore.open(tp, dtype=torch.float32)
     assert len(a) == len(b) == 6
     for i in range(len(a)):
