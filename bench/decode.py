@@ -454,51 +454,40 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         pass
     log(f"device {dev_name}, torch {torch.__version__}")
-    bw = None
-    try:
-        bw = copy_bandwidth(dev, args.smoke)
-        RESULTS["copy_bandwidth_bytes_per_s"] = bw
-        log(f"copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
-    except Exception as e:  # noqa: BLE001
-        RESULTS["errors"]["bandwidth"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    flush()
+    def section(name, fn, need_s: float | None = None):
+        """Run one section; a failure (or a spent time budget) is recorded under `name`, the rest still runs."""
+        try:
+            if need_s is not None and left(args.budget + 60) < need_s:
+                raise RuntimeError("skipped: time budget")
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        finally:
+            flush()
+
+    def bandwidth():
+        b = copy_bandwidth(dev, args.smoke)
+        RESULTS["copy_bandwidth_bytes_per_s"] = b
+        log(f"copy bandwidth {b / 1e12:.3f} TB/s (read+write)")
+        return b
+
+    def p2a_section():
+        if not args.target or not args.prompts:
+            raise RuntimeError("P2a needs --target and --prompts")
+        return p2a(args, dev, dtype)
+
+    bw = section("bandwidth", bandwidth)
     runner = None
     best: dict = {}
     if "P1" in sections or "P2b" in sections:
-        try:
-            runner, _ = p1(args, dev, dtype, bw or float("nan"))
-        except Exception as e:  # noqa: BLE001
-            RESULTS["errors"]["P1"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        flush()
+        runner = (section("P1", lambda: p1(args, dev, dtype, bw or float("nan"))) or (None, None))[0]
     if "P2a" in sections:
-        try:
-            if not args.target or not args.prompts:
-                raise RuntimeError("P2a needs --target and --prompts")
-            best = p2a(args, dev, dtype)
-        except Exception as e:  # noqa: BLE001
-            RESULTS["errors"]["P2a"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        flush()
+        best = section("P2a", p2a_section) or {}
     if "P2b" in sections and runner is not None:
-        try:
-            if left(args.budget + 60) < 30:
-                raise RuntimeError("skipped: time budget")
-            p2b(args, dev, dtype, runner, best)
-        except Exception as e:  # noqa: BLE001
-            RESULTS["errors"]["P2b"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        flush()
+        section("P2b", lambda: p2b(args, dev, dtype, runner, best), need_s=30)
     if "P1c" in sections and runner is not None:
-        try:
-            if left(args.budget + 60) < 150:
-                raise RuntimeError("skipped: time budget")
-            p1_compiled(args, dev, dtype, bw or float("nan"), runner)
-        except Exception as e:  # noqa: BLE001
-            RESULTS["errors"]["P1c"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        flush()
+        section("P1c", lambda: p1_compiled(args, dev, dtype, bw or float("nan"), runner), need_s=150)
     RESULTS["wall_s"] = time.perf_counter() - T0
     header = (f"\n## decode — {RESULTS['date']} — {dev_name} — commit {RESULTS['commit']}"
               f"{' (SMOKE, not a measurement)' if args.smoke else ''}\n"
