@@ -214,8 +214,18 @@ def load_target(
         kwargs["attn_implementation"] = attn_implementation
     if tp_plan:
         kwargs["tp_plan"] = tp_plan
+    model = None
+    if not tp_plan and torch.device(device).type == "cuda":
+        # Straight from the safetensors files to the GPU: no host copy of a large target (8B: ~2x faster).
+        # Any failure here (no accelerate, an old transformers) falls back to the host load below.
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, device_map=str(torch.device(device)),
+                                                         **kwargs)
+        except Exception:
+            model = None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     except (ValueError, KeyError) as e:
         raise DraftsmithError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from None
     if not tp_plan:
