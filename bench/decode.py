@@ -403,6 +403,8 @@ def flush(partial: bool = True) -> None:
 
 
 def git_commit() -> str:
+    if os.environ.get("DRAFTSMITH_COMMIT"):  # the device's copy of the tree has no usable git history
+        return os.environ["DRAFTSMITH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         c = out.stdout.strip() or "uncommitted"

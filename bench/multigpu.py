@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,6 +52,10 @@ def _env(gpus: int, device: str) -> dict:
 
 
 _PORT = [29600]
+
+
+def _slug(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(parts)).strip("-").lower()
 
 
 def _launch(argv: list[str], procs: int, gpus: int, device: str, log: Path) -> tuple[int, float]:
@@ -101,7 +106,7 @@ def _worker_capture(a) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     stats: dict = {"load_s": load_s}
-    cfg = CaptureConfig(target=a.target, data=a.samples, out=a.out, dtype="bf16", batch_tokens=a.batch_tokens,
+    cfg = CaptureConfig(target=a.target, data=a.samples, out=a.out, dtype=a.store_dtype, batch_tokens=a.batch_tokens,
                         device="auto" if a.device == "cuda" else "cpu", model_dtype="bf16" if a.device == "cuda"
                         else "fp32", max_length=2048, tp=a.tp, progress=False)
     run_capture(cfg, log=lambda *x, **k: None, samples=samples, stats=stats, target=target)
@@ -170,6 +175,24 @@ def _train_rate(run: Path, skip: int) -> dict:
             "final loss": last["loss"], "tau_sim": last["tau_sim"]}
 
 
+def disk_write_gbs(where: Path, gib: float = 4.0) -> float:
+    """Sequential write + fsync of `gib` GiB in 64 MiB blocks (what a store shard write does), in GB/s."""
+    import numpy as np
+
+    block = np.random.default_rng(0).integers(0, 255, 64 * 2**20, dtype=np.uint8).tobytes()
+    path = Path(where) / "disk-probe.bin"
+    n = max(1, round(gib * 16))
+    t = time.time()
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.time() - t
+    path.unlink()
+    return n * len(block) / dt / 1e9
+
+
 class Bench:
     def __init__(self, a):
         self.a = a
@@ -177,6 +200,7 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
         self._corpus: dict = {}
+        self.disk_gbs: float | None = None
         self.t0 = time.time()
         self.here = str(Path(__file__).resolve())
         out = os.environ.get("OUT")
@@ -231,18 +255,23 @@ class Bench:
             if self.left() < a.min_section_s:
                 print(f"[multigpu] {what} {label}: skipped (time budget)", flush=True)
                 continue
-            out, sd = self.work / f"store-{what}-{label}", self.work / f"stats-{what}-{label}"
+            out, sd = self.work / _slug("store", what, label), self.work / _slug("stats", what, label)
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(sd, ignore_errors=True)
             argv = [self.here, "_capture", "--target", target, "--samples", samples, "--out", str(out),
-                    "--stats-dir", str(sd), "--device", a.device, "--batch-tokens", str(a.batch_tokens)]
+                    "--stats-dir", str(sd), "--device", a.device, "--batch-tokens", str(a.batch_tokens),
+                    "--store-dtype", a.store_dtype]
             rc, wall = _launch(argv + (["--tp"] if tp else []), procs, procs, a.device,
-                               self.logs / f"capture-{what}-{label}.log")
+                               self.logs / f"{_slug('capture', what, label)}.log")
             row = self._base(what, label, procs)
             if rc != 0:
                 self.add({**row, "error": f"rc {rc}"})
                 continue
             row.update(_capture_rate(sd, tp), wall=wall)
+            bpt = json.loads((out / "manifest.json").read_text())["bytes_per_token"]
+            row["store GB/s"] = row["tok/s"] * bpt / 1e9
+            if self.disk_gbs:  # every rank writes to the same disk: its write rate caps the whole capture
+                row["disk-bound tok/s"] = self.disk_gbs * 1e9 / bpt
             if procs == 1:
                 base_rate, ref = row["tok/s"], out
             elif base_rate:
@@ -265,13 +294,13 @@ class Bench:
             if self.left() < a.min_section_s:
                 print(f"[multigpu] train {what} {label}: skipped (time budget)", flush=True)
                 continue
-            run = self.work / f"run-{what}-{label}"
+            run = self.work / _slug("run", what, label)
             shutil.rmtree(run, ignore_errors=True)
             argv = ["-m", "draftsmith", "train", "--target", target, "--store", str(store), "--out", str(run),
                     "--steps", str(steps), "--ttt-steps", "7", "--compile", "off", "--log-every", "1",
                     "--eval-fraction", "0.02", "--eval-every", str(10 * steps), "--save-every", "0",
                     "--warmup", "0.1", "--device", "auto" if a.device == "cuda" else "cpu", "-q", *extra, *flags]
-            rc, wall = _launch(argv, procs, procs, a.device, self.logs / f"train-{what}-{label}.log")
+            rc, wall = _launch(argv, procs, procs, a.device, self.logs / f"{_slug('train', what, label)}.log")
             row = self._base(what, label, procs)
             if rc != 0:
                 self.add({**row, "error": f"rc {rc}"})
@@ -292,6 +321,9 @@ class Bench:
         if bad:
             sys.exit(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
         n = a.gpus
+        if any(x.startswith("capture") for x in secs):
+            self.disk_gbs = disk_write_gbs(self.work, a.disk_probe_gib)
+            print(f"[multigpu] disk write ({a.disk_probe_gib:g} GiB, fsync) {self.disk_gbs:.2f} GB/s under {self.work}", flush=True)
         small_store = None
         if "capture" in secs or "train" in secs:
             s = self.samples_file(a.small, a.tokens, "small")
@@ -322,14 +354,16 @@ class Bench:
                            a.train_steps_8b)
 
     def report(self) -> None:
-        cols = ["what", "mode", "GPUs", "tokens", "tok/s", "speedup", "efficiency", "capture s", "load s", "steps",
+        cols = ["what", "mode", "GPUs", "tokens", "tok/s", "speedup", "efficiency", "store GB/s", "disk-bound tok/s",
+                "capture s", "load s", "steps",
                 "tokens/step", "final loss", "tau_sim", "wall", "check", "error"]
         cols = [c for c in cols if any(c in r for r in self.rows)]
         a = self.a
         body = markdown_table(self.rows, cols) + (
             f"\n\nSame machine, same run: 1 GPU rows ran with CUDA_VISIBLE_DEVICES=0, N-GPU rows under torchrun "
             f"(NCCL, NVLink multicast off). efficiency = speedup / GPUs (goal >= 0.9). Capture: corpus {a.corpus}, "
-            f"bf16 store, batch {a.batch_tokens} tokens, tok/s = all ranks' tokens / slowest rank's capture time "
+            f"{a.store_dtype} store; disk write {self.disk_gbs or 0:.2f} GB/s ({a.disk_probe_gib:g} GiB, fsync) -> 'disk-bound tok/s', the "
+            f"most any number of GPUs writing to that one disk can capture; batch {a.batch_tokens} tokens, tok/s = all ranks' tokens / slowest rank's capture time "
             f"(model load excluded; 'wall' includes start-up and load). Training: K=7 TTT, eager flex attention "
             f"(--compile off), {a.train_batch_tokens} (small) / {a.train_batch_tokens_8b} (8B) tokens per row and "
             f"GPU, median per-step rate after the first steps, the global batch grows with the GPUs (weak scaling)."
@@ -351,6 +385,7 @@ def main() -> None:
         w.add_argument("--batch-tokens", type=int, default=32768)
         w.add_argument("--tokenizer-from")
         w.add_argument("--big-config", default="8b")
+        w.add_argument("--store-dtype", default="bf16")
         a = w.parse_args()
         (_worker_capture if a.cmd == "_capture" else _worker_make_big)(a)
         return
@@ -367,9 +402,12 @@ def main() -> None:
     ap.add_argument("--train-batch-tokens", type=int, default=8192)
     ap.add_argument("--train-batch-tokens-8b", type=int, default=4096)
     ap.add_argument("--big-config", choices=["8b", "tiny"], default="8b", help="tiny: smoke test")
+    ap.add_argument("--store-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="store dtype of every capture (fp8: half the bytes to write)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo smoke test")
     ap.add_argument("--time-budget", type=float, default=540, help="seconds; later sections are skipped")
     ap.add_argument("--min-section-s", type=float, default=40, help="start a measurement only with this much left")
+    ap.add_argument("--disk-probe-gib", type=float, default=4.0, help="size of the disk write-rate probe")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     b = Bench(a)

@@ -189,9 +189,13 @@ def one_process_run(tiny, target, tmp_path_factory):
     return _metrics(one)
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_gloo_processes_equal_one(tiny, one_process_run, tmp_path, fsdp):
-    args = ["--target", TARGET, "--store", str(tiny / "store"), "--out", str(tmp_path / "two"), "--steps", "3",
+@pytest.mark.parametrize("fsdp,online", [(False, False), (True, False), (False, True)],
+                         ids=["ddp", "fsdp", "ddp-online"])
+def test_two_gloo_processes_equal_one(tiny, one_process_run, tmp_path, fsdp, online):
+    # online: each rank runs the target in the loop on its own rows; must equal the offline 1-process run
+    data = ["--online", "--data", str(tiny / "code.jsonl"), "--max-length", "256"] if online else \
+        ["--store", str(tiny / "store")]
+    args = ["--target", TARGET, *data, "--out", str(tmp_path / "two"), "--steps", "3",
             "--ttt-steps", "2", "--draft-vocab-size", "256", "--batch-tokens", "128", "--lr", "3e-3", "--warmup", "0",
             "--eval-fraction", "0", "--save-every", "0", "-q", "--device", "cpu",
             "--loss-chunk", "50"] + (["--fsdp"] if fsdp else [])  # + checkpointed loss chunks under DDP/FSDP
@@ -277,3 +281,40 @@ def test_cli_yaml_config(tiny, tmp_path):
     bad.write_text("nonsense_key: 1\n")
     res = CliRunner().invoke(app, ["train", "--config", str(bad), "--out", str(tmp_path / "r2")])
     assert isinstance(res.exception, DraftsmithError) and "nonsense_key" in str(res.exception)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["compiled", "compile-fails"])
+def test_compiled_path_logs_and_falls_back(tiny, target, tmp_path, monkeypatch, fails):
+    """The trainer's compile plumbing on CPU (torch has no CPU flex backward, so the 'compiled' unroll is the eager
+    one behind the same call): the first steps' times are logged; a first-step failure under --compile auto
+    falls back to eager with one warning and the same losses as --compile off."""
+    from draftsmith.train import train
+    from draftsmith.train import trainer as tr
+    from draftsmith.train.ttt import Teacher, ttt_unroll
+
+    calls = []
+
+    def fake_compiled(drafter, input_ids, aux, doc_ids, position_ids, loss_mask, teacher: Teacher, k, w, lc):
+        calls.append(1)
+        if fails:
+            raise RuntimeError("inductor exploded\nsecond line")
+        loss, st = ttt_unroll(drafter, input_ids, aux, doc_ids, loss_mask, teacher, ttt_steps=k, step_weight=w,
+                              backend="chunked", position_ids=position_ids, loss_chunk=lc)
+        return loss, st.as_tensor()
+
+    monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
+    monkeypatch.setattr(tr.TTTModel, "enable_compile", lambda self, **kw: setattr(self, "compiled", fake_compiled))
+    logs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, tmp_path / "c"), log=logs.append)
+    monkeypatch.undo()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", compile="off"), log=_quiet)
+    text = "\n".join(logs)
+    if fails:
+        assert len(calls) == 1 and text.count("warning: the compiled TTT unroll failed (RuntimeError: inductor "
+                                              "exploded)") == 1
+        assert "includes compiling" not in text
+    else:
+        assert len(calls) == 3 and "step 1:" in text and "(includes compiling the TTT unroll)" in text
+        assert "step 2:" in text and "step 3:" not in text
+    for x, y in zip(_metrics(tmp_path / "c"), _metrics(tmp_path / "ref")):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
