@@ -95,6 +95,14 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
         if prompts:  # one untimed pass of each path (allocator, caches, first-call overheads)
             engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=mode, seed=seed)
             engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=DecodeMode("plain"), seed=seed)
+        # Prefill runs eagerly, and the first prefill of a new prompt length pays one-time costs (kernel selection,
+        # allocator growth) that a timed pass would charge to whichever path ran first -- plain, below: on the
+        # GPU it made the first setting's plain rate ~30% low (2026-11-29). One untimed prefill per new length.
+        warm = engine.__dict__.setdefault("_eval_warm_lengths", set())
+        for p in prompts:
+            if len(p) not in warm:
+                engine.generate(p, 1, sampling=sp, mode=mode, seed=seed)
+                warm.add(len(p))
         spec, plain = [], []
         mismatches = 0
         t0 = time.perf_counter()

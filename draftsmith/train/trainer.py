@@ -248,6 +248,10 @@ class Trainer:
         dt = self.cfg.target_dtype
         if dt == "auto":
             dt = "bf16" if device.type == "cuda" else "fp32"
+        if not self.cfg.progress or not self.is_main:  # -q, and the other ranks: no "Loading weights" bars
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
         return load_target(self.cfg.target, dtype=dt, device=device)
 
     def _open_source(self, target, device):
