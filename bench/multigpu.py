@@ -145,9 +145,18 @@ def _capture_rate(stats_dir: Path, tp: bool) -> dict:
     return {"tokens": tokens, "tok/s": tokens / t, "capture s": t, "load s": max(r.get("load_s", 0.0) for r in ranks)}
 
 
-def _tree_bytes(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.suffix in (".safetensors",)}
+def _tree_digest(root: Path) -> dict:
+    """sha256 of every shard file, streamed (an 8B store is ~10 GB: never all in memory)."""
+    import hashlib
+
+    out = {}
+    for p in sorted(root.rglob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        out[str(p.relative_to(root))] = h.hexdigest()
+    return out
 
 
 def _max_rel_err(a_path: Path, b_path: Path, n: int = 8) -> float:
@@ -232,13 +241,10 @@ class Bench:
         if target not in self._corpus:  # tokenized once per tokenizer
             self._corpus[target] = load_samples(self.a.corpus, load_tokenizer(target), max_length=2048,
                                                 on_bad="skip")[0]
-        samples = self._corpus[target]
-        out, total = [], 0
-        for s in samples:
-            if total >= n_tokens:
-                break
-            out.append(s)
-            total += len(s)
+        from capture import take_tokens  # bench/capture.py
+
+        out = take_tokens(self._corpus[target], n_tokens)
+        total = sum(len(s) for s in out)
         off = np.zeros(len(out) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in out], out=off[1:])
         np.savez(path, ids=np.concatenate([s.input_ids for s in out]).astype(np.int32),
@@ -281,7 +287,7 @@ class Bench:
                 if tp:
                     row["check"] = f"max rel err vs 1 GPU {_max_rel_err(ref, out):.2e}"
                 else:
-                    row["check"] = "store identical to 1 GPU" if _tree_bytes(out) == _tree_bytes(ref) \
+                    row["check"] = "store identical to 1 GPU" if _tree_digest(out) == _tree_digest(ref) \
                         else "store DIFFERS from 1 GPU"
                 shutil.rmtree(out, ignore_errors=True)
             self.add(row)
