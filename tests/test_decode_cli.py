@@ -123,3 +123,35 @@ def test_eval_humaneval_jsonl(app, drafter_dir, tmp_path):
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "eval.json").read_text())
     assert rep["mode"]["kind"] == "tree" and rep["temperatures"]["0"]["greedy_mismatches"] == 0
+
+
+def test_run_eval_warms_each_prompt_length_once_before_timing():
+    """The first prefill of a prompt length pays one-time costs; run_eval pays them untimed, once per engine."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode import DecodeMode
+    from draftsmith.decode.evaluate import run_eval
+
+    class FakeEngine:
+        backend, cuda_graphs, device, dtype = "llama", False, "cpu", "float32"
+
+        def __init__(self):
+            self.calls = []
+
+        def warmup(self, mode, sp):
+            pass
+
+        def generate(self, p, n, sampling=None, mode=None, seed=0):
+            self.calls.append((len(p), n, mode.kind))
+            return SimpleNamespace(token_ids=[1] * n, accepted=[0] * n, prefill_s=0.01, decode_s=0.01)
+
+    eng = FakeEngine()
+    prompts = [[1] * 5, [1] * 7, [2] * 5]
+    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16)
+    warm = [c for c in eng.calls if c[1] == 1]
+    assert sorted(c[0] for c in warm) == [5, 7]  # one untimed prefill per distinct length
+    first_timed = next(i for i, c in enumerate(eng.calls) if c[1] == 16)
+    assert all(eng.calls.index(c) < first_timed for c in warm)
+    eng.calls.clear()
+    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16)
+    assert not [c for c in eng.calls if c[1] == 1]  # already warm

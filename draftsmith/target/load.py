@@ -221,7 +221,12 @@ def load_target(
         try:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, device_map=str(torch.device(device)),
                                                          **kwargs)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - any loader failure: say it once, then the host path decides
+            import warnings
+
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            warnings.warn(f"{path}: loading straight to {device} failed ({type(e).__name__}: {first}); "
+                          f"loading through host memory", stacklevel=2)
             model = None
     try:
         if model is None:
