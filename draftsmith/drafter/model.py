@@ -56,6 +56,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type):
+            # Decoding: the same computation as below in one fused CUDA kernel (see decode/llama.py `_rms`).
+            # Training runs under autocast, whose casting rules for rms_norm are backend-specific: spelled out.
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
