@@ -114,6 +114,24 @@ def time_steps(engine, fn, n, dev):
     return t.s / n
 
 
+def kernel_profile(fn, dev):
+    """(kernels, summed kernel time in s) of one eager call of `fn`: what its CUDA-graph replay launches, and how
+    much of a step is kernel time at all (the rest is launch gaps). On CPU (smoke): aten ops, time None."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    fn()
+    sync(dev)
+    with profile(activities=acts) as prof:
+        fn()
+        sync(dev)
+    if dev.type != "cuda":
+        return sum(1 for e in prof.events() if e.name.startswith("aten::")), None
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ks)
+    return len(ks), busy_us / 1e6
+
+
 @torch.no_grad()
 def p1(args, dev, dtype, bw):
     cfg = llama8b_config(args.smoke)
@@ -136,24 +154,30 @@ def p1(args, dev, dtype, bw):
         L_avg = ctx + 1 + steps / 2 + 0.5
         bytes_step = wbytes + kvtok * L_avg
         ach = bytes_step / t_step
+        n_k, busy = kernel_profile(lambda: eng._plain_step(sp), dev)
         # end-to-end through generate() (host loop, one sync per 8 steps)
         res = eng.generate(prompt, steps, sampling=sp, mode=DecodeMode("plain"), eos_ids=[])
         row = {"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
                "tokens_per_s_generate": (len(res.token_ids) - 1) / max(res.decode_s, 1e-9),
                "weight_bytes": wbytes, "kv_bytes": kvtok * L_avg, "achieved_bytes_per_s": ach,
-               "fraction_of_copy_bw": ach / bw}
+               "fraction_of_copy_bw": ach / bw, "kernels_per_step": n_k,
+               "kernel_ms_per_step": None if busy is None else busy * 1e3}
         rows.append(row)
         log(f"P1 ctx={ctx}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
             f"generate() {row['tokens_per_s_generate']:.1f} tok/s")
     RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
     LINES.append("### P1 — plain decode, bs=1, bf16, Llama-3.1-8B shape (random weights)")
     LINES.append(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s; weights {wbytes / 1e9:.2f} GB\n")
-    LINES.append("| context | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | (W+KV) TB/s | ÷ copy bw |")
-    LINES.append("|---|---|---|---|---|---|")
+    LINES.append("| context | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | (W+KV) TB/s | ÷ copy bw | "
+                 "kernels/step | kernel ms/step |")
+    LINES.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        km = "-" if r["kernel_ms_per_step"] is None else f"{r['kernel_ms_per_step']:.3f}"
         LINES.append(f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
                      f"{r['tokens_per_s_generate']:.1f} | {r['achieved_bytes_per_s'] / 1e12:.2f} | "
-                     f"{r['fraction_of_copy_bw']:.3f} |")
+                     f"{r['fraction_of_copy_bw']:.3f} | {r['kernels_per_step']} | {km} |")
+    LINES.append("\nkernels/step and kernel ms/step: one eager step under the profiler (what a graph replay launches; "
+                 "kernel ms = the sum of kernel durations, so ms/step minus it is launch gaps).")
     return runner, eng
 
 
@@ -173,18 +197,22 @@ def p1_compiled(args, dev, dtype, bw, runner):
         compile_s = time.perf_counter() - t0
         eng.prefill(prompt, sp)
         t_step = time_steps(eng, plain, steps, dev)
+        n_k, busy = kernel_profile(lambda: eng._plain_step(sp), dev)
         L_avg = ctx + 1 + steps / 2 + 0.5
         ach = (runner.weight_bytes() + runner.kv_bytes_per_token() * L_avg) / t_step
         rows.append({"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
-                     "achieved_bytes_per_s": ach, "fraction_of_copy_bw": ach / bw, "compile_and_capture_s": compile_s})
+                     "achieved_bytes_per_s": ach, "fraction_of_copy_bw": ach / bw, "compile_and_capture_s": compile_s,
+                     "kernels_per_step": n_k, "kernel_ms_per_step": None if busy is None else busy * 1e3})
         log(f"P1c ctx={ctx}: {t_step * 1e3:.3f} ms/step, {ach / bw:.3f} of copy bw (compile {compile_s:.0f}s)")
     RESULTS["sections"]["P1_compiled"] = {"rows": rows}
     LINES.append("\n### P1 (compiled) — same, step forward torch.compile'd inside the CUDA graph")
-    LINES.append("| context | ms/step | tok/s | (W+KV) TB/s | ÷ copy bw |")
-    LINES.append("|---|---|---|---|---|")
+    LINES.append("| context | ms/step | tok/s | (W+KV) TB/s | ÷ copy bw | kernels/step | kernel ms/step |")
+    LINES.append("|---|---|---|---|---|---|---|")
     for r in rows:
+        km = "-" if r["kernel_ms_per_step"] is None else f"{r['kernel_ms_per_step']:.3f}"
         LINES.append(f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
-                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy_bw']:.3f} |")
+                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy_bw']:.3f} | "
+                     f"{r['kernels_per_step']} | {km} |")
 
 
 def humaneval_prompts(path, tok, limit):
