@@ -318,3 +318,29 @@ def test_compiled_path_logs_and_falls_back(tiny, target, tmp_path, monkeypatch, 
         assert "step 2:" in text and "step 3:" not in text
     for x, y in zip(_metrics(tmp_path / "c"), _metrics(tmp_path / "ref")):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+
+
+def test_compiled_unroll_compiles_once_across_steps(tiny, target, tmp_path, monkeypatch):
+    """The trainer's compiled unroll must not recompile at step 2. It did on the GPU (+54 s at 16k): the
+    drafter's per-device RoPE cache was first filled inside the compiled call, so the next call failed that
+    graph's guard. CPU stand-in: aot_eager and the dense flex replacement of the compiled-unroll test."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import draftsmith.train.ttt as ttt
+    from draftsmith.train import train
+    from draftsmith.train import trainer as tr
+    from test_train_ttt import _dense_doc_causal, _dense_flex
+
+    monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
+    monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
+    monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
+    monkeypatch.setattr(tr.TTTModel, "enable_compile",
+                        lambda self, **kw: setattr(self, "compiled", ttt.CompiledUnroll(backend="aot_eager")))
+    torch._dynamo.reset()
+    counters.clear()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "c", steps=3, attn_backend="flex", pad_to_budget=True),
+          log=_quiet)
+    assert len(_metrics(tmp_path / "c")) == 3
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["recompiles"]) or dict(counters["stats"])
+    torch._dynamo.reset()

@@ -248,6 +248,8 @@ class SpeculativeDecoder:
         if compile and self.backend == "llama":
             self._t_fwd = torch.compile(self.runner.forward, dynamic=False)
             if drafter is not None:
+                if hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing (else: a recompile)
+                    drafter.inv_freq(self.device)
                 self._d_call = torch.compile(drafter, dynamic=False)
 
     def _set_drafter_rope(self) -> None:
