@@ -317,3 +317,36 @@ def test_cache_end_falls_back_to_plain_steps(qwen3):
         r = eng.generate(p, 40, mode=mode)
         assert r.finish_reason == "cache" and 16 <= len(r.token_ids) < 40
         assert r.token_ids == ref[:len(r.token_ids)]
+
+
+def test_compiled_engine_stays_compiled_across_many_settings(pycode):
+    """Each draft/verify width is one static graph; bench/decode.py --compile runs ~8 settings on one engine.
+    Past dynamo's default recompile limit (8 per function) the rest would silently run eagerly, so the engine
+    raises the limit; this runs more widths than 8 and checks dynamo never reports hitting it."""
+    import logging
+
+    import torch._dynamo
+
+    t, prompts, _ = pycode
+    from draftsmith.drafter import Drafter
+
+    hits: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
+                hits.append(record.getMessage())
+
+    h = Catch(level=logging.WARNING)
+    lg = logging.getLogger("torch._dynamo.convert_frame")
+    lg.addHandler(h)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=512), max_len=96, compile=True)
+        for k in range(1, 9):  # drafter hand-off widths 2..9 + the 1-token draft step: 9 graphs of one function
+            eng.generate(prompts[0], 4, mode=DecodeMode("chain", draft_tokens=k))
+    finally:
+        lg.removeHandler(h)
+        torch._dynamo.reset()
+    assert not hits, hits[0]

@@ -246,6 +246,11 @@ class SpeculativeDecoder:
         self._t_fwd = self.runner.forward
         self._d_call = drafter
         if compile and self.backend == "llama":
+            from draftsmith.utils.compiling import raise_recompile_limit
+
+            # one graph per forward width (plain 1, chain K+1, tree k / N+1, hand-offs): several settings on one
+            # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly
+            raise_recompile_limit()
             self._t_fwd = torch.compile(self.runner.forward, dynamic=False)
             if drafter is not None:
                 if hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing (else: a recompile)
@@ -408,7 +413,7 @@ class SpeculativeDecoder:
         eye_kk = torch.eye(k * k, dtype=torch.bool, device=dev)
         anc[:k, :k] = eye_k
         f_tok, f_score, f_cand = c_tok[0], s1, ar_k  # frontier
-        f_h = self.h_last[None].expand(k, -1)
+        f_h = self.h_last[None].repeat(k, 1)  # a real [k, H] (an expand's 0-stride would be a second graph)
         R = max((D - 1) * k, 1)
         f_mask = torch.zeros(k, R, dtype=torch.bool, device=dev)  # drafter-slot ancestry in the tree region
         n_c = k

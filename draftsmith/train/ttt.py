@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from draftsmith.utils.compiling import RECOMPILE_LIMIT, raise_recompile_limit
+
 __all__ = [
     "TTTAttention",
     "Teacher",
@@ -218,18 +220,10 @@ def chunked_ttt_attention(
 
 _FLEX: dict = {}
 _FLEX_BROKEN = False  # set after flex attention failed once in this process (then: chunked)
-# dynamo's default recompile limit (8) is per code object; past it, it silently runs flex attention EAGER
-# (dense [B, H, T, KV] scores). One compiled shape per sequence length (x grad mode) is needed here.
-FLEX_RECOMPILE_LIMIT = 64
-
-
-def _raise_recompile_limit(limit: int = FLEX_RECOMPILE_LIMIT) -> None:
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            if getattr(cfg, name) < limit:
-                setattr(cfg, name, limit)
-            break
+# Past dynamo's recompile limit flex attention would run EAGER (dense [B, H, T, KV] scores): one compiled shape
+# per sequence length (x grad mode) is needed here.
+FLEX_RECOMPILE_LIMIT = RECOMPILE_LIMIT
+_raise_recompile_limit = raise_recompile_limit
 
 
 def _flex_lse(q, k, v, block_mask, scale, enable_gqa):

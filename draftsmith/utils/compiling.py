@@ -1,0 +1,19 @@
+"""torch.compile settings shared by the training and decoding paths."""
+
+from __future__ import annotations
+
+import torch
+
+# dynamo's default recompile limit (8) is per code object; past it, dynamo runs the function EAGER from then on
+# (one warning in a log, easy to miss). draftsmith compiles with static shapes on purpose -- one graph per
+# sequence length in training, one per draft/verify width in decoding -- so it needs more than 8.
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            if getattr(cfg, name) < limit:
+                setattr(cfg, name, limit)
+            break
