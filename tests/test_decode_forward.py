@@ -146,3 +146,18 @@ def test_region_mask_layout():
     m = _region_mask(8, torch.tensor(3), reg, "cpu")
     assert m.tolist() == [[True, True, True, True, False, False, False, False],
                           [True, True, True, True, True, False, False, False]]
+
+
+def test_engine_region_builder_equals_region_mask():
+    """The tree round's two-kernel mask builder == `_region_mask` (the reference) for random regions and offsets."""
+    from draftsmith.decode.engine import SpeculativeDecoder
+
+    g = torch.Generator().manual_seed(0)
+    S = 40
+    ar = torch.arange(S)
+    for L in (0, 1, 7, 20):
+        for T, R in ((1, 1), (3, 5), (9, 12)):
+            reg = torch.rand(T, R, generator=g) < 0.5
+            Lt = torch.tensor(L)
+            got = SpeculativeDecoder._region(ar < Lt, Lt + torch.arange(R), reg)
+            assert torch.equal(got, _region_mask(S, Lt, reg, "cpu")), (L, T, R)

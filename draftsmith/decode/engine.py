@@ -237,6 +237,7 @@ class SpeculativeDecoder:
                                  f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
         self._d_slots = None
         self._d_mask = None
+        self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
         self._d_rope = None  # (cos, sin) [max_len, head_dim] of a draftsmith Drafter: indexed, not recomputed
         self._set_drafter_rope()
@@ -393,100 +394,126 @@ class SpeculativeDecoder:
         self.L.add_(a + 1)
         self._last_draft = ids
 
+    def _tree_consts(self, mode: DecodeMode) -> dict:
+        """Index and mask constants of a tree round, built once per setting outside any graph: inside a captured
+        round every `arange`/`eye`/`full` is a kernel on each replay, and the round is launch-bound (2026-11-29:
+        282 of a 893-op round on pycode-small were bookkeeping)."""
+        c = self._tree_cache.get(mode.key())
+        if c is not None:
+            return c
+        k, D, N = mode.top_k, mode.depth, mode.tree_tokens
+        C, kk, dev = mode.num_candidates, k * k, self.device
+        R = max((D - 1) * k, 1)
+        eye_k = torch.eye(k, dtype=torch.bool, device=dev)
+        f_add, anc_add, new_idx = [], [], []
+        for j in range(1, D):
+            m = torch.zeros(k, R, dtype=torch.bool, device=dev)
+            m[:, (j - 1) * k:j * k] = eye_k
+            f_add.append(m)  # frontier row i attends to its own drafter slot at depth j
+            n_c = k + (j - 1) * kk
+            a = torch.zeros(kk, C, dtype=torch.bool, device=dev)
+            a[:, n_c:n_c + kk] = torch.eye(kk, dtype=torch.bool, device=dev)
+            anc_add.append(a)  # each new candidate is its own ancestor
+            new_idx.append(n_c + torch.arange(kk, device=dev))
+        depth_all = torch.cat([torch.ones(k, dtype=torch.long, device=dev)] +
+                              [torch.full((kk,), j + 1, dtype=torch.long, device=dev) for j in range(1, D)])
+        anc0 = torch.zeros(C, C, dtype=torch.bool, device=dev)
+        anc0[:k, :k] = eye_k
+        # parent -1 (the root) indexes cmap's last entry: node 0
+        cmap0 = torch.cat([torch.full((C,), -1, dtype=torch.long, device=dev),
+                           torch.zeros(1, dtype=torch.long, device=dev)])
+        tmask0 = torch.zeros(N + 1, N + 1, dtype=torch.bool, device=dev)
+        tmask0[:, 0].fill_(True)
+        c = {"f_add": f_add, "anc_add": anc_add, "new_idx": new_idx, "anc0": anc0, "cmap0": cmap0, "tmask0": tmask0,
+             "depth_all": depth_all, "depth_pen": depth_all.to(torch.float32) * 1e-6,
+             "parent0": torch.full((k,), -1, dtype=torch.long, device=dev),
+             "pos_off": torch.arange(max(D - 1, 1), device=dev)[:, None].expand(max(D - 1, 1), k).contiguous(),
+             "slot_off": torch.arange(max(D - 1, 1) * k, device=dev).view(max(D - 1, 1), k),
+             "ar_k": torch.arange(k, device=dev), "ar_R": torch.arange(R, device=dev),
+             "ar_N1": torch.arange(N + 1, device=dev),
+             "ar_1N": torch.arange(1, N + 1, device=dev), "ar_D1": torch.arange(D + 1, device=dev),
+             "zero1": torch.zeros(1, dtype=torch.long, device=dev),
+             "minus2": torch.full((1,), -2, dtype=torch.long, device=dev),
+             "far": torch.full((N + 1,), D + 1, dtype=torch.long, device=dev)}
+        self._tree_cache[mode.key()] = c
+        return c
+
+    @staticmethod
+    def _region(prefix: torch.Tensor, slots: torch.Tensor, region: torch.Tensor) -> torch.Tensor:
+        """`_region_mask` in two kernels: prefix [S] (committed slots, s < L) for every row, then region [T, R]
+        written at slots [R] (= L..L+R-1, inside the cache: the round's capacity check guarantees it)."""
+        return prefix.expand(region.shape[0], -1).clone().index_copy_(1, slots, region)
+
     def _tree_round(self, mode: DecodeMode, sp: SamplingParams):
         k, D, N = mode.top_k, mode.depth, mode.tree_tokens
-        C = mode.num_candidates
-        dev = self.device
+        c = self._tree_consts(mode)
         L = self.L
-        S = self.max_len
-        # candidates: token (target id), score (cumulative log-prob), parent (cand idx, -1 root), depth
+        prefix = self._ar < L  # committed slots, shared by every mask of the round
+        # candidates: token (target id), score (cumulative log-prob), parent (candidate index, -1 = root)
         lp = torch.log_softmax(self._draft_logits(self.h_last), -1)
         s1, i1 = torch.topk(lp, k)
-        c_tok = [self.d_ids.gather(0, i1)]
-        c_score = [s1]
-        c_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-        c_depth = [torch.ones(k, dtype=torch.long, device=dev)]
+        c_tok, c_score, c_parent = [self.d_ids.gather(0, i1)], [s1], [c["parent0"]]
         # (no python-scalar advanced-index writes below: those would copy host->device inside a graph)
-        anc = torch.zeros(C, C, dtype=torch.bool, device=dev)  # candidate ancestor-or-self
-        ar_k = torch.arange(k, device=dev)
-        eye_k = torch.eye(k, dtype=torch.bool, device=dev)
-        eye_kk = torch.eye(k * k, dtype=torch.bool, device=dev)
-        anc[:k, :k] = eye_k
-        f_tok, f_score, f_cand = c_tok[0], s1, ar_k  # frontier
+        anc = c["anc0"].clone()  # candidate ancestor-or-self
+        f_tok, f_score, f_cand = c_tok[0], s1, c["ar_k"]
         f_h = self.h_last[None].repeat(k, 1)  # a real [k, H] (an expand's 0-stride would be a second graph)
-        R = max((D - 1) * k, 1)
-        f_mask = torch.zeros(k, R, dtype=torch.bool, device=dev)  # drafter-slot ancestry in the tree region
-        n_c = k
+        f_mask = None  # drafter-slot ancestry of the frontier in the tree region [k, R]
+        pos_all, slots_all, region_slots = L + c["pos_off"], L + c["slot_off"], L + c["ar_R"]
         for j in range(1, D):
-            f_mask = f_mask.clone()
-            f_mask[:, (j - 1) * k:j * k] |= eye_k
-            pos = (L + j - 1).expand(k)
-            slots = L + (j - 1) * k + ar_k
-            mask = _region_mask(S, L, f_mask, dev)
-            h = self._draft_fwd(f_tok, f_h, pos, slots, mask)  # [k, H]
+            f_mask = c["f_add"][0] if f_mask is None else f_mask | c["f_add"][j - 1]
+            mask = self._region(prefix, region_slots, f_mask)
+            h = self._draft_fwd(f_tok, f_h, pos_all[j - 1], slots_all[j - 1], mask)  # [k, H]
             lpj = torch.log_softmax(self._draft_logits(h), -1)
             sj, ij = torch.topk(lpj, k, dim=-1)  # [k, k]
             sc = (f_score[:, None] + sj).reshape(-1)
             tok = self.d_ids[ij.reshape(-1)]
-            par_f = ar_k[:, None].expand(k, k).reshape(-1)  # frontier row of each child
-            new_idx = n_c + torch.arange(k * k, device=dev)
-            pc = f_cand[par_f]
-            anc_rows = anc.index_select(0, pc)
-            anc_rows[:, n_c:n_c + k * k] |= eye_kk
-            anc[n_c:n_c + k * k] = anc_rows
+            pc = f_cand.repeat_interleave(k)  # parent candidate of each child
+            n_c = k + (j - 1) * k * k
+            anc[n_c:n_c + k * k] = anc.index_select(0, pc) | c["anc_add"][j - 1]
             c_tok.append(tok)
             c_score.append(sc)
             c_parent.append(pc)
-            c_depth.append(torch.full((k * k,), j + 1, dtype=torch.long, device=dev))
             # next frontier: best k of the k*k children
             fs, fi = torch.topk(sc, k)
-            f_tok, f_score, f_cand = tok[fi], fs, new_idx[fi]
-            f_h = h[par_f[fi]]
-            f_mask = f_mask[par_f[fi]]
-            n_c += k * k
+            pf = fi // k  # frontier row of each chosen child
+            f_tok, f_score, f_cand = tok[fi], fs, c["new_idx"][j - 1][fi]
+            f_h = h[pf]
+            f_mask = f_mask[pf]
         tok = torch.cat(c_tok)
-        score = torch.cat(c_score)
         parent = torch.cat(c_parent)
-        depth = torch.cat(c_depth)
         # best N nodes; ties broken toward shallower nodes so the set stays ancestor-closed
-        key = score - depth.to(score.dtype) * 1e-6
-        _, sel = torch.topk(key, N)
+        _, sel = torch.topk(torch.cat(c_score) - c["depth_pen"], N)
         sel, _ = torch.sort(sel)  # parents (earlier levels) come first
         node_tok = torch.cat([self.root.view(1), tok[sel]])
-        node_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[sel]])
-        cmap = torch.zeros(C + 1, dtype=torch.long, device=dev).fill_(-1)
-        cmap[sel] = torch.arange(1, N + 1, device=dev)
-        psel = parent[sel]
-        node_parent = torch.cat([torch.full((1,), -2, dtype=torch.long, device=dev),
-                                 torch.where(psel < 0, torch.zeros_like(psel), cmap[psel.clamp_min(0)])])
-        tmask = torch.zeros(N + 1, N + 1, dtype=torch.bool, device=dev)
-        tmask[:, 0].fill_(True)  # fill_, not `= True` (a Python value via __setitem__ is a host tensor)
+        node_depth = torch.cat([c["zero1"], c["depth_all"][sel]])
+        cmap = c["cmap0"].clone()
+        cmap[sel] = c["ar_1N"]
+        node_parent = torch.cat([c["minus2"], cmap[parent[sel]]])
+        tmask = c["tmask0"].clone()
         tmask[1:, 1:] = anc.index_select(0, sel).index_select(1, sel)
         # verify
-        pos = L + node_depth
-        slots = L + torch.arange(N + 1, device=dev)
-        mask = _region_mask(S, L, tmask, dev)
-        logits, aux = self._target(node_tok, pos, slots, mask)
+        slots = L + c["ar_N1"]
+        logits, aux = self._target(node_tok, L + node_depth, slots, self._region(prefix, slots, tmask))
         choice = choose(logits, sp)  # [N+1]: argmax, or one draw per node from p (recursive rejection)
-        cur = torch.zeros((), dtype=torch.long, device=dev)
-        path = [cur]
-        a = torch.zeros((), dtype=torch.long, device=dev)
-        for _ in range(D):
-            m = (node_parent == cur) & (node_tok == choice.index_select(0, cur.view(1)))
-            found = m.any()
-            cur = torch.where(found, torch.argmax(m.long()), cur)
-            a = a + found.long()
-            path.append(cur)
-        path_t = torch.stack(path)  # [D+1]; entries past a repeat the last node
+        # accept: node i is on the accepted path iff it and all its ancestors match their parent's choice (a
+        # node's children are distinct tokens, so the accepted nodes form one path); the deepest is where it ends
+        ok = node_tok[1:] == choice.index_select(0, node_parent[1:])
+        acc_depth = (~(tmask[1:, 1:] & ~ok[None, :]).any(-1)) * node_depth[1:]
+        a = acc_depth.max()  # accepted draft tokens
+        cur = torch.where(a > 0, torch.argmax(acc_depth) + 1, c["zero1"][0])
+        # the path root..cur by depth; entries past a repeat cur (the hand-off pads with them)
+        order = torch.argsort(torch.where(tmask.index_select(0, cur.view(1))[0], node_depth, c["far"]))
+        path_t = order.gather(0, torch.minimum(c["ar_D1"], a))  # [D+1]
         bonus = choice.index_select(0, cur.view(1))[0]
         out = torch.cat([node_tok[path_t[1:]], node_tok[:1]]).index_copy(0, a.view(1), bonus.view(1))
         # compact the target cache to root + accepted path (entries past a are junk, never attended)
-        self.runner.compact(L + path_t, L + torch.arange(D + 1, device=dev))
+        self.runner.compact(L + path_t, L + c["ar_D1"])
         self._handoff(out, aux.index_select(0, path_t), a)
         self.out[: D + 1] = out
-        self.n_emit.copy_(a + 1)
+        a1 = a + 1
+        self.n_emit.copy_(a1)
         self.root.copy_(bonus)
-        self.L.add_(a + 1)
+        self.L.add_(a1)
         self._last_tree = (node_tok, node_parent, node_depth, tmask)
 
     # ------------------------------------------------------------------ graphs
@@ -495,6 +522,7 @@ class SpeculativeDecoder:
             return lambda: self._plain_step(sp)
         if mode.kind == "chain":
             return lambda: self._chain_round(mode, sp)
+        self._tree_consts(mode)  # built here, outside the round (and outside any graph capture)
         return lambda: self._tree_round(mode, sp)
 
     def _runner_for(self, mode: DecodeMode, sp: SamplingParams):
