@@ -416,3 +416,32 @@ def test_from_target_accepts_a_loaded_target():
     assert torch.equal(d.lm_head.weight, head[:300])
     assert d.embed_tokens.weight.data_ptr() == t.embed_tokens.weight.data_ptr()  # shared, not copied
     assert d.fit_problems(t) == []
+
+
+@pytest.mark.parametrize("layers,bias", [(1, False), (2, True)])
+def test_fused_decoding_view_matches_the_drafter(layers, bias):
+    """decode's fused view (q/k/v and gate/up concatenated, q and k rotated together) computes the same draft
+    step as the training module, and leaves that module untouched."""
+    from draftsmith.decode.fused_drafter import fused_for_decoding
+    from draftsmith.drafter import Drafter, DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=300, draft_vocab_size=100, target_hidden_size=48,
+                        num_hidden_layers=layers, attention_bias=bias, mlp_bias=bias)
+    d = Drafter(cfg)
+    d.set_embedding(torch.randn(300, 64))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 0.1)
+    d.eval()
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    f = fused_for_decoding(d)
+    ids = torch.randint(0, 300, (1, 9))
+    hidden = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        want = d(ids, hidden)
+        got = f(ids, hidden)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())
+    assert type(d.layers[0].self_attn).__name__ == "Attention" and type(f.layers[0].self_attn).__name__ != "Attention"
