@@ -16,6 +16,7 @@ held to rules that make them impossible on a GPU:
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,21 @@ def test_guard_catches_host_copies():
         x[0].fill_(True)
         x[1:3] = x[:2].clone()
         y.copy_(y + 1)
+
+
+def test_round_op_budget():
+    """Kernels per graph replay are a launch-bound round's cost: a CPU op census (bench/decode_ops.py) keeps the
+    round's own bookkeeping and the drafter calls from growing back (2026-11-29: tree bookkeeping 282 -> 139 ops,
+    drafter call 51 -> 43). Bounds ~15% above today's counts on pycode-tiny; a new torch that decomposes
+    differently may need them revisited -- look at the census before raising them."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from decode_ops import census
+
+    rows = {r["mode"]: r for r in census(str(Path(__file__).resolve().parents[1] / "assets" / "pycode-tiny"),
+                                         ["plain", "chain3", "tree8/5/32"])}
+    assert rows["plain"]["bookkeeping"] <= 8
+    assert rows["chain3"]["bookkeeping"] <= 40
+    assert rows["tree8/5/32"]["bookkeeping"] <= 160
+    assert rows["chain3"]["drafter forward"] <= 3 * 50  # 3 drafter calls (2 drafts + the hand-off), 43 each today
