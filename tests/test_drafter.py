@@ -445,3 +445,17 @@ def test_fused_decoding_view_matches_the_drafter(layers, bias):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())
     assert type(d.layers[0].self_attn).__name__ == "Attention" and type(f.layers[0].self_attn).__name__ != "Attention"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hf_rms_norm_is_the_spelled_out_norm(dtype):
+    """`hf_rms_norm` (F.rms_norm: one fused kernel on CUDA) == HF LlamaRMSNorm's spelled-out arithmetic, bit for
+    bit on CPU: fp32 normalisation, cast back, then the weight."""
+    from draftsmith.drafter.model import hf_rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 384, generator=g) * 3).to(dtype)
+    w = torch.randn(384, generator=g).to(dtype)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(hf_rms_norm(x, w, 1e-5), want)

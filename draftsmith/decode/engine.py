@@ -618,7 +618,6 @@ class SpeculativeDecoder:
         sp = sampling or SamplingParams()
         mode = mode or (DecodeMode("chain") if self.drafter is not None else DecodeMode("plain"))
         mode.validate()
-        self._refresh_drafter_view()
         if mode.kind != "plain" and self.drafter is None:
             raise ValueError(f"{mode.kind} decoding needs a drafter")
         eos = set(self.eos_ids if eos_ids is None else eos_ids)

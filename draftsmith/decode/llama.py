@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from draftsmith.drafter.model import hf_rms_norm
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -48,14 +50,7 @@ def supports(config, max_len: int | None = None) -> tuple[bool, str]:
     return True, ""
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back, then scale by the weight in the model dtype.
-
-    F.rms_norm upcasts internally and returns the input dtype, which is that same computation: bit-identical on
-    CPU (every dtype, tested) and one fused kernel on CUDA (aten::_fused_rms_norm) instead of the seven small
-    ones of the spelled-out version -- the norms were ~1/3 of a decode step's kernels (CUDA-graph replays are
-    launch-bound at batch size 1). The weight stays a separate multiply, after the cast, as in HF."""
-    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
+_rms = hf_rms_norm  # HF's RMSNorm numerics, one fused kernel on CUDA
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

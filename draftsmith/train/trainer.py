@@ -140,7 +140,8 @@ class TTTModel(nn.Module):
         compile); "step": one graph per step kind, reused by every step >= 1 (~2.5x less compile time on CPU)."""
         from draftsmith.train.ttt import CompiledStepUnroll, CompiledUnroll
 
-        # A recompile costs minutes (one was seen at step 2 of an online run on 2026-11-29, cause unknown): say why.
+        # A recompile costs minutes (one at step 2 cost 54 s on the H200 until the drafter's RoPE cache was filled
+        # before compiling, `ttt._warm_drafter_caches`): if another guard ever fails, the log says which.
         torch._logging.set_logs(recompiles=True)
         if granularity == "step":
             self.compiled = CompiledStepUnroll(backend=backend)
