@@ -67,24 +67,72 @@ def prepare_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.T
     return add[None, None]
 
 
-def grouped_attention(q, k_cache, v_cache, mask, scale):
+ATTENTION_IMPLS = ("sdpa", "bmm", "split")
+
+
+def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
     """q [1, nh, T, d]; caches [1, nkv, S, d]; mask [T, S] bool (True = attend) or a `prepare_mask` result
     -> [1, nh, T, d].
 
     Query heads that share a KV head are folded into the query length, so the KV cache is read once and
-    never repeated (any SDPA backend, any mask).
+    never repeated (any backend, any mask). `impl`:
+      sdpa   F.scaled_dot_product_attention (with a mask: the memory-efficient kernel, which parallelises over
+             heads x query blocks only: at decode (a few query rows, 8 KV heads) a handful of CTAs walk the
+             whole cache);
+      bmm    two batched matmuls around an fp32 softmax (HF "eager" numerics; cuBLAS tiles over the keys);
+      split  flash-decoding in plain torch: the keys in chunks, per-chunk max/sum, one weighted combine, so
+             every chunk of every head is its own block of work.
     """
     _, nh, t, d = q.shape
     nkv = k_cache.shape[1]
     g = nh // nkv
     if mask.dim() == 2:
         mask = prepare_mask(mask, g, q.dtype)
-    if g > 1:
-        q = q.reshape(1, nkv, g * t, d)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
-    if g > 1:
-        out = out.reshape(1, nh, t, d)
-    return out
+    q = q.reshape(1, nkv, g * t, d)
+    if impl == "sdpa":
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+    elif impl == "bmm":
+        out = _bmm_attention(q[0], k_cache[0], v_cache[0], mask[0, 0], scale)[None]
+    elif impl == "split":
+        out = _split_attention(q[0], k_cache[0], v_cache[0], mask[0, 0], scale)[None]
+    else:
+        raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+    return out.reshape(1, nh, t, d)
+
+
+def _bmm_attention(q, k, v, add_mask, scale):
+    """q [n, R, d], k/v [n, S, d], add_mask [R, S] additive -> [n, R, d]."""
+    s = torch.baddbmm(add_mask.expand(q.shape[0], -1, -1), q, k.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _split_chunks(S: int) -> int:
+    for c in (16, 8, 4, 2):
+        if S % c == 0 and S // c >= 64:
+            return c
+    return 1
+
+
+def _split_attention(q, k, v, add_mask, scale):
+    """Flash-decoding with torch ops: the S keys in C chunks of S/C; each (head, chunk) pair gets its own
+    max, sum and partial output, then one rescaled sum. A chunk that is masked out entirely gets weight 0
+    (its max is the mask's finfo.min, far below the real maximum)."""
+    n, R, d = q.shape
+    S = k.shape[1]
+    C = _split_chunks(S)
+    if C == 1:
+        return _bmm_attention(q, k, v, add_mask, scale)
+    Sc = S // C
+    qc = q[:, None].expand(n, C, R, d).reshape(n * C, R, d)
+    mc = add_mask.view(R, C, Sc).transpose(0, 1)[None].expand(n, C, R, Sc).reshape(n * C, R, Sc)
+    s = torch.baddbmm(mc, qc, k.reshape(n * C, Sc, d).transpose(1, 2), alpha=scale).float()
+    m = s.amax(-1, keepdim=True)  # [nC, R, 1]
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = torch.bmm(p.to(q.dtype), v.reshape(n * C, Sc, d)).float()  # [nC, R, d]
+    m, l, o = m.view(n, C, R, 1), l.view(n, C, R, 1), o.view(n, C, R, d)
+    w = torch.exp(m - m.amax(1, keepdim=True))
+    return ((w * o).sum(1) / (w * l).sum(1)).to(q.dtype)
 
 
 class LlamaFamilyForward(torch.nn.Module):
@@ -107,6 +155,7 @@ class LlamaFamilyForward(torch.nn.Module):
         self.act = ACT2FN[getattr(cfg, "hidden_act", "silu")]
         self.aux_layers = [int(i) for i in aux_layers]
         self.max_len = int(max_len)
+        self.attn_impl = "sdpa"  # see grouped_attention
         self.w = weights
         self.layers = []
         for i in range(self.n_layers):
@@ -260,7 +309,7 @@ class LlamaFamilyForward(torch.nn.Module):
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc.index_copy_(2, slots, k.transpose(1, 2))
             vc.index_copy_(2, slots, v.transpose(1, 2))
-            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale)
+            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
             o = o.transpose(1, 2).reshape(T, nh * d)
             h = h + F.linear(o, L["o"], L["o_b"])
             x = _rms(h, L["post"], self.eps)
@@ -305,4 +354,5 @@ def rope_table(cfg, max_len: int, device, rotary_module=None):
     return emb.cos(), emb.sin()
 
 
-__all__ = ["LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES",
+           "ATTENTION_IMPLS"]

@@ -1,0 +1,146 @@
+"""Where a plain decode step's time goes (issue 6, P1): kernels by name, per attention implementation,
+eager and compiled, against the floor of the step's matmuls alone.
+
+For the Llama-3.1-8B shape (random bf16 weights), bs=1, each (attention impl, eager/compiled, cache length):
+  ms/step from a CUDA-graph replay, kernels per step, summed kernel time, and the top kernels by summed
+  time; plus 'matmuls only' — the same weight matrices through F.linear and the lm_head in one graph, no
+  attention or elementwise work — the floor this step's cuBLAS GEMVs set, next to the copy bandwidth floor.
+
+Usage (device):  python bench/decode_kernels.py [--impls sdpa,bmm,split] [--compile off,on] [--cache 208,2128]
+CPU smoke (tiny shape, no graphs, aten ops instead of kernels):  python bench/decode_kernels.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import markdown_table, record  # noqa: E402
+from bench.decode import copy_bandwidth, llama8b_config, sync, time_steps  # noqa: E402
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward  # noqa: E402
+from draftsmith.decode.sampling import SamplingParams  # noqa: E402
+
+
+def kernels(fn, dev, top: int):
+    """One call of `fn` under the profiler -> (count, summed ms, [(name, count, ms)] top by time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(dev)
+    if dev.type == "cuda":
+        evs = [(e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
+               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:  # smoke: aten ops and their CPU time
+        evs = [(e.name, e.cpu_time / 1e3) for e in prof.events() if e.name.startswith("aten::")]
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for name, ms in evs:
+        by[name][0] += 1
+        by[name][1] += ms
+    ranked = sorted(((n, c, ms) for n, (c, ms) in by.items()), key=lambda r: -r[2])[:top]
+    return len(evs), sum(ms for _, ms in evs), ranked
+
+
+def matmul_floor(runner, dev, reps: int) -> float:
+    """Seconds per step of only the step's weight matmuls (bs=1) and the lm_head, from one CUDA graph."""
+    x = torch.randn(1, runner.hidden_size, device=dev, dtype=runner.dtype)
+    mats = []
+    for L in runner.layers:
+        mats += [*L["qkv"], L["o"], *L["gu"], L["down"]]
+    mats.append(runner.lm_head)
+    ins = {}
+    for w in mats:  # one input per in-feature size (the GEMV reads w once whatever x holds)
+        ins.setdefault(w.shape[1], torch.randn(1, w.shape[1], device=dev, dtype=runner.dtype))
+
+    def step():
+        for w in mats:
+            F.linear(ins[w.shape[1]], w)
+
+    if dev.type == "cuda":
+        step()
+        sync(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        fn = g.replay
+    else:
+        fn = step
+    del x
+    return time_steps(None, fn, reps, dev)
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impls", default=",".join(ATTENTION_IMPLS), help="attention implementations to compare")
+    ap.add_argument("--compile", default="off,on", help="off (eager step in a CUDA graph), on (torch.compile'd step)")
+    ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
+    ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (checks the code paths)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = llama8b_config(args.smoke)
+    caches = [int(c) for c in args.cache.split(",")] if not args.smoke else [32, 96]
+    reps = args.reps if not args.smoke else 2
+    aux = [1, cfg.num_hidden_layers // 2 - 1, cfg.num_hidden_layers - 4]
+    runner = LlamaFamilyForward.random(cfg, aux, max_len=max(caches), device=dev, dtype=dtype)
+    bw = copy_bandwidth(dev, args.smoke)
+    wbytes = runner.weight_bytes()
+    t_mm = matmul_floor(runner, dev, reps)
+    print(f"weights {wbytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s -> floor {wbytes / bw * 1e3:.3f} ms; "
+          f"matmuls alone {t_mm * 1e3:.3f} ms ({wbytes / t_mm / bw:.3f} of copy bw)", flush=True)
+    rows, tops = [], []
+    sp = SamplingParams()
+    for comp in args.compile.split(","):
+        for impl in args.impls.split(","):
+            runner.attn_impl = impl
+            for S in caches:
+                t0 = time.perf_counter()
+                eng = SpeculativeDecoder(runner, None, max_len=S, compile=comp == "on")
+                eng.set_max_len(S)
+                ctx = max(1, S - reps - 24)
+                prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+                plain = eng._runner_for(DecodeMode("plain"), sp)
+                eng.prefill(prompt, sp)
+                setup_s = time.perf_counter() - t0
+                t = time_steps(eng, plain, reps, dev)
+                n, ms, top = kernels(lambda: eng._plain_step(sp), dev, args.top)
+                ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
+                row = {"attention": impl, "compile": comp, "cache S": S, "ms/step": t * 1e3,
+                       "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n, "kernel ms": ms,
+                       "setup s": setup_s}
+                rows.append(row)
+                tops.append((f"{impl}/{comp}/S={S}", top))
+                print(row, flush=True)
+                for name, c, kms in top:
+                    print(f"    {kms:8.3f} ms  x{c:<4d} {name[:110]}", flush=True)
+                del eng
+    body = [markdown_table(rows, list(rows[0])), "",
+            f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
+            f"{wbytes / bw * 1e3:.3f} ms; the same matmuls alone (one CUDA graph of F.linear, bs=1) "
+            f"{t_mm * 1e3:.3f} ms = {wbytes / t_mm / bw:.3f} of copy bw.", "",
+            "Top kernels by summed time (one profiled step):", ""]
+    for label, top in tops:
+        body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
+    record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
+           {"rows": rows, "top": tops, "matmul_floor_ms": t_mm * 1e3, "weight_bytes": wbytes, "copy_bw": bw},
+           "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
