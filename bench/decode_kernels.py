@@ -107,11 +107,9 @@ def main(argv=None) -> int:
     sp = SamplingParams()
     for comp in args.compile.split(","):
         for impl in args.impls.split(","):
-            runner.attn_impl = impl
             for S in caches:
                 t0 = time.perf_counter()
-                eng = SpeculativeDecoder(runner, None, max_len=S, compile=comp == "on")
-                eng.set_max_len(S)
+                eng = SpeculativeDecoder(runner, None, max_len=S, compile=comp == "on", attn_impl=impl)
                 ctx = max(1, S - reps - 24)
                 prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
                 plain = eng._runner_for(DecodeMode("plain"), sp)

@@ -161,3 +161,26 @@ def test_engine_region_builder_equals_region_mask():
             Lt = torch.tensor(L)
             got = SpeculativeDecoder._region(ar < Lt, Lt + torch.arange(R), reg)
             assert torch.equal(got, _region_mask(S, Lt, reg, "cpu")), (L, T, R)
+
+
+@pytest.mark.parametrize("impl", ["bmm", "split"])
+@pytest.mark.parametrize("S,T", [(208, 1), (256, 9), (1024, 33), (100, 5)])
+def test_attention_impls_equal_sdpa(impl, S, T):
+    """grouped_attention's batched-matmul and split-KV paths equal SDPA (fp32) under causal-prefix and tree-like
+    masks, including key chunks that are masked out entirely (split: weight 0, not a uniform average)."""
+    from draftsmith.decode.llama import grouped_attention
+
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(1, 8, T, 32, generator=g)
+    k, v = torch.randn(2, 1, 2, S, 32, generator=g)
+    limit = torch.randint(S // 3, S, (T,), generator=g)
+    mask = torch.arange(S)[None] <= limit[:, None]
+    mask[:, : S // 4] = False  # whole leading chunks masked
+    mask[:, 0] = True
+    mask &= torch.rand(T, S, generator=g) > 0.2  # holes, as a tree mask has
+    mask[:, 0] = True
+    ref = grouped_attention(q, k, v, mask, 0.17, "sdpa")
+    out = grouped_attention(q, k, v, mask, 0.17, impl)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention impl"):
+        grouped_attention(q, k, v, mask, 0.17, "nope")

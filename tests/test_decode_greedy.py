@@ -88,6 +88,28 @@ def test_greedy_equal_random_drafter_pycode(pycode, mode):
     _check_equal(eng, prompts, refs, mode)
 
 
+@pytest.mark.parametrize("impl", ["bmm", "split"])
+@pytest.mark.parametrize("mode", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_equal_other_attention_impls_pycode(pycode, mode, impl):
+    """The batched-matmul and split-KV attentions (chosen on CUDA for long caches) keep greedy equality, target
+    and drafter; a 256-slot cache makes `split` really split (4 chunks, most of them masked out entirely)."""
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=256, attn_impl=impl)
+    assert eng.attn_impl == impl and eng.runner.attn_impl == impl
+    _check_equal(eng, prompts[:20], refs[:20], mode)
+
+
+def test_attn_impl_auto_and_validation(pycode):
+    t, _, _ = pycode
+    eng = SpeculativeDecoder(t, None, max_len=4096)
+    assert eng.attn_impl == "sdpa"  # CPU: SDPA whatever the length (the slot threshold is a CUDA measurement)
+    with pytest.raises(ValueError, match="attn_impl"):
+        SpeculativeDecoder(t, None, max_len=64, attn_impl="flash")
+
+
 def test_greedy_equal_compiled_rounds_pycode(pycode):
     """`compile=True` (torch.compile of the round forwards: bench/decode.py --compile, P1c) keeps greedy
     equality, chain and tree, on a few prompts (compiling takes most of the time)."""

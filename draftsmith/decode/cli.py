@@ -42,12 +42,12 @@ def _mode(plain: bool, tree: bool, draft_tokens: int, top_k_draft: int, depth: i
     return DecodeMode("chain", draft_tokens=draft_tokens)
 
 
-def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False):
+def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto"):
     from draftsmith.decode.engine import SpeculativeDecoder
 
     try:
         return SpeculativeDecoder(t, d, max_len=max_len, backend=backend, cuda_graphs=None if cuda_graphs else False,
-                                  compile=compile)
+                                  compile=compile, attn_impl=attn_impl)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -83,6 +83,8 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward: auto (SDPA up "
+                                      "to 512 cache slots on CUDA, batched matmuls beyond) | sdpa | bmm | split."),
     ) -> None:
         """Generate from a prompt with speculative decoding (greedy output == plain greedy decoding)."""
         from draftsmith.decode.sampling import SamplingParams
@@ -105,7 +107,7 @@ def register(app: typer.Typer) -> None:
         max_len = min(_max_positions(t), len(ids) + max_new_tokens + mode.cache_need + 2)
         if len(ids) + 2 > max_len:
             raise DraftsmithError(f"--prompt: {len(ids)} tokens do not fit the target's context ({max_len})")
-        eng = _engine(t, d, max_len, backend, cuda_graphs, compile)
+        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl)
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         eng.warmup(mode, sp)
         res = eng.generate(ids, max_new_tokens, sampling=sp, mode=mode, seed=seed, stop_strings=stop)
@@ -144,6 +146,8 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend"),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward: auto (SDPA up "
+                                      "to 512 cache slots on CUDA, batched matmuls beyond) | sdpa | bmm | split."),
         json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""
@@ -171,7 +175,7 @@ def register(app: typer.Typer) -> None:
                         fg=typer.colors.YELLOW)
         if not kept:
             raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
-        eng = _engine(t, d, min(cap, max(len(p) for p in kept) + need), backend, cuda_graphs, compile)
+        eng = _engine(t, d, min(cap, max(len(p) for p in kept) + need), backend, cuda_graphs, compile, attn_impl)
         report = run_eval(eng, kept, mode, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)
         report.update({"target": target, "drafter": drafter, "prompts_file": prompts, "raw": raw})
         out.mkdir(parents=True, exist_ok=True)

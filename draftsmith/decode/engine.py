@@ -146,12 +146,24 @@ class SpeculativeDecoder:
     any module with its interface) or None (plain decoding only). `max_len`: cache capacity in tokens
     (prompt + new tokens + one round's draft). `backend`: "auto" (compact Llama-family forward when
     supported, else HF generic), "llama", "hf". `cuda_graphs`: None = on when the device is CUDA and the
-    compact forward is used.
+    compact forward is used. `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
+    "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`).
     """
 
+    # "auto" attention: on CUDA the masked SDPA kernel gives each KV head one block of work, so its cost grows
+    # with the cache length at a few CTAs' pace (8B shape, bs=1: 0.29 ms/step over 208 slots, 1.54 ms over
+    # 2,128), while two cuBLAS batched matmuls tile over the keys (+0.13 ms at 208, flat after):
+    # bench/decode_kernels.py, 2026-11-29. The crossover is near 400 slots.
+    SDPA_MAX_SLOTS = 512
+
     def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
-                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None, compile: bool = False):
-        from draftsmith.decode.llama import LlamaFamilyForward, supports
+                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None, compile: bool = False,
+                 attn_impl: str = "auto"):
+        from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
+
+        if attn_impl not in ("auto", *ATTENTION_IMPLS):
+            raise ValueError(f"attn_impl {attn_impl!r} is not one of {('auto', *ATTENTION_IMPLS)}")
+        self._attn_choice = attn_impl
 
         prebuilt = target if isinstance(target, LlamaFamilyForward) else None
         if prebuilt is not None:  # a ready runner (benchmarks: random weights of a large shape, no HF model)
@@ -239,6 +251,7 @@ class SpeculativeDecoder:
         self._d_mask = None
         self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
+        self._resolve_attn_impl()
         self._d_rope = None  # (cos, sin) [max_len, head_dim] of a draftsmith Drafter: indexed, not recomputed
         self._set_drafter_rope()
         # opt-in: torch.compile the static-shape forwards used inside rounds (fuses the small elementwise
@@ -282,6 +295,14 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, Drafter):
             self._d_rope = self.drafter.rope_table(self.max_len, self.device, self.d_dtype)
 
+    def _resolve_attn_impl(self) -> None:
+        impl = self._attn_choice
+        if impl == "auto":
+            impl = "bmm" if self.device.type == "cuda" and self.max_len > self.SDPA_MAX_SLOTS else "sdpa"
+        self.attn_impl = impl
+        if hasattr(self.runner, "attn_impl"):
+            self.runner.attn_impl = impl
+
     def _mask(self, limit: torch.Tensor) -> torch.Tensor:
         """`_lower_bound_mask` over the cached slot indices."""
         return self._ar[None, :] <= limit[:, None]
@@ -290,6 +311,7 @@ class SpeculativeDecoder:
         """Resize the caches (target and drafter); drops captured graphs."""
         self.max_len = _round_up(int(max_len), 16)
         self._ar = torch.arange(self.max_len, device=self.device)
+        self._resolve_attn_impl()
         if hasattr(self.runner, "set_max_len"):
             self.runner.set_max_len(self.max_len)
         else:
@@ -314,7 +336,7 @@ class SpeculativeDecoder:
         kc.index_copy_(2, self._d_slots, k.to(kc.dtype))
         vc.index_copy_(2, self._d_slots, v.to(vc.dtype))
         S = self._d_mask.shape[1]
-        return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale)
+        return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale, self.attn_impl)
 
     def _draft_fwd(self, ids, hidden, positions, slots, mask, eager=False):
         """Drafter forward over T tokens (cache write at slots, attention under mask) -> out [T, H]."""
