@@ -83,8 +83,9 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
-        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward: auto (SDPA up "
-                                      "to 512 cache slots on CUDA, batched matmuls beyond) | sdpa | bmm | split."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward and the "
+                                      "drafter: auto (on CUDA SDPA while cache slots x head_dim <= 65,536, batched "
+                                      "matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."),
     ) -> None:
         """Generate from a prompt with speculative decoding (greedy output == plain greedy decoding)."""
         from draftsmith.decode.sampling import SamplingParams
@@ -146,8 +147,9 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend"),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
-        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward: auto (SDPA up "
-                                      "to 512 cache slots on CUDA, batched matmuls beyond) | sdpa | bmm | split."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward and the "
+                                      "drafter: auto (on CUDA SDPA while cache slots x head_dim <= 65,536, batched "
+                                      "matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."),
         json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""

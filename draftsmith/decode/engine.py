@@ -150,11 +150,14 @@ class SpeculativeDecoder:
     "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`).
     """
 
-    # "auto" attention: on CUDA the masked SDPA kernel gives each KV head one block of work, so its cost grows
-    # with the cache length at a few CTAs' pace (8B shape, bs=1: 0.29 ms/step over 208 slots, 1.54 ms over
-    # 2,128), while two cuBLAS batched matmuls tile over the keys (+0.13 ms at 208, flat after):
-    # bench/decode_kernels.py, 2026-11-29. The crossover is near 400 slots.
-    SDPA_MAX_SLOTS = 512
+    # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
+    # all S cache slots, so its time grows with S x head_dim at one SM's pace (8B shape, bs=1, d=128: 0.29
+    # ms/step over 208 slots, 1.54 ms over 2,128); two cuBLAS batched matmuls tile over the keys but cost ~4
+    # more kernels per layer (+0.13 ms/step at 208 slots, flat after): bench/decode_kernels.py, 2026-11-29.
+    # Measured: 8B d=128 at 880 and 2,128 slots bmm is faster (plain step 5.86 vs 5.99 ms; 5.86 vs 6.90 ms);
+    # at 208 SDPA; pycode-small (d=64, launch-bound) at ~600 slots SDPA (chain rounds 2,668 vs 2,241 tok/s).
+    # The threshold sits between: bmm once S x head_dim > 65,536 (8B: 512 slots; d=64: 1,024).
+    SDPA_MAX_KEY_ELEMS = 65536
 
     def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
                  cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None, compile: bool = False,
@@ -235,8 +238,7 @@ class SpeculativeDecoder:
             p = next(drafter.parameters())
             self.d_dtype = p.dtype
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
-            self.dk = torch.zeros(shape, dtype=self.d_dtype, device=dev)
-            self.dv = torch.zeros(shape, dtype=self.d_dtype, device=dev)
+            self._alloc_drafter_cache(shape)
             self.h_last = torch.zeros(int(dc.hidden_size), dtype=self.d_dtype, device=dev)
             if hasattr(drafter, "draft_target_ids"):
                 self.d_ids = drafter.draft_target_ids.to(dev)
@@ -295,10 +297,20 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, Drafter):
             self._d_rope = self.drafter.rope_table(self.max_len, self.device, self.d_dtype)
 
+    def _alloc_drafter_cache(self, shape) -> None:
+        self.dk = self.dv = self._dk_layers = self._dv_layers = None
+        self.dk = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+        self.dv = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+        # per-layer views made outside any compiled graph (see LlamaFamilyForward._alloc_cache)
+        self._dk_layers = [self.dk[i] for i in range(shape[0])]
+        self._dv_layers = [self.dv[i] for i in range(shape[0])]
+
     def _resolve_attn_impl(self) -> None:
         impl = self._attn_choice
         if impl == "auto":
-            impl = "bmm" if self.device.type == "cuda" and self.max_len > self.SDPA_MAX_SLOTS else "sdpa"
+            hd = int(getattr(self.runner, "head_dim", 0) or 0)
+            long = self.max_len * max(hd, getattr(self, "d_hd", 0) or 0) > self.SDPA_MAX_KEY_ELEMS
+            impl = "bmm" if self.device.type == "cuda" and long else "sdpa"
         self.attn_impl = impl
         if hasattr(self.runner, "attn_impl"):
             self.runner.attn_impl = impl
@@ -318,9 +330,7 @@ class SpeculativeDecoder:
             self.runner.max_len = self.max_len
         if self.drafter is not None:
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
-            self.dk = self.dv = None
-            self.dk = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
-            self.dv = torch.zeros(shape, dtype=self.d_dtype, device=self.device)
+            self._alloc_drafter_cache(shape)
             self._set_drafter_rope()
         self._graphs.clear()
 
@@ -332,7 +342,7 @@ class SpeculativeDecoder:
     def _attn(self, q, k, v, layer_idx):
         from draftsmith.decode.llama import grouped_attention
 
-        kc, vc = self.dk[layer_idx], self.dv[layer_idx]
+        kc, vc = self._dk_layers[layer_idx], self._dv_layers[layer_idx]
         kc.index_copy_(2, self._d_slots, k.to(kc.dtype))
         vc.index_copy_(2, self._d_slots, v.to(vc.dtype))
         S = self._d_mask.shape[1]
