@@ -278,6 +278,7 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
         torch.cuda.synchronize(device)
     t_start = time.time()
     captured_tokens = 0
+    alloc_s = 0.0  # pinned shard buffers, allocated on first use (fixed cost: n_sets allocations per run)
     with torch.no_grad():
         for si in todo:
             first, n, ntok = shards[si]
@@ -289,7 +290,9 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
             if slot_future[slot] is not None:
                 slot_future[slot].result()  # that buffer set's shard is on disk: reuse it
             if slot == len(buffers):
+                ta = time.time()
                 buffers.append(_ShardBuffers(max_tok, k * H, H, k, cfg.dtype, cfg.capture_final, pin))
+                alloc_s += time.time() - ta
             buf = buffers[slot].view(ntok)
             n_done += 1
             pending = None
@@ -305,14 +308,17 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
                 slot_future[slot] = pool.submit(_write_shard, out, si, first, shard_samples, offsets, buf, cfg)
                 writes.append(slot_future[slot])
             captured_tokens += ntok
+        t_drain = time.time()  # the last shards' writes, no longer overlapped by GPU work (fixed cost)
         for f in writes:
             f.result()
+        drain_s = time.time() - t_drain
     pool.shutdown()
     bar.close()
     elapsed = time.time() - t_start
     if stats is not None:
         stats.update(
-            capture_s=elapsed, tokens=captured_tokens, write_s=sum(f.result()[0] for f in writes),
+            capture_s=elapsed, alloc_s=alloc_s, drain_s=drain_s, tokens=captured_tokens,
+            write_s=sum(f.result()[0] for f in writes),
             bytes_written=sum(f.result()[1] for f in writes), shards=len(writes), graphs=len(graphs),
         )
     if captured_tokens:
