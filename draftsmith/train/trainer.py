@@ -546,9 +546,13 @@ class Trainer:
             now = time.time()
             rec["tokens_per_s"] = tok_window / max(now - time_window, 1e-9)
             rec["elapsed_s"] = now - t0
-            if model.compiled is not None and step - start_step <= 2:  # compile (and any recompile) time, visible
+            if step - start_step <= 2:  # compile (and any recompile) time, visible: flex attention compiles even
+                from draftsmith.utils.compiling import compile_seconds  # with --compile off (3 min on 2 H200s)
+
+                n_fr, fwd_s, bwd_s = compile_seconds()
                 self.log(f"step {step}: {rec['elapsed_s'] if step == start_step + 1 else now - time_window:.1f}s"
-                         f"{' (includes compiling the TTT unroll)' if step == start_step + 1 else ''}")
+                         f"{' (includes compiling the TTT unroll)' if model.compiled is not None and step == start_step + 1 else ''}"
+                         f"{f'; torch.compile so far: {n_fr} graphs {fwd_s:.1f}s + backward {bwd_s:.1f}s' if n_fr else ''}")
             tok_window, time_window = 0, now
             last = rec
             if self.is_main and (step % cfg.log_every == 0 or step == total_steps or do_eval):

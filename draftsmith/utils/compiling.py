@@ -17,3 +17,16 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
             if getattr(cfg, name) < limit:
                 setattr(cfg, name, limit)
             break
+
+
+def compile_seconds() -> tuple[int, float, float]:
+    """(frames compiled, seconds compiling them, seconds compiling backward graphs) so far in this process, from
+    dynamo's own timers — what a slow first step spent compiling (flex attention compiles even in "eager"
+    training). Zeros where this torch's metric names differ."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as m
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return 0, 0.0, 0.0
+    fwd = m.get("_compile.compile_inner", [])
+    bwd = m.get("compile_fx.<locals>.bw_compiler", [])
+    return len(fwd), float(sum(fwd)), float(sum(bwd))
