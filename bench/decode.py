@@ -114,9 +114,12 @@ def time_steps(engine, fn, n, dev):
     return t.s / n
 
 
-def kernel_profile(fn, dev):
-    """(kernels, summed kernel time in s) of one eager call of `fn`: what its CUDA-graph replay launches, and how
-    much of a step is kernel time at all (the rest is launch gaps). On CPU (smoke): aten ops, time None."""
+def kernel_census(fn, dev, top: int = 0):
+    """One call of `fn` under the profiler (after one unprofiled call) -> (kernels, summed kernel ms, the `top`
+    kernel names by summed time as (name, count, ms)). On CUDA these are what the call's CUDA-graph replay
+    launches, and ms/step minus their sum is launch gaps; on CPU (smoke) aten ops and their CPU time."""
+    import collections
+
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -125,11 +128,23 @@ def kernel_profile(fn, dev):
     with profile(activities=acts) as prof:
         fn()
         sync(dev)
-    if dev.type != "cuda":
-        return sum(1 for e in prof.events() if e.name.startswith("aten::")), None
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ks)
-    return len(ks), busy_us / 1e6
+    if dev.type == "cuda":
+        evs = [(e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
+               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        evs = [(e.name, e.cpu_time / 1e3) for e in prof.events() if e.name.startswith("aten::")]
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for name, ms in evs:
+        by[name][0] += 1
+        by[name][1] += ms
+    ranked = sorted(((n, c, ms) for n, (c, ms) in by.items()), key=lambda r: -r[2])[:top]
+    return len(evs), sum(ms for _, ms in evs), ranked
+
+
+def kernel_profile(fn, dev):
+    """(kernels, summed kernel time in s or None on CPU) of one eager call of `fn`."""
+    n, ms, _ = kernel_census(fn, dev)
+    return n, (ms / 1e3 if dev.type == "cuda" else None)
 
 
 @torch.no_grad()

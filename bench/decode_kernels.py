@@ -13,7 +13,6 @@ CPU smoke (tiny shape, no graphs, aten ops instead of kernels):  python bench/de
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
@@ -24,38 +23,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import markdown_table, record  # noqa: E402
-from bench.decode import copy_bandwidth, llama8b_config, sync, time_steps  # noqa: E402
+from bench.decode import copy_bandwidth, kernel_census, llama8b_config, sync, time_steps  # noqa: E402
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
 from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 
 
-def kernels(fn, dev, top: int):
-    """One call of `fn` under the profiler -> (count, summed ms, [(name, count, ms)] top by time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync(dev)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(dev)
-    if dev.type == "cuda":
-        evs = [(e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
-               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    else:  # smoke: aten ops and their CPU time
-        evs = [(e.name, e.cpu_time / 1e3) for e in prof.events() if e.name.startswith("aten::")]
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for name, ms in evs:
-        by[name][0] += 1
-        by[name][1] += ms
-    ranked = sorted(((n, c, ms) for n, (c, ms) in by.items()), key=lambda r: -r[2])[:top]
-    return len(evs), sum(ms for _, ms in evs), ranked
-
-
 def matmul_floor(runner, dev, reps: int) -> float:
     """Seconds per step of only the step's weight matmuls (bs=1) and the lm_head, from one CUDA graph."""
-    x = torch.randn(1, runner.hidden_size, device=dev, dtype=runner.dtype)
     mats = []
     for L in runner.layers:
         mats += [*L["qkv"], L["o"], *L["gu"], L["down"]]
@@ -77,7 +52,6 @@ def matmul_floor(runner, dev, reps: int) -> float:
         fn = g.replay
     else:
         fn = step
-    del x
     return time_steps(None, fn, reps, dev)
 
 
@@ -116,7 +90,7 @@ def main(argv=None) -> int:
                 eng.prefill(prompt, sp)
                 setup_s = time.perf_counter() - t0
                 t = time_steps(eng, plain, reps, dev)
-                n, ms, top = kernels(lambda: eng._plain_step(sp), dev, args.top)
+                n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
                 ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
                 row = {"attention": impl, "compile": comp, "cache S": S, "ms/step": t * 1e3,
                        "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n, "kernel ms": ms,

@@ -329,6 +329,24 @@ def test_bench_script_smoke(tmp_path):
     assert {"P1", "P2a", "P2b"} <= set(res["sections"])
 
 
+def test_decode_kernels_bench_smoke(tmp_path):
+    """bench/decode_kernels.py --smoke: every attention implementation through the engine, the kernel census and
+    the matmul floor, on CPU; its section goes to $OUT and to the file named by DRAFTSMITH_BENCHMARKS."""
+    import subprocess
+    import sys
+
+    md = tmp_path / "BENCH.md"
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(md))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert {row["attention"] for row in res["rows"]} == {"sdpa", "bmm", "split"}
+    assert all(row["kernels"] > 0 and row["ms/step"] > 0 for row in res["rows"]) and res["matmul_floor_ms"] > 0
+    assert "decode kernels" in md.read_text()
+
+
 def test_cache_end_falls_back_to_plain_steps(qwen3):
     """When a round no longer fits the cache, decoding continues with plain steps, then stops ('cache')."""
     m, prompts, _ = qwen3
