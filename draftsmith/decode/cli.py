@@ -42,6 +42,10 @@ def _mode(plain: bool, tree: bool, draft_tokens: int, top_k_draft: int, depth: i
     return DecodeMode("chain", draft_tokens=draft_tokens)
 
 
+_ATTN_HELP = ("Attention of the compact forward and the drafter: auto (on CUDA SDPA while cache slots x head_dim "
+              "<= 65,536, batched matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split.")
+
+
 def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto"):
     from draftsmith.decode.engine import SpeculativeDecoder
 
@@ -83,9 +87,7 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
-        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward and the "
-                                      "drafter: auto (on CUDA SDPA while cache slots x head_dim <= 65,536, batched "
-                                      "matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
     ) -> None:
         """Generate from a prompt with speculative decoding (greedy output == plain greedy decoding)."""
         from draftsmith.decode.sampling import SamplingParams
@@ -147,9 +149,7 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend"),
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
-        attn_impl: str = typer.Option("auto", "--attn-impl", help="Attention of the compact forward and the "
-                                      "drafter: auto (on CUDA SDPA while cache slots x head_dim <= 65,536, batched "
-                                      "matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""

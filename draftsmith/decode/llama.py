@@ -76,9 +76,9 @@ def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
 
     Query heads that share a KV head are folded into the query length, so the KV cache is read once and
     never repeated (any backend, any mask). `impl`:
-      sdpa   F.scaled_dot_product_attention (with a mask: the memory-efficient kernel, which parallelises over
-             heads x query blocks only: at decode (a few query rows, 8 KV heads) a handful of CTAs walk the
-             whole cache);
+      sdpa   F.scaled_dot_product_attention (with a mask, on an H200: cuDNN's fused kernel, which like the
+             memory-efficient one parallelises over heads x query blocks only: at decode (a few query rows,
+             8 KV heads) a handful of CTAs walk the whole cache);
       bmm    two batched matmuls around an fp32 softmax (HF "eager" numerics; cuBLAS tiles over the keys);
       split  flash-decoding in plain torch: the keys in chunks, per-chunk max/sum, one weighted combine, so
              every chunk of every head is its own block of work.
@@ -116,7 +116,8 @@ def _split_chunks(S: int) -> int:
 def _split_attention(q, k, v, add_mask, scale):
     """Flash-decoding with torch ops: the S keys in C chunks of S/C; each (head, chunk) pair gets its own
     max, sum and partial output, then one rescaled sum. A chunk that is masked out entirely gets weight 0
-    (its max is the mask's finfo.min, far below the real maximum)."""
+    (its max is the mask's finfo.min, far below the real maximum). The engine's caches are sliced to their
+    full length, so the chunk reshapes are views; a shorter slice would copy the cache."""
     n, R, d = q.shape
     S = k.shape[1]
     C = _split_chunks(S)
