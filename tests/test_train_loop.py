@@ -347,3 +347,29 @@ def test_compiled_unroll_compiles_once_across_steps(tiny, target, tmp_path, monk
     assert len(_metrics(tmp_path / "c")) == 3
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_fp8_rows_dequantized_after_the_copy_equal_host_dequantized(tiny, tmp_path):
+    """A store read with `defer_dequantize` (what the trainer does on CUDA: fp8 bytes cross to the GPU and are
+    dequantized there) gives micro-batches equal, after `.to(device)`, to rows dequantized on the host —
+    including the zero padding of a padded row and an explicit dtype."""
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.store.capture import CaptureConfig, run_capture
+    from draftsmith.train.data import build_micro_batch
+
+    out = tmp_path / "fp8"
+    run_capture(CaptureConfig(target=TARGET, data=str(tiny / "code.jsonl"), out=str(out), max_length=256,
+                              progress=False, model_dtype="fp32", dtype="fp8"), log=_quiet)
+    host = HiddenStateStore.open(out, dtype=torch.float32)
+    deferred = HiddenStateStore.open(out, dtype=torch.float32)
+    deferred.defer_dequantize = True
+    assert deferred[0]["aux_hidden_states"].dtype == torch.float8_e4m3fn and "aux_scale" in deferred[0]
+    for row, pad in (([0, 1, 2], 128), ([3], 1)):
+        a = build_micro_batch(host, row, 512, with_states=True, pad_to=pad)
+        b = build_micro_batch(deferred, row, 512, with_states=True, pad_to=pad)
+        assert b.aux_hidden.dtype == torch.float8_e4m3fn and b.aux_scale is not None
+        for dt in (None, torch.bfloat16):
+            x, y = a.to("cpu", dt), b.to("cpu", dt)
+            assert y.aux_scale is None and y.aux_hidden.dtype == x.aux_hidden.dtype
+            assert torch.equal(x.aux_hidden, y.aux_hidden) and torch.equal(x.final_hidden, y.final_hidden)
+            assert torch.equal(x.input_ids, y.input_ids) and x.num_tokens == y.num_tokens

@@ -99,6 +99,11 @@ class MicroBatch:
     final_hidden: torch.Tensor | None  # [1, T, H]
     doc_lengths: list[int]
     num_tokens: int  # real tokens (without padding)
+    # fp8 rows still quantized (a store read with `defer_dequantize`): uint8 scale exponents [1, T, k] / [1, T, 1];
+    # `to()` dequantizes after the copy, on the target device
+    aux_scale: torch.Tensor | None = None
+    final_scale: torch.Tensor | None = None
+    states_dtype: torch.dtype = torch.bfloat16  # what deferred fp8 rows dequantize to
 
     def to(self, device, dtype=None) -> "MicroBatch":
         def mv(x, fl=False):
@@ -107,8 +112,18 @@ class MicroBatch:
             x = x.to(device, non_blocking=True)
             return x.to(dtype) if (fl and dtype is not None) else x
 
+        aux, final = mv(self.aux_hidden), mv(self.final_hidden)
+        if self.aux_scale is not None:
+            from draftsmith.store.format import dequantize_fp8_rows
+
+            out = dtype or self.states_dtype
+            aux = dequantize_fp8_rows(aux[0], mv(self.aux_scale)[0], out)[None]
+            final = None if final is None else dequantize_fp8_rows(final[0], mv(self.final_scale)[0], out)[None]
+        elif dtype is not None:
+            aux = None if aux is None else aux.to(dtype)
+            final = None if final is None else final.to(dtype)
         return MicroBatch(mv(self.input_ids), mv(self.loss_mask), mv(self.doc_ids), mv(self.position_ids),
-                          mv(self.aux_hidden, True), mv(self.final_hidden, True), self.doc_lengths, self.num_tokens)
+                          aux, final, self.doc_lengths, self.num_tokens)
 
     def pin_memory(self) -> "MicroBatch":
         """Page-locked copies (built in the prefetch thread) so that `.to(cuda, non_blocking=True)` is a real
@@ -117,7 +132,8 @@ class MicroBatch:
             return None if x is None or x.is_cuda else x.pin_memory()
 
         return MicroBatch(pin(self.input_ids), pin(self.loss_mask), pin(self.doc_ids), pin(self.position_ids),
-                          pin(self.aux_hidden), pin(self.final_hidden), self.doc_lengths, self.num_tokens)
+                          pin(self.aux_hidden), pin(self.final_hidden), self.doc_lengths, self.num_tokens,
+                          pin(self.aux_scale), pin(self.final_scale), self.states_dtype)
 
 
 def _get(item, key):
@@ -133,6 +149,7 @@ def _as_tensor(x) -> torch.Tensor:
 def build_micro_batch(source, row: Sequence[int], budget: int, with_states: bool, pad_to: int = 1,
                       pad_token_id: int = 0) -> MicroBatch:
     ids, masks, auxs, finals, lens = [], [], [], [], []
+    a_scales, f_scales = [], []  # fp8 rows read without dequantizing (HiddenStateStore.defer_dequantize)
     for i in row:
         item = source[i]
         x = _as_tensor(_get(item, "input_ids")).to(torch.long)
@@ -151,6 +168,10 @@ def build_micro_batch(source, row: Sequence[int], budget: int, with_states: bool
                 )
             auxs.append(a[:L])
             finals.append(f[:L])
+            sa = _get(item, "aux_scale")
+            if sa is not None:
+                a_scales.append(sa[:L])
+                f_scales.append(_get(item, "final_scale")[:L])
     T = sum(lens)
     Tp = -(-T // pad_to) * pad_to
     input_ids = torch.cat(ids)
@@ -159,16 +180,18 @@ def build_micro_batch(source, row: Sequence[int], budget: int, with_states: bool
         input_ids = torch.cat([input_ids, torch.full((Tp - T,), pad_token_id, dtype=torch.long)])
         loss_mask = torch.cat([loss_mask, torch.zeros(Tp - T, dtype=torch.bool)])
     doc_ids = document_ids_from_lengths(lens, Tp)
-    aux = final = None
+    aux = final = aux_s = final_s = None
+
+    def packed(parts):  # concatenated and zero-padded to Tp rows (zeros dequantize to zeros: any scale)
+        x = torch.cat(parts)
+        return (torch.cat([x, x.new_zeros(Tp - T, x.shape[-1])]) if Tp > T else x)[None]
+
     if with_states:
-        aux = torch.cat(auxs)
-        final = torch.cat(finals)
-        if Tp > T:
-            aux = torch.cat([aux, aux.new_zeros(Tp - T, aux.shape[-1])])
-            final = torch.cat([final, final.new_zeros(Tp - T, final.shape[-1])])
-        aux, final = aux[None], final[None]
+        aux, final = packed(auxs), packed(finals)
+        if a_scales:
+            aux_s, final_s = packed(a_scales), packed(f_scales)
     return MicroBatch(input_ids[None], loss_mask[None], doc_ids[None], positions_from_doc_ids(doc_ids)[None],
-                      aux, final, lens, T)
+                      aux, final, lens, T, aux_s, final_s, getattr(source, "compute_dtype", torch.bfloat16))
 
 
 class OnlineStates:

@@ -291,6 +291,9 @@ class Trainer:
 
             sdt = torch.float32 if device.type == "cpu" else torch.bfloat16
             src = HiddenStateStore.open(cfg.store, dtype=sdt)
+            # fp8 rows cross to the GPU as fp8 (half the bytes) and dequantize there: on the host it is float
+            # work per row, single-threaded under torchrun (OMP_NUM_THREADS=1), on the prefetch thread
+            src.defer_dequantize = device.type == "cuda"
         man = getattr(src, "manifest", None)
         where = f"{cfg.store}/manifest.json" if cfg.store else "store"
         if len(src) == 0:
