@@ -99,9 +99,10 @@ def test_eval_writes_report(app, drafter_dir, tmp_path):
     out = tmp_path / "ev"
     r = CliRunner().invoke(app, ["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(prompts),
                                  "--max-new-tokens", "12", "--draft-tokens", "2", "--temperatures", "0,0.7",
-                                 "--out", str(out), "--device", "cpu"])
+                                 "--out", str(out), "--device", "cpu", "--attn-impl", "bmm"])
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "eval.json").read_text())
+    assert rep["attn_impl"] == "bmm" and rep["compiled"] is False  # the report says how it was measured
     t0 = rep["temperatures"]["0"]
     assert t0["greedy_mismatches"] == 0
     s = t0["speculative"]
