@@ -59,7 +59,8 @@ def matmul_floor(runner, dev, reps: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default=",".join(ATTENTION_IMPLS), help="attention implementations to compare")
-    ap.add_argument("--compile", default="off,on", help="off (eager step in a CUDA graph), on (torch.compile'd step)")
+    ap.add_argument("--compile", default="off,on", help="off (eager step in a CUDA graph), on (torch.compile'd step), "
+                    "autotune (torch.compile max-autotune: inductor's Triton GEMMs tried against cuBLAS; slow compile)")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
         for impl in args.impls.split(","):
             for S in caches:
                 t0 = time.perf_counter()
-                eng = SpeculativeDecoder(runner, None, max_len=S, compile=comp == "on", attn_impl=impl)
+                eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl,
+                                         compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
                 ctx = max(1, S - reps - 24)
                 prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
                 plain = eng._runner_for(DecodeMode("plain"), sp)

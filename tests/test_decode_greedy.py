@@ -126,6 +126,25 @@ def test_greedy_equal_compiled_rounds_pycode(pycode):
     torch._dynamo.reset()
 
 
+def test_greedy_equal_max_autotune_rounds_pycode(pycode):
+    """compile="max-autotune" (inductor may swap cuBLAS for its own Triton GEMMs with fused neighbours) keeps
+    greedy equality; a bad compile value is refused."""
+    import torch._dynamo
+
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64, compile="max-autotune")
+    assert eng._compile_mode == "max-autotune-no-cudagraphs"
+    for mode in (CHAIN, DecodeMode("plain")):
+        _check_equal(eng, prompts[:2], refs[:2], mode)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="compile"):
+        SpeculativeDecoder(t, None, max_len=64, compile="fast")
+
+
 QWEN_MODES = [CHAIN, TREE, DecodeMode("plain"), DecodeMode("chain", draft_tokens=1),
               DecodeMode("tree", top_k=1, depth=4, tree_tokens=4), DecodeMode("tree", top_k=5, depth=1, tree_tokens=5),
               DecodeMode("tree", top_k=4, depth=4, tree_tokens=40)]

@@ -146,7 +146,8 @@ class SpeculativeDecoder:
     any module with its interface) or None (plain decoding only). `max_len`: cache capacity in tokens
     (prompt + new tokens + one round's draft). `backend`: "auto" (compact Llama-family forward when
     supported, else HF generic), "llama", "hf". `cuda_graphs`: None = on when the device is CUDA and the
-    compact forward is used. `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
+    compact forward is used. `compile`: torch.compile the round forwards (True), or "max-autotune" (inductor
+    also tries its Triton GEMM templates). `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
     "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`).
     """
 
@@ -160,10 +161,12 @@ class SpeculativeDecoder:
     SDPA_MAX_KEY_ELEMS = 65536
 
     def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
-                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None, compile: bool = False,
-                 attn_impl: str = "auto"):
+                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None,
+                 compile: bool | str = False, attn_impl: str = "auto"):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
+        if compile not in (False, True, "max-autotune"):
+            raise ValueError(f"compile {compile!r} is not one of False, True, 'max-autotune'")
         if attn_impl not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attn_impl {attn_impl!r} is not one of {('auto', *ATTENTION_IMPLS)}")
         self._attn_choice = attn_impl
@@ -258,7 +261,11 @@ class SpeculativeDecoder:
         self._set_drafter_rope()
         # opt-in: torch.compile the static-shape forwards used inside rounds (fuses the small elementwise
         # kernels; one compile per shape, done during graph warm-up). Prefill (variable length) stays eager.
-        self._compiled = compile
+        self._compiled = bool(compile)
+        # "max-autotune": inductor also benchmarks its own Triton GEMM templates against cuBLAS for every matmul
+        # shape and can fuse the neighbouring pointwise work into them (minutes of compile; our CUDA graphs
+        # stay ours, hence the no-cudagraphs variant)
+        self._compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
         self._t_fwd = self.runner.forward
         self._d_module = self._d_call = None
         if compile and self.backend == "llama":
@@ -267,7 +274,7 @@ class SpeculativeDecoder:
             # one graph per forward width (plain 1, chain K+1, tree k / N+1, hand-offs): several settings on one
             # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly
             raise_recompile_limit()
-            self._t_fwd = torch.compile(self.runner.forward, dynamic=False)
+            self._t_fwd = torch.compile(self.runner.forward, dynamic=False, mode=self._compile_mode)
             if drafter is not None and hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing
                 drafter.inv_freq(self.device)  # (else: a recompile)
         self._build_drafter_view()
@@ -282,7 +289,7 @@ class SpeculativeDecoder:
         self._d_module = fused_for_decoding(self.drafter)
         self._d_call = self._d_module
         if self._compiled and self.backend == "llama":
-            self._d_call = torch.compile(self._d_module, dynamic=False)
+            self._d_call = torch.compile(self._d_module, dynamic=False, mode=self._compile_mode)
         self._graphs.clear()
 
     def _refresh_drafter_view(self) -> None:
