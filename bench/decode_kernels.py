@@ -6,7 +6,8 @@ For the Llama-3.1-8B shape (random bf16 weights), bs=1, each (attention impl, ea
   time; plus 'matmuls only' — the same weight matrices through F.linear and the lm_head in one graph, no
   attention or elementwise work — the floor this step's cuBLAS GEMVs set, next to the copy bandwidth floor.
 
-Usage (device):  python bench/decode_kernels.py [--impls sdpa,bmm,split] [--compile off,on] [--cache 208,2128]
+Usage (device):  python bench/decode_kernels.py [--impls sdpa,bmm,split] [--compile off,on,autotune] [--cache 208,2128]
+                     [--gemv torch,triton]
 CPU smoke (tiny shape, no graphs, aten ops instead of kernels):  python bench/decode_kernels.py --smoke
 """
 
@@ -55,12 +56,54 @@ def matmul_floor(runner, dev, reps: int) -> float:
     return time_steps(None, fn, reps, dev)
 
 
+def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict]:
+    """Each weight kind (every layer's copy, so nothing sits in L2) through cuBLAS F.linear and, when asked, the
+    Triton gemv, one CUDA graph per (kind, path): which matmuls the Triton kernel should take."""
+    kinds = {"qkv": [L["qkv"][0] for L in runner.layers], "o": [L["o"] for L in runner.layers],
+             "gate_up": [L["gu"][0] for L in runner.layers], "down": [L["down"] for L in runner.layers],
+             "lm_head": [runner.lm_head]}
+    rows = []
+    for kind, mats in kinds.items():
+        x = torch.randn(1, mats[0].shape[1], device=dev, dtype=runner.dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in mats)
+        row = {"matrix": kind, "shape": f"{mats[0].shape[0]}x{mats[0].shape[1]}", "count": len(mats)}
+        for path in ["torch"] + [g for g in gemvs if g == "triton"]:
+            if path == "triton":
+                from draftsmith.decode.kernels import gemv
+
+                def step(mats=mats, x=x, gemv=gemv):
+                    for w in mats:
+                        gemv(x, w)
+            else:
+                def step(mats=mats, x=x):
+                    for w in mats:
+                        F.linear(x, w)
+            fn = step
+            if dev.type == "cuda":
+                step()
+                sync(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    step()
+                fn = g.replay
+            t = time_steps(None, fn, reps, dev)
+            row[f"{path} us/matrix"] = t / len(mats) * 1e6
+            row[f"{path} ÷ copy bw"] = nbytes / t / bw
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default=",".join(ATTENTION_IMPLS), help="attention implementations to compare")
     ap.add_argument("--compile", default="off,on", help="off (eager step in a CUDA graph), on (torch.compile'd step), "
                     "autotune (torch.compile max-autotune: inductor's Triton GEMMs tried against cuBLAS; slow compile)")
+    ap.add_argument("--gemv", default="torch", help="torch (F.linear + separate norms/adds), triton "
+                    "(draftsmith.decode.kernels.gemv with the norms and residual adds folded in), or both: torch,triton")
+    ap.add_argument("--gemv-blocks", default=None, help="BLOCK_N/BLOCK_K of the Triton gemv, e.g. 8/1024 (default: "
+                    "the module's)")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -78,40 +121,48 @@ def main(argv=None) -> int:
     t_mm = matmul_floor(runner, dev, reps)
     print(f"weights {wbytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s -> floor {wbytes / bw * 1e3:.3f} ms; "
           f"matmuls alone {t_mm * 1e3:.3f} ms ({wbytes / t_mm / bw:.3f} of copy bw)", flush=True)
+    if args.gemv_blocks:
+        from draftsmith.decode import kernels as K
+
+        K.BLOCK_N, K.BLOCK_K = (int(v) for v in args.gemv_blocks.split("/"))
+    mats = per_matrix(runner, dev, max(2, reps // 8), args.gemv.split(","), bw)
     rows, tops = [], []
     sp = SamplingParams()
-    for comp in args.compile.split(","):
-        for impl in args.impls.split(","):
-            for S in caches:
-                t0 = time.perf_counter()
-                eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl,
-                                         compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
-                ctx = max(1, S - reps - 24)
-                prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
-                plain = eng._runner_for(DecodeMode("plain"), sp)
-                eng.prefill(prompt, sp)
-                setup_s = time.perf_counter() - t0
-                t = time_steps(eng, plain, reps, dev)
-                n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
-                ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
-                row = {"attention": impl, "compile": comp, "cache S": S, "ms/step": t * 1e3,
-                       "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n, "kernel ms": ms,
-                       "setup s": setup_s}
-                rows.append(row)
-                tops.append((f"{impl}/{comp}/S={S}", top))
-                print(row, flush=True)
-                for name, c, kms in top:
-                    print(f"    {kms:8.3f} ms  x{c:<4d} {name[:110]}", flush=True)
-                del eng
+    combos = [(kn, comp, impl, S) for kn in args.gemv.split(",") for comp in args.compile.split(",")
+              for impl in args.impls.split(",") for S in caches]
+    for kn, comp, impl, S in combos:
+        runner.kernels = kn
+        t0 = time.perf_counter()
+        eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl,
+                                 compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
+        ctx = max(1, S - reps - 24)
+        prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+        plain = eng._runner_for(DecodeMode("plain"), sp)
+        eng.prefill(prompt, sp)
+        setup_s = time.perf_counter() - t0
+        t = time_steps(eng, plain, reps, dev)
+        n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
+        ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
+        row = {"gemv": kn, "attention": impl, "compile": comp, "cache S": S, "ms/step": t * 1e3,
+               "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n, "kernel ms": ms,
+               "setup s": setup_s}
+        rows.append(row)
+        tops.append((f"{kn}/{impl}/{comp}/S={S}", top))
+        print(row, flush=True)
+        for name, c, kms in top:
+            print(f"    {kms:8.3f} ms  x{c:<4d} {name[:110]}", flush=True)
+        del eng
     body = [markdown_table(rows, list(rows[0])), "",
             f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
             f"{wbytes / bw * 1e3:.3f} ms; the same matmuls alone (one CUDA graph of F.linear, bs=1) "
             f"{t_mm * 1e3:.3f} ms = {wbytes / t_mm / bw:.3f} of copy bw.", "",
+            "Per weight kind (every layer's copy, one CUDA graph per kind and path):", "",
+            markdown_table(mats, list(mats[0])), "",
             "Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
     record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
-           {"rows": rows, "top": tops, "matmul_floor_ms": t_mm * 1e3, "weight_bytes": wbytes, "copy_bw": bw},
+           {"rows": rows, "per_matrix": mats, "top": tops, "matmul_floor_ms": t_mm * 1e3, "weight_bytes": wbytes, "copy_bw": bw},
            "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 

@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, triton (if installed) can only run kernels in its interpreter, and that mode must be on before
+# triton is first imported (transformers imports it early): tests/test_decode_kernels.py relies on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "pycode-tiny"
 SHARED_TARGETS = REPO.parent / "shared" / "targets"

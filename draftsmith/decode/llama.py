@@ -157,6 +157,9 @@ class LlamaFamilyForward(torch.nn.Module):
         self.aux_layers = [int(i) for i in aux_layers]
         self.max_len = int(max_len)
         self.attn_impl = "sdpa"  # see grouped_attention
+        # "triton": one-token steps run their matmuls through `draftsmith.decode.kernels.gemv` with the norms and
+        # residual adds folded in (opt-in, not yet measured on a GPU); "torch": F.linear and separate ops
+        self.kernels = "torch"
         self.w = weights
         self.layers = []
         for i in range(self.n_layers):
@@ -306,9 +309,15 @@ class LlamaFamilyForward(torch.nn.Module):
         sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype)
         aux = {}
+        gemv = None
+        if self.kernels == "triton" and T == 1 and len(self.layers[0]["qkv"]) == 1:
+            from draftsmith.decode.kernels import gemv
         for i, L in enumerate(self.layers):
-            x = _rms(h, L["in"], self.eps)
-            qkv = self._lin(x, L["qkv"], L["qkv_b"]).view(1, T, nh + 2 * nkv, d)
+            if gemv is not None:
+                qkv = gemv(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
+            else:
+                qkv = self._lin(_rms(h, L["in"], self.eps), L["qkv"], L["qkv_b"])
+            qkv = qkv.view(1, T, nh + 2 * nkv, d)
             qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
             if L["qk_norm"] is not None:
                 qk = _rms(qk, L["qk_norm"], self.eps)
@@ -319,15 +328,23 @@ class LlamaFamilyForward(torch.nn.Module):
             vc.index_copy_(2, slots, v.transpose(1, 2))
             o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
             o = o.transpose(1, 2).reshape(T, nh * d)
-            h = h + F.linear(o, L["o"], L["o_b"])
-            x = _rms(h, L["post"], self.eps)
-            gu = self._lin(x, L["gu"], L["gu_b"])
+            if gemv is not None:
+                h = gemv(o, L["o"], bias=L["o_b"], residual=h)
+                gu = gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0])
+            else:
+                h = h + F.linear(o, L["o"], L["o_b"])
+                gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
             g, u = gu.chunk(2, -1)
-            h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
+            if gemv is not None:
+                h = gemv(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
+            else:
+                h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
             if want_aux and i in self.aux_layers:
                 aux[i] = h
         aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
+        if gemv is not None and hs.shape[0] == 1:
+            return gemv(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
         return logits, aux_t
 
