@@ -44,16 +44,19 @@ def matmul_floor(runner, dev, reps: int) -> float:
         for w in mats:
             F.linear(ins[w.shape[1]], w)
 
-    if dev.type == "cuda":
+    return time_steps(None, _graphed(step, dev), reps, dev)
+
+
+def _graphed(step, dev):
+    """`step` captured in one CUDA graph (its replay), or `step` itself on CPU."""
+    if dev.type != "cuda":
+        return step
+    step()
+    sync(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         step()
-        sync(dev)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        fn = g.replay
-    else:
-        fn = step
-    return time_steps(None, fn, reps, dev)
+    return g.replay
 
 
 def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict]:
@@ -78,15 +81,7 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
                 def step(mats=mats, x=x):
                     for w in mats:
                         F.linear(x, w)
-            fn = step
-            if dev.type == "cuda":
-                step()
-                sync(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    step()
-                fn = g.replay
-            t = time_steps(None, fn, reps, dev)
+            t = time_steps(None, _graphed(step, dev), reps, dev)
             row[f"{path} us/matrix"] = t / len(mats) * 1e6
             row[f"{path} ÷ copy bw"] = nbytes / t / bw
         rows.append(row)
