@@ -49,6 +49,7 @@ if triton is not None:
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
+        row = rn.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
         out_ty = y_ptr.dtype.element_ty
         rstd = 1.0
         if HAS_NORM:
@@ -67,7 +68,7 @@ if triton is not None:
                 xn = (xv.to(tl.float32) * rstd).to(out_ty)  # HF: normalise in fp32, round to the model dtype
                 nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
                 xv = (nw.to(tl.float32) * xn.to(tl.float32)).to(out_ty)  # ... times the weight, round
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
