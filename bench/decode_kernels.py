@@ -6,8 +6,13 @@ For the Llama-3.1-8B shape (random bf16 weights), bs=1, each (attention impl, ea
   time; plus 'matmuls only' — the same weight matrices through F.linear and the lm_head in one graph, no
   attention or elementwise work — the floor this step's cuBLAS GEMVs set, next to the copy bandwidth floor.
 
+With `--gemv triton` the step runs through draftsmith.decode.kernels (the engine's kernels="triton": Triton gemv
+tiles tuned per weight kind first, printed as a table); `--triton-ops` lists which ops take the kernels, several
+routings separated by '/', so one run can say which op is faster where. Each Triton row also reports the step's
+largest logit difference from the torch path's step on the same cache (a GPU-side correctness check).
+
 Usage (device):  python bench/decode_kernels.py [--impls sdpa,bmm,split] [--compile off,on,autotune] [--cache 208,2128]
-                     [--gemv torch,triton]
+                     [--gemv torch,triton] [--triton-ops all/qkv,o,down]
 CPU smoke (tiny shape, no graphs, aten ops instead of kernels):  python bench/decode_kernels.py --smoke
 """
 
@@ -61,12 +66,16 @@ def _graphed(step, dev):
 
 def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict]:
     """Each weight kind (every layer's copy, so nothing sits in L2) through cuBLAS F.linear and, when asked, the
-    Triton gemv, one CUDA graph per (kind, path): which matmuls the Triton kernel should take."""
-    kinds = {"qkv": [L["qkv"][0] for L in runner.layers], "o": [L["o"] for L in runner.layers],
-             "gate_up": [L["gu"][0] for L in runner.layers], "down": [L["down"] for L in runner.layers],
-             "lm_head": [runner.lm_head]}
+    Triton gemv with what the step folds into it for that kind (norm, residual, silu(gate)*up) and its tuned tile,
+    one CUDA graph per (kind, path): which matmuls the Triton kernel should take."""
+    L0 = runner.layers[0]
+    kinds = {"qkv": ([L["qkv"][0] for L in runner.layers], dict(norm_weight=L0["in"])),
+             "o": ([L["o"] for L in runner.layers], dict(residual=True)),
+             "gate_up": ([L["gu"][0] for L in runner.layers], dict(norm_weight=L0["post"])),
+             "down": ([L["down"] for L in runner.layers], dict(residual=True, act_mul=runner._silu())),
+             "lm_head": ([runner.lm_head], dict(norm_weight=runner.norm))}
     rows = []
-    for kind, mats in kinds.items():
+    for kind, (mats, kw) in kinds.items():
         x = torch.randn(1, mats[0].shape[1], device=dev, dtype=runner.dtype)
         nbytes = sum(w.numel() * w.element_size() for w in mats)
         row = {"matrix": kind, "shape": f"{mats[0].shape[0]}x{mats[0].shape[1]}", "count": len(mats)}
@@ -74,9 +83,12 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
             if path == "triton":
                 from draftsmith.decode.kernels import gemv
 
-                def step(mats=mats, x=x, gemv=gemv):
+                xk = torch.randn(1, 2 * x.shape[1], device=dev, dtype=runner.dtype) if kw.get("act_mul") else x
+                res = torch.randn(1, mats[0].shape[0], device=dev, dtype=runner.dtype) if kw.get("residual") else None
+
+                def step(mats=mats, xk=xk, res=res, kw=kw, gemv=gemv):
                     for w in mats:
-                        gemv(x, w)
+                        gemv(xk, w, kw.get("norm_weight"), residual=res, act_mul=kw.get("act_mul", False))
             else:
                 def step(mats=mats, x=x):
                     for w in mats:
@@ -89,6 +101,36 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
     return rows
 
 
+def tuning_summary(rows: list[dict]) -> list[dict]:
+    """Per weight kind: the fastest and the slowest tile of the sweep, and the default tile's time."""
+    from draftsmith.decode import kernels as K
+
+    out = []
+    for kind in dict.fromkeys(r["matrix"] for r in rows):
+        ok = [r for r in rows if r["matrix"] == kind and r["us"] is not None]
+        if not ok:
+            continue
+        best, worst = min(ok, key=lambda r: r["us"]), max(ok, key=lambda r: r["us"])
+        dflt = next((r["us"] for r in ok if (r["BLOCK_N"], r["BLOCK_K"], r["warps"]) ==
+                     (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS)), None)
+        out.append({"matrix": kind, "best tile (N/K/warps)": f"{best['BLOCK_N']}/{best['BLOCK_K']}/{best['warps']}",
+                    "best us": best["us"], "default us": dflt, "worst us": worst["us"],
+                    "tiles failed": sum(1 for r in rows if r["matrix"] == kind and r["us"] is None)})
+    return out
+
+
+def logits_gap(eng, runner, sp, dev) -> float:
+    """Largest |logit difference| of one plain step through the Triton kernels vs the torch path, same cache."""
+    L = eng.L.view(1)
+    mask = eng._mask(L)
+    outs = []
+    for kn in ("torch", "triton"):
+        runner.kernels = kn
+        outs.append(runner(eng.root.view(1), L, L, mask, want_aux=False)[0])
+    runner.kernels = "triton"
+    return float((outs[0] - outs[1]).abs().max()) / max(float(outs[0].abs().max()), 1e-30)
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,8 +139,10 @@ def main(argv=None) -> int:
                     "autotune (torch.compile max-autotune: inductor's Triton GEMMs tried against cuBLAS; slow compile)")
     ap.add_argument("--gemv", default="torch", help="torch (F.linear + separate norms/adds), triton "
                     "(draftsmith.decode.kernels.gemv with the norms and residual adds folded in), or both: torch,triton")
-    ap.add_argument("--gemv-blocks", default=None, help="BLOCK_N/BLOCK_K of the Triton gemv, e.g. 8/1024 (default: "
-                    "the module's)")
+    ap.add_argument("--gemv-blocks", default=None, help="BLOCK_N/BLOCK_K of the Triton gemv for every matrix, e.g. "
+                    "8/1024 (default: tuned per weight kind)")
+    ap.add_argument("--triton-ops", default="all", help="with --gemv triton: the ops that take the Triton kernels "
+                    "(comma list of qkv,rope,attn,o,gate_up,down,lm_head, or all); several routings separated by '/'")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -116,48 +160,73 @@ def main(argv=None) -> int:
     t_mm = matmul_floor(runner, dev, reps)
     print(f"weights {wbytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s -> floor {wbytes / bw * 1e3:.3f} ms; "
           f"matmuls alone {t_mm * 1e3:.3f} ms ({wbytes / t_mm / bw:.3f} of copy bw)", flush=True)
+    gemvs = args.gemv.split(",")
+    tuning = []
     if args.gemv_blocks:
         from draftsmith.decode import kernels as K
 
         K.BLOCK_N, K.BLOCK_K = (int(v) for v in args.gemv_blocks.split("/"))
-    mats = per_matrix(runner, dev, max(2, reps // 8), args.gemv.split(","), bw)
+        K.GEMV_CONFIGS[:] = [(K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS)]
+    if "triton" in gemvs:
+        t0 = time.perf_counter()
+        tuning = runner.tune_kernels()
+        print(f"gemv tiles tuned in {time.perf_counter() - t0:.1f} s", flush=True)
+    mats = per_matrix(runner, dev, max(2, reps // 8), gemvs, bw)
+    from draftsmith.decode.llama import TRITON_OPS
+
+    routings = [",".join(TRITON_OPS) if r == "all" else r for r in args.triton_ops.split("/")]
     rows, tops = [], []
     sp = SamplingParams()
-    combos = [(kn, comp, impl, S) for kn in args.gemv.split(",") for comp in args.compile.split(",")
-              for impl in args.impls.split(",") for S in caches]
-    for kn, comp, impl, S in combos:
-        runner.kernels = kn
+    combos = [(kn, ops, comp, impl, S) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
+              for comp in args.compile.split(",") for impl in args.impls.split(",") for S in caches]
+    for kn, ops, comp, impl, S in combos:
         t0 = time.perf_counter()
-        eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl,
-                                 compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
-        ctx = max(1, S - reps - 24)
-        prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
-        plain = eng._runner_for(DecodeMode("plain"), sp)
-        eng.prefill(prompt, sp)
-        setup_s = time.perf_counter() - t0
-        t = time_steps(eng, plain, reps, dev)
-        n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
+        label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/S={S}"
+        row = {"gemv": kn, "triton ops": ops, "attention": impl, "compile": comp, "cache S": S}
+        try:
+            runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
+            eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl, kernels=kn,
+                                     compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
+            ctx = max(1, S - reps - 24)
+            prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
+            plain = eng._runner_for(DecodeMode("plain"), sp)
+            eng.prefill(prompt, sp)
+            gap = logits_gap(eng, runner, sp, dev) if kn == "triton" else 0.0
+            setup_s = time.perf_counter() - t0
+            t = time_steps(eng, plain, reps, dev)
+            n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
+        except Exception as e:  # noqa: BLE001 - one failing combination must not cost the rest of a budgeted run
+            row.update({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"})
+            rows.append(row)
+            print(row, flush=True)
+            continue
         ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
-        row = {"gemv": kn, "attention": impl, "compile": comp, "cache S": S, "ms/step": t * 1e3,
-               "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n, "kernel ms": ms,
-               "setup s": setup_s}
+        row.update({"ms/step": t * 1e3, "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n,
+                    "kernel ms": ms, "max |Δlogit| rel": gap, "setup s": setup_s, "error": ""})
         rows.append(row)
-        tops.append((f"{kn}/{impl}/{comp}/S={S}", top))
+        tops.append((label, top))
         print(row, flush=True)
         for name, c, kms in top:
             print(f"    {kms:8.3f} ms  x{c:<4d} {name[:110]}", flush=True)
         del eng
-    body = [markdown_table(rows, list(rows[0])), "",
+    runner.kernels = "torch"
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    body = [markdown_table(rows, columns), "",
             f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
             f"{wbytes / bw * 1e3:.3f} ms; the same matmuls alone (one CUDA graph of F.linear, bs=1) "
             f"{t_mm * 1e3:.3f} ms = {wbytes / t_mm / bw:.3f} of copy bw.", "",
             "Per weight kind (every layer's copy, one CUDA graph per kind and path):", "",
-            markdown_table(mats, list(mats[0])), "",
-            "Top kernels by summed time (one profiled step):", ""]
+            markdown_table(mats, list(mats[0])), ""]
+    summ = tuning_summary(tuning)
+    if summ:
+        body += ["Triton gemv tiles (the sweep of draftsmith.decode.kernels.GEMV_CONFIGS, per weight kind):", "",
+                 markdown_table(summ, list(summ[0])), ""]
+    body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
     record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
-           {"rows": rows, "per_matrix": mats, "top": tops, "matmul_floor_ms": t_mm * 1e3, "weight_bytes": wbytes, "copy_bw": bw},
+           {"rows": rows, "per_matrix": mats, "tuning": tuning, "top": tops, "matmul_floor_ms": t_mm * 1e3,
+            "weight_bytes": wbytes, "copy_bw": bw},
            "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 

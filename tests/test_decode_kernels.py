@@ -2,7 +2,8 @@
 norm/bias/residual GEMV alone, a one-token step of the compact forward, and greedy decoding through the engine.
 
 Needs triton; on a machine without CUDA the kernels run in triton's interpreter (TRITON_INTERPRET=1, set below
-before the kernels are compiled). Skipped where triton is not installed (the CPU torch wheel does not bring it:
+before the kernels are compiled). The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest),
+so bf16 comparisons allow a unit in the last place; fp32 ones are tight. Skipped where triton is not installed (the CPU torch wheel does not bring it:
 `pip install triton` to run these on CPU)."""
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, _lower_bound_mask  # noqa: E402
-from draftsmith.decode.kernels import gemv  # noqa: E402
-from draftsmith.decode.llama import LlamaFamilyForward  # noqa: E402
+from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache  # noqa: E402
+from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
 from draftsmith.decode.testing import random_drafter, tiny_llama, tiny_qwen3  # noqa: E402
 from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
 
@@ -47,6 +48,94 @@ def test_gemv_equals_torch(dtype, norm, bias, res):
     torch.testing.assert_close(y.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_act_mul_equals_silu_times_up(dtype):
+    """down(silu(gate) * up) + residual with the activation folded into the gemv's prologue."""
+    g = torch.Generator().manual_seed(3)
+    K, N = 300, 70
+    gu = torch.randn(1, 2 * K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
+    r = torch.randn(1, N, generator=g).to(DEV, dtype)
+    y = gemv(gu, w, residual=r, act_mul=True, block_k=128)
+    gate, up = gu.chunk(2, -1)
+    ref = r + F.linear(F.silu(gate) * up, w)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="act_mul"):
+        gemv(gu[:, :K], w, act_mul=True)
+
+
+def _rope_reference(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, eps):
+    T, d = qkv.shape[0], cos.shape[1]
+    x = qkv.view(1, T, nh + 2 * nkv, d)
+    qk, v = x[:, :, :nh + nkv], x[:, :, nh + nkv:]
+    if qkn is not None:
+        qk = hf_rms_norm(qk, qkn, eps)
+    qk = qk * cos[pos][None, :, None] + _rotate_half(qk) * sin[pos][None, :, None]
+    kc.index_copy_(2, slots, qk[:, :, nh:].transpose(1, 2))
+    vc.index_copy_(2, slots, v.transpose(1, 2))
+    return qk[0, :, :nh]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
+def test_rope_and_cache_equals_torch(dtype, qk_norm):
+    """q returned and k/v written at their slots (other slots untouched) as the torch ops of the compact forward."""
+    g = torch.Generator().manual_seed(4)
+    nh, nkv, d, T, M = 6, 2, 32, 3, 40
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g).to(DEV, dtype)
+    cos = torch.randn(M, d, generator=g).to(DEV, dtype)
+    sin = torch.randn(M, d, generator=g).to(DEV, dtype)
+    pos = torch.tensor([5, 7, 39], device=DEV)
+    slots = torch.tensor([1, 30, 2], device=DEV)
+    qkn = (torch.rand(nh + nkv, d, generator=g) + 0.5).to(DEV, dtype) if qk_norm else None
+    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype), torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    kr, vr = kc.clone(), vc.clone()
+    q = rope_and_cache(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, 1e-6)
+    qr = _rope_reference(qkv, pos, slots, cos, sin, kr, vr, nh, nkv, qkn, 1e-6)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=0.13, rtol=2e-2)
+    assert q.shape == (T, nh, d)
+    torch.testing.assert_close(q.float(), qr.float(), **tol)
+    torch.testing.assert_close(kc.float(), kr.float(), **tol)
+    assert torch.equal(vc, vr)  # v is copied, not computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,nkv,d,S,M,split", [(4, 2, 16, 37, 64, None), (8, 2, 32, 200, 256, 64),
+                                                (4, 4, 16, 130, 160, None), (3, 1, 64, 600, 640, None),
+                                                (3, 1, 64, 600, 640, 128), (32, 8, 128, 208, 208, None)],
+                         ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads"])
+def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split):
+    """One query token over the first S cache slots with a random mask, one program per KV head or the keys split
+    over programs (a chunk with every key masked included), against the compact forward's attention in fp32."""
+    g = torch.Generator().manual_seed(S + nh)
+    q = torch.randn(nh, d, generator=g).to(DEV, dtype)
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    mask = (torch.rand(S, generator=g) < 0.5).to(DEV)
+    mask[-1] = True
+    if split:
+        mask[:split] = False  # the whole first chunk masked: its weight must be 0, not NaN
+    o = decode_attention(q, kc, vc, mask, d ** -0.5, split_len=split)
+    ref = grouped_attention(q.view(1, nh, 1, d).float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask[None],
+                            d ** -0.5, "bmm").reshape(1, nh * d)
+    assert o.shape == (1, nh * d) and o.dtype == dtype
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), ref, **tol)
+
+
+def test_decode_attention_skips_unmasked_tail():
+    """Slots past the last visible one are never read: garbage (NaN) there changes nothing."""
+    g = torch.Generator().manual_seed(9)
+    nh, nkv, d, M = 4, 2, 16, 256
+    q = torch.randn(nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV), torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    mask = torch.arange(M, device=DEV) <= 70
+    want = decode_attention(q, kc, vc, mask, 0.25)
+    kc[:, :, 128:], vc[:, :, 128:] = float("nan"), float("nan")
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
+
+
 def test_gemv_rejects_a_mismatched_weight():
     with pytest.raises(ValueError, match="gemv"):
         gemv(torch.randn(1, 8, device=DEV), torch.randn(4, 9, device=DEV))
@@ -72,6 +161,52 @@ def test_one_token_step_equals_torch_path(name, model):
     torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_fwd.k_cache, ref_fwd.k_cache, atol=1e-5, rtol=1e-5)
+
+
+def _gelu_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, hidden_act="gelu", max_position_embeddings=128, initializer_range=0.3,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("leave_out", [None, *TRITON_OPS])
+@pytest.mark.parametrize("name", ["qwen3", "llama-gelu-mqa"])
+def test_one_token_step_routes_each_op(name, leave_out):
+    """Every mix of Triton and torch ops (each op left to torch in turn) gives the torch path's step: logits, aux
+    and both caches. Covers q/k norm (Qwen3), GQA and MQA, and a non-silu MLP (the activation stays a torch op)."""
+    model = (tiny_qwen3() if name == "qwen3" else _gelu_llama()).to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels = "triton"
+    kf.triton_ops = set(TRITON_OPS) - {leave_out}
+    assert kf.triton_ops_for(1) == frozenset(kf.triton_ops) and kf.triton_ops_for(2) == frozenset()
+    ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(DEV)
+    pos = torch.arange(12, device=DEV)
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        for t in range(9, 12):  # three one-token steps: each reads the cache rows the previous ones wrote
+            p = pos[t:t + 1]
+            (lr, ar), (lk, ak) = (f(ids[t:t + 1], p, p, _lower_bound_mask(48, p, DEV)) for f in (ref, kf))
+            torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_kernels_argument():
+    """SpeculativeDecoder(kernels=...) sets the runner's path and refuses what it cannot run, in one line."""
+    m = tiny_qwen3().to(DEV)
+    assert SpeculativeDecoder(m, None, max_len=32, kernels="triton").runner.kernels == "triton"
+    assert SpeculativeDecoder(m, None, max_len=32).runner.kernels == "torch"
+    with pytest.raises(ValueError, match="kernels"):
+        SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
+    with pytest.raises(ValueError, match="compact"):
+        SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
 
 
 def test_greedy_equal_with_triton_kernels():
@@ -106,3 +241,29 @@ def test_bench_decode_kernels_triton_smoke(tmp_path):
     res = json.loads((tmp_path / "decode_kernels.json").read_text())
     assert {row["gemv"] for row in res["rows"]} == {"torch", "triton"}
     assert all("triton us/matrix" in m for m in res["per_matrix"])
+
+
+def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
+    """Every kernel a decode step launches compiles ahead of time for sm_90 (the H200) with the 8B shape's
+    constants, without local memory (register spills), and the gemv and attention read memory with 16-byte vector
+    loads. No GPU needed (bench/kernels_aot.py, in a subprocess: the interpreter mode above replaces the kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "aot.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "",
+                        "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    from draftsmith.decode import kernels as K
+
+    assert len(rows) == 5 * len(K.GEMV_CONFIGS) + 5
+    bad = [row for row in rows if row["error"] or row["local B"] != 0]
+    assert not bad, bad
+    assert all(row["v4 loads"] > 0 for row in rows if row["kernel"].startswith(("gemv", "decode_attention split")))
+    assert r.returncode == 0

@@ -46,12 +46,17 @@ _ATTN_HELP = ("Attention of the compact forward and the drafter: auto (on CUDA S
               "<= 65,536, batched matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split.")
 
 
-def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto"):
+_KERNELS_HELP = ("Plain decode steps of the compact forward: torch (cuBLAS + separate norms/RoPE/attention) | "
+                 "triton (draftsmith's fused kernels: 7 a layer, tiles tuned on the GPU at start; experimental).")
+
+
+def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto",
+            kernels: str = "torch"):
     from draftsmith.decode.engine import SpeculativeDecoder
 
     try:
         return SpeculativeDecoder(t, d, max_len=max_len, backend=backend, cuda_graphs=None if cuda_graphs else False,
-                                  compile=compile, attn_impl=attn_impl)
+                                  compile=compile, attn_impl=attn_impl, kernels=kernels)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -88,6 +93,7 @@ def register(app: typer.Typer) -> None:
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
+        kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
     ) -> None:
         """Generate from a prompt with speculative decoding (greedy output == plain greedy decoding)."""
         from draftsmith.decode.sampling import SamplingParams
@@ -110,7 +116,7 @@ def register(app: typer.Typer) -> None:
         max_len = min(_max_positions(t), len(ids) + max_new_tokens + mode.cache_need + 2)
         if len(ids) + 2 > max_len:
             raise DraftsmithError(f"--prompt: {len(ids)} tokens do not fit the target's context ({max_len})")
-        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl)
+        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl, kernels)
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         eng.warmup(mode, sp)
         res = eng.generate(ids, max_new_tokens, sampling=sp, mode=mode, seed=seed, stop_strings=stop)
@@ -150,6 +156,7 @@ def register(app: typer.Typer) -> None:
         cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
+        kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
         json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""
@@ -177,7 +184,8 @@ def register(app: typer.Typer) -> None:
                         fg=typer.colors.YELLOW)
         if not kept:
             raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
-        eng = _engine(t, d, min(cap, max(len(p) for p in kept) + need), backend, cuda_graphs, compile, attn_impl)
+        eng = _engine(t, d, min(cap, max(len(p) for p in kept) + need), backend, cuda_graphs, compile, attn_impl,
+                      kernels)
         report = run_eval(eng, kept, mode, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)
         report.update({"target": target, "drafter": drafter, "prompts_file": prompts, "raw": raw})
         out.mkdir(parents=True, exist_ok=True)

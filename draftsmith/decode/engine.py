@@ -148,7 +148,9 @@ class SpeculativeDecoder:
     supported, else HF generic), "llama", "hf". `cuda_graphs`: None = on when the device is CUDA and the
     compact forward is used. `compile`: torch.compile the round forwards (True), or "max-autotune" (inductor
     also tries its Triton GEMM templates). `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
-    "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`).
+    "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`). `kernels`: "torch", or "triton" (the
+    compact forward's one-token steps through `draftsmith.decode.kernels`, tiles tuned on the GPU at construction;
+    experimental).
     """
 
     # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
@@ -162,11 +164,13 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
                  cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None,
-                 compile: bool | str = False, attn_impl: str = "auto"):
+                 compile: bool | str = False, attn_impl: str = "auto", kernels: str = "torch"):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
         if compile not in (False, True, "max-autotune"):
             raise ValueError(f"compile {compile!r} is not one of False, True, 'max-autotune'")
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels {kernels!r} is not one of 'torch', 'triton'")
         if attn_impl not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attn_impl {attn_impl!r} is not one of {('auto', *ATTENTION_IMPLS)}")
         self._attn_choice = attn_impl
@@ -216,6 +220,19 @@ class SpeculativeDecoder:
                               stacklevel=2)
         self.device = self.runner.device
         self.dtype = self.runner.dtype
+        self.kernel_tuning: list[dict] = []  # the Triton gemv sweep of kernels="triton" on CUDA (tune_kernels)
+        if self.backend == "llama":
+            self.runner.kernels = "torch"
+        if kernels == "triton":
+            from draftsmith.decode import kernels as K
+
+            if self.backend != "llama":
+                raise ValueError("kernels='triton' needs the compact Llama-family forward (this target runs the "
+                                 "generic HF path)")
+            if not K.available():
+                raise ValueError("kernels='triton' needs triton (pip install triton; CUDA builds of torch bring it)")
+            self.runner.kernels = "triton"
+            self.kernel_tuning = self.runner.tune_kernels()  # before any compile or graph capture
         self.vocab_size = int(cfg.vocab_size)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) if model is not None else None
         if eos is None:

@@ -88,6 +88,7 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
     out = {"mode": mode.__dict__ | {"proposed_per_round": mode.max_accept}, "max_new_tokens": max_new_tokens,
            "backend": engine.backend, "cuda_graphs": engine.cuda_graphs, "device": str(engine.device),
            "attn_impl": getattr(engine, "attn_impl", None), "compiled": bool(getattr(engine, "_compiled", False)),
+           "kernels": getattr(getattr(engine, "runner", None), "kernels", "torch"),
            "dtype": str(engine.dtype).replace("torch.", ""), "temperatures": {}}
     for temp in temperatures:
         sp = SamplingParams(temperature=float(temp), top_p=top_p, top_k=top_k)

@@ -1,25 +1,37 @@
 """Triton kernels for the bs=1 decode step (opt-in: `LlamaFamilyForward.kernels = "triton"`; not yet measured).
 
 Why: an 8B-shape plain step spends 0.90 of copy bandwidth in its weight matmuls alone, but the whole compiled
-step reaches 0.74 — the rest is ~16 kernels per layer where ~8 would do (bench/decode_kernels.py, docs/LOG.md).
-`gemv` folds the two neighbours of every matmul into it:
+step reaches 0.74 — the rest is ~16 kernels per layer where ~7 would do (bench/decode_kernels.py, docs/LOG.md).
+With every op below a one-token layer is seven kernels and nothing else:
 
-  y = W @ xn (+ bias) (+ residual),   xn = rmsnorm(x) * norm_weight  (or x itself without `norm_weight`)
+  gemv(qkv, norm)  ->  rope_and_cache  ->  decode_attention  ->  gemv(o, +residual)
+  ->  gemv(gate/up, norm)  ->  gemv(down, silu(g)*u, +residual)
 
-so a layer is four of these (q/k/v with the input norm, o_proj with the residual, gate/up with the post-attention
-norm, down with the residual) and no separate norm, residual-add or split-K reduce kernels. One program computes
-BLOCK_N outputs over all of K (no split-K): N/BLOCK_N programs (384 for the 8B q/k/v) keep the GPU's memory
-system busy on their own. Each program recomputes the norm's sum of squares of x (K values, L2-resident).
+`gemv` folds the neighbours of a matmul into it:
+
+  y = W @ xn (+ bias) (+ residual),   xn = rmsnorm(x) * norm_weight,  or silu(g) * u  (`act_mul`),  or x
+
+One program computes BLOCK_N outputs over all of K (no split-K reduce kernel); each program recomputes the
+norm's sum of squares of x (K values, L2-resident). The tile is picked per matrix shape by `tune_gemv` (a timed
+sweep of `GEMV_CONFIGS` on the GPU, before any graph capture) or is `BLOCK_N`/`BLOCK_K`.
+
+`rope_and_cache`: q/k RMSNorm (Qwen3), RoPE on q and k, and the K/V cache writes at the token's slot, one
+program per (token, head). `decode_attention`: flash-decoding for one query token — the query heads that share a
+KV head are one tile (the cache is read once), the keys are split into chunks that run as their own programs when
+the cache is long, then one small combine kernel.
 
 Rounding follows the torch path op for op (HF's RMSNorm: fp32 normalise, round to the model dtype, times the
-weight, round; the matmul accumulates in fp32 and rounds once; the residual add rounds again), so outputs match
-it up to the matmul's summation order.
+weight, round; the matmul accumulates in fp32 and rounds once; the residual add rounds again; RoPE rounds each
+product and the sum, as `q * cos + rotate_half(q) * sin` in the model dtype does), so outputs match it up to
+summation order. Attention keeps scores and softmax in fp32 (as SDPA's fused kernels do).
 
 Runs on CUDA, and on CPU tensors under `TRITON_INTERPRET=1` (the tests). `available()` says whether triton
 imports at all; without it the compact forward keeps its torch path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,21 +42,40 @@ except Exception:  # noqa: BLE001
     triton = tl = None
 
 
-# Tile of one program: BLOCK_N outputs, K walked BLOCK_K at a time. Module-level so that a benchmark can sweep
-# them (bench/decode_kernels.py --gemv-blocks); not tuned on a GPU yet.
+# Default tile of one gemv program: BLOCK_N outputs, K walked BLOCK_K at a time. Module-level so that a benchmark
+# can override them (bench/decode_kernels.py --gemv-blocks); `tune_gemv` picks per shape instead.
 BLOCK_N = 16
 BLOCK_K = 512
+NUM_WARPS = 4
+# The sweep of `tune_gemv`: (BLOCK_N, BLOCK_K, num_warps). From 2 to 32 rows per program (the 8B q/k/v has 6,144
+# rows: 192..3,072 programs over 132 SMs), 4-32 KB of weights in flight per program and iteration.
+GEMV_CONFIGS = [(2, 2048, 8), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
+                (16, 512, 4), (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 256, 8)]
+# (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps), filled by `tune_gemv`
+_TUNED: dict = {}
+
+# decode_attention: keys per loop iteration, and the cache length from which the keys are split over programs
+ATTN_BLOCK_S = 64
+ATTN_SPLIT_MIN_S = 512
+
+# triton's interpreter (3.9) computes tl.dot of bf16 tiles wrongly; there the tiles are upcast first, which gives
+# the same products (bf16 x bf16 is exact in fp32) and the same fp32 accumulation
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available() -> bool:
     return triton is not None
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
-                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,6 +99,11 @@ if triton is not None:
                 xn = (xv.to(tl.float32) * rstd).to(out_ty)  # HF: normalise in fp32, round to the model dtype
                 nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
                 xv = (nw.to(tl.float32) * xn.to(tl.float32)).to(out_ty)  # ... times the weight, round
+            if ACT_MUL:  # x = cat(gate, up) of 2K values: silu(gate) rounded, times up, rounded (two torch ops)
+                g = xv.to(tl.float32)
+                u = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g))).to(out_ty)  # torch's silu: x / (1 + exp(-x)) in fp32
+                xv = (a.to(tl.float32) * u).to(out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
@@ -77,29 +113,253 @@ if triton is not None:
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
 
+    @triton.jit
+    def _rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qkn_ptr,
+                           stride_t, stride_cache_h, eps,
+                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_QKN: tl.constexpr):
+        t = tl.program_id(0)
+        hd = tl.program_id(1)  # 0..NH-1: q heads, then NKV k heads, then NKV v heads
+        rd = tl.arange(0, D)
+        base = qkv_ptr + t * stride_t + hd * D
+        x = tl.load(base + rd)
+        ty = x.dtype
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if hd < NH + NKV:
+            partner = (rd + D // 2) % D  # rotate_half(x)[i] = -x[i + D/2] for i < D/2, x[i - D/2] after
+            x2 = tl.load(base + partner)
+            if HAS_QKN:
+                xf = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+                w1 = tl.load(qkn_ptr + hd * D + rd).to(tl.float32)
+                w2 = tl.load(qkn_ptr + hd * D + partner).to(tl.float32)
+                x = (w1 * (xf * rstd).to(ty).to(tl.float32)).to(ty)
+                x2 = (w2 * (x2.to(tl.float32) * rstd).to(ty).to(tl.float32)).to(ty)
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+            c = tl.load(cos_ptr + pos * D + rd).to(tl.float32)
+            s = tl.load(sin_ptr + pos * D + rd).to(tl.float32)
+            sign = tl.where(rd < D // 2, -1.0, 1.0)
+            a = (x.to(tl.float32) * c).to(ty).to(tl.float32)
+            b = (sign * x2.to(tl.float32) * s).to(ty).to(tl.float32)
+            y = (a + b).to(ty)
+            if hd < NH:
+                tl.store(q_ptr + (t * NH + hd) * D + rd, y)
+            else:
+                tl.store(kc_ptr + (hd - NH) * stride_cache_h + slot * D + rd, y)
+        else:
+            tl.store(vc_ptr + (hd - NH - NKV) * stride_cache_h + slot * D + rd, x)
 
-def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None) -> torch.Tensor:
-    """x [1, K] or [K]; w [N, K] (rows contiguous) -> [1, N] in x's dtype. See the module docstring."""
+    @triton.jit
+    def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
+                           S, split_len, n_split, stride_cache_h, scale,
+                           G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           SINGLE: tl.constexpr, IEEE: tl.constexpr):
+        h = tl.program_id(0)  # KV head: its G query heads are the rows of one tile
+        sp = tl.program_id(1)  # key chunk
+        rr = tl.arange(0, BLOCK_R)
+        rd = tl.arange(0, D)
+        r_ok = rr < G
+        q = tl.load(q_ptr + (h * G + rr)[:, None] * D + rd[None, :], mask=r_ok[:, None], other=0.0)
+        m = tl.full([BLOCK_R], -1.0e30, tl.float32)  # "-inf" that keeps exp(m_old - m_new) finite when all masked
+        l_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        kbase = kc_ptr + h.to(tl.int64) * stride_cache_h
+        vbase = vc_ptr + h.to(tl.int64) * stride_cache_h
+        start = sp * split_len
+        for s0 in range(start, start + split_len, BLOCK_S):
+            rs = s0 + tl.arange(0, BLOCK_S)
+            s_ok = rs < S
+            valid = s_ok & (tl.load(mask_ptr + rs, mask=s_ok, other=0) != 0)
+            # a block with no visible key is not read: the cache's unused tail (slots past the context) costs a
+            # mask read, not a K/V read, so attention time follows the context, not the cache capacity
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
+                if IEEE:  # fp32 models (and the interpreter, above): no TF32 in the scores
+                    sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    sc = tl.dot(q, tl.trans(k))
+                sc = tl.where(valid[None, :], sc * scale, -1.0e30)
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+        rows = h * G + rr
+        if SINGLE:
+            out = acc / l_sum[:, None]
+            tl.store(o_ptr + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None])
+        else:  # partials of chunk sp, laid out [head rows, n_split]
+            idx = rows * n_split + sp
+            tl.store(pm_ptr + idx, m, mask=r_ok)
+            tl.store(pl_ptr + idx, l_sum, mask=r_ok)
+            tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr):
+        row = tl.program_id(0)  # query head
+        rp = tl.arange(0, BLOCK_SP)
+        rd = tl.arange(0, D)
+        p_ok = rp < n_split
+        idx = row * n_split + rp
+        ms = tl.load(pm_ptr + idx, mask=p_ok, other=-1.0e30)
+        ls = tl.load(pl_ptr + idx, mask=p_ok, other=0.0)
+        w = tl.exp(ms - tl.max(ms, axis=0))  # a chunk with every key masked has m = -1e30: weight 0
+        os = tl.load(po_ptr + idx[:, None] * D + rd[None, :], mask=p_ok[:, None], other=0.0)
+        out = tl.sum(w[:, None] * os, axis=0) / tl.sum(w * ls, axis=0)
+        tl.store(o_ptr + row * D + rd, out.to(o_ptr.dtype.element_ty))
+
+
+def _need():
     if triton is None:
         raise RuntimeError("triton is not installed: the compact forward's torch path needs no kernels")
-    K = x.shape[-1]
+
+
+def _gemv_key(N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool) -> tuple:
+    return (int(N), int(K), str(dtype), has_norm, has_bias, has_res, act_mul)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, act_mul: bool = False,
+         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
+    dtype. See the module docstring."""
+    _need()
+    K = w.shape[1]
     N = w.shape[0]
-    if w.shape[1] != K or w.stride(1) != 1:
-        raise ValueError(f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {K} features")
-    block_n, block_k = block_n or BLOCK_N, block_k or BLOCK_K
-    xf = x.reshape(K).contiguous()
+    if act_mul and norm_weight is not None:
+        raise ValueError("gemv: act_mul and norm_weight do not combine")
+    if x.shape[-1] != (2 * K if act_mul else K) or w.stride(1) != 1:
+        raise ValueError(f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
+                         f"features{' (act_mul: 2K)' if act_mul else ''}")
+    key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul)
+    bn, bk, nw = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS))
+    bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
+    xf = x.reshape(-1).contiguous()
     y = torch.empty(N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
-    grid = (triton.cdiv(N, block_n),)
+    grid = (triton.cdiv(N, bn),)
     _gemv_kernel[grid](xf, w, y, norm_weight if norm_weight is not None else dummy,
                        bias if bias is not None else dummy,
                        residual.reshape(N).contiguous() if residual is not None else dummy,
                        N, K, w.stride(0), float(eps),
                        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k)
+                       ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     return y[None]
 
 
-__all__ = ["available", "gemv"]
+def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              residual: bool = False, act_mul: bool = False, reps: int = 5,
+              configs: list[tuple[int, int, int]] | None = None, force: bool = False) -> list[dict]:
+    """Time every config of `GEMV_CONFIGS` on `mats` (same shape; one pass over all of them per timing, so with a
+    model's 32 layers the weights stream from memory, not L2) and keep the fastest for their key. Returns one row
+    per config (`us` per matrix), [] when the key was tuned before (unless `force`). On CPU (the interpreter)
+    nothing is timed and nothing is kept: returns []."""
+    _need()
+    w0 = mats[0]
+    if w0.device.type != "cuda":
+        return []
+    N, K = w0.shape
+    dt = w0.dtype
+    key = _gemv_key(N, K, dt, norm_weight is not None, bias is not None, residual, act_mul)
+    if key in _TUNED and not force:
+        return []
+    x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
+    r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
+    rows = []
+    for bn, bk, nw in configs or GEMV_CONFIGS:
+        def run():
+            for w in mats:
+                gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw)
+        try:
+            run()  # compiles
+        except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run (registers, shared memory): skip it
+            rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": None, "error": type(e).__name__})
+            continue
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) * 1e3 / len(mats))
+        rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": best, "error": ""})
+    ok = [row for row in rows if row["us"] is not None]
+    if ok:
+        top = min(ok, key=lambda row: row["us"])
+        _TUNED[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"])
+    return rows
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                   qk_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """qkv [T, (nh + 2 nkv) d] (the fused projection); positions/slots [T]; cos/sin [max_len, d] in the model
+    dtype; caches [1, nkv, max_len, d] (one layer); qk_norm [(nh + nkv), d] per-head RMSNorm weights or None.
+    Writes k (normed, rotated) and v at `slots` and returns q [T, nh, d] (normed, rotated)."""
+    _need()
+    T = qkv.shape[0]
+    d = cos.shape[1]
+    if not _pow2(d):
+        raise ValueError(f"rope_and_cache: head_dim {d} is not a power of two")
+    qkv = qkv.reshape(T, -1)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty(T, n_heads, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(T, n_heads + 2 * n_kv)](
+        qkv, q, k_cache, v_cache, cos, sin, positions, slots, qk_norm if qk_norm is not None else cos,
+        qkv.stride(0), k_cache.stride(1), float(eps), NH=n_heads, NKV=n_kv, D=d, HAS_QKN=qk_norm is not None,
+        num_warps=1 if d <= 128 else 2)
+    return q
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
+                     split_len: int | None = None) -> torch.Tensor:
+    """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
+    used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of ATTN_BLOCK_S):
+    keys per program; default one program per KV head below ATTN_SPLIT_MIN_S slots, else about one wave of
+    programs over the GPU's SMs."""
+    _need()
+    nkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    q = q.reshape(-1, d)
+    nh = q.shape[0]
+    S = mask.shape[-1]
+    if not _pow2(d) or d < 16 or nh % nkv or S > max_len:
+        raise ValueError(f"decode_attention: head_dim {d} (a power of two >= 16 needed), {nh} heads over {nkv} KV "
+                         f"heads, {S} mask slots of {max_len}")
+    G = nh // nkv
+    bs = ATTN_BLOCK_S
+    if split_len is None:
+        if S < ATTN_SPLIT_MIN_S:
+            split_len = triton.cdiv(S, bs) * bs
+        else:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+            per = max(1, sms // nkv)
+            split_len = triton.cdiv(triton.cdiv(S, per), bs) * bs
+    n_split = triton.cdiv(S, split_len)
+    o = torch.empty(nh, d, dtype=q.dtype, device=q.device)
+    single = n_split == 1
+    if single:
+        pm = pl = po = o
+    else:
+        pm = torch.empty(nh, n_split, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        po = torch.empty(nh, n_split, d, dtype=torch.float32, device=q.device)
+    mask = mask.reshape(-1)
+    _attn_split_kernel[(nkv, n_split)](
+        q.contiguous(), k_cache, v_cache, mask, o, pm, pl, po, S, split_len, n_split, k_cache.stride(1), float(scale),
+        G=G, BLOCK_R=max(16, triton.next_power_of_2(G)), D=d, BLOCK_S=bs, SINGLE=single,
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
+    if not single:
+        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=max(2, triton.next_power_of_2(n_split)),
+                                    num_warps=1)
+    return o.reshape(1, nh * d)
+
+
+__all__ = ["available", "gemv", "tune_gemv", "rope_and_cache", "decode_attention", "GEMV_CONFIGS"]

@@ -68,6 +68,8 @@ def prepare_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.T
 
 
 ATTENTION_IMPLS = ("sdpa", "bmm", "split")
+# the ops of a one-token step that `kernels = "triton"` can route to draftsmith.decode.kernels
+TRITON_OPS = ("qkv", "rope", "attn", "o", "gate_up", "down", "lm_head")
 
 
 def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
@@ -157,9 +159,12 @@ class LlamaFamilyForward(torch.nn.Module):
         self.aux_layers = [int(i) for i in aux_layers]
         self.max_len = int(max_len)
         self.attn_impl = "sdpa"  # see grouped_attention
-        # "triton": one-token steps run their matmuls through `draftsmith.decode.kernels.gemv` with the norms and
-        # residual adds folded in (opt-in, not yet measured on a GPU); "torch": F.linear and separate ops
+        # "triton": one-token steps run through `draftsmith.decode.kernels` (norms, residual adds, silu*up, RoPE
+        # and the cache write folded into seven kernels a layer; opt-in, not yet measured on a GPU); "torch":
+        # F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the others stay
+        # torch), so a benchmark can route each op to whichever is faster.
         self.kernels = "torch"
+        self.triton_ops = set(TRITON_OPS)
         self.w = weights
         self.layers = []
         for i in range(self.n_layers):
@@ -190,8 +195,8 @@ class LlamaFamilyForward(torch.nn.Module):
         self.lm_head = weights["lm_head.weight"]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        self.cos = cos.to(self.device, self.dtype)  # [max_len, d]
-        self.sin = sin.to(self.device, self.dtype)
+        self.cos = cos.to(self.device, self.dtype).contiguous()  # [max_len, d] (rows indexed by the kernels)
+        self.sin = sin.to(self.device, self.dtype).contiguous()
         self._alloc_cache()
 
     def _alloc_cache(self) -> None:
@@ -265,7 +270,8 @@ class LlamaFamilyForward(torch.nn.Module):
         max_len = int(max_len)
         if max_len > self.cos.shape[0]:
             cos, sin = rope_table(self.cfg, max_len, self.device, None)
-            self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+            self.cos = cos.to(self.device, self.dtype).contiguous()
+            self.sin = sin.to(self.device, self.dtype).contiguous()
         self.max_len = max_len
         self._alloc_cache()
 
@@ -294,6 +300,42 @@ class LlamaFamilyForward(torch.nn.Module):
             return F.linear(x, ws[0], bs[0])
         return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
 
+    def triton_ops_for(self, T: int) -> frozenset:
+        """The ops of a T-token forward that run through draftsmith.decode.kernels (empty: the torch path)."""
+        if self.kernels != "triton" or T != 1 or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
+            return frozenset()
+        from draftsmith.decode import kernels as K
+
+        if not K.available():
+            return frozenset()
+        ops = set(self.triton_ops)
+        d = self.head_dim
+        if d & (d - 1):
+            ops -= {"rope", "attn"}
+        if d < 16:
+            ops.discard("attn")
+        return frozenset(ops)
+
+    def tune_kernels(self) -> list[dict]:
+        """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
+        before capturing graphs. One row per (kind, tile); [] on CPU."""
+        from draftsmith.decode import kernels as K
+
+        L0 = self.layers[0]
+        kinds = {"qkv": ([L["qkv"][0] for L in self.layers], dict(norm_weight=L0["in"], bias=L0["qkv_b"][0])),
+                 "o": ([L["o"] for L in self.layers], dict(bias=L0["o_b"], residual=True)),
+                 "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0])),
+                 "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True,
+                                                                act_mul=self._silu())),
+                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
+        rows = []
+        for kind, (mats, kw) in kinds.items():
+            rows += [{"matrix": kind, **r} for r in K.tune_gemv(mats, **kw)]
+        return rows
+
+    def _silu(self) -> bool:
+        return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
                 logits_rows: torch.Tensor | None = None, want_aux: bool = True):
         """input_ids/positions/slots [T] long; mask [T, S] bool over cache slots 0..S-1 (S <= max_len).
@@ -304,47 +346,62 @@ class LlamaFamilyForward(torch.nn.Module):
         T = input_ids.shape[0]
         S = mask.shape[1]
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        ops = self.triton_ops_for(T)
+        K = None
+        if ops:
+            from draftsmith.decode import kernels as K
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
-        sin = self.sin.index_select(0, positions)[None, :, None, :]
-        amask = prepare_mask(mask, nh // nkv, self.dtype)
+        if "rope" not in ops:
+            cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
+            sin = self.sin.index_select(0, positions)[None, :, None, :]
+        amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
         aux = {}
-        gemv = None
-        if self.kernels == "triton" and T == 1 and len(self.layers[0]["qkv"]) == 1:
-            from draftsmith.decode.kernels import gemv
         for i, L in enumerate(self.layers):
-            if gemv is not None:
-                qkv = gemv(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
+            if "qkv" in ops:
+                qkv = K.gemv(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
             else:
                 qkv = self._lin(_rms(h, L["in"], self.eps), L["qkv"], L["qkv_b"])
-            qkv = qkv.view(1, T, nh + 2 * nkv, d)
-            qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
-            if L["qk_norm"] is not None:
-                qk = _rms(qk, L["qk_norm"], self.eps)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
-            q, k = qk[:, :, :nh], qk[:, :, nh:]
             kc, vc = self.k_layers[i], self.v_layers[i]
-            kc.index_copy_(2, slots, k.transpose(1, 2))
-            vc.index_copy_(2, slots, v.transpose(1, 2))
-            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
-            o = o.transpose(1, 2).reshape(T, nh * d)
-            if gemv is not None:
-                h = gemv(o, L["o"], bias=L["o_b"], residual=h)
-                gu = gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0])
+            if "rope" in ops:  # q/k norm, RoPE and both cache writes in one kernel
+                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L["qk_norm"],
+                                     self.eps)[None]  # [1, T, nh, d]
+            else:
+                qkv = qkv.view(1, T, nh + 2 * nkv, d)
+                qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
+                if L["qk_norm"] is not None:
+                    qk = _rms(qk, L["qk_norm"], self.eps)
+                qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
+                q, k = qk[:, :, :nh], qk[:, :, nh:]
+                kc.index_copy_(2, slots, k.transpose(1, 2))
+                vc.index_copy_(2, slots, v.transpose(1, 2))
+            if "attn" in ops:
+                o = K.decode_attention(q, kc, vc, mask[0], self.scale)  # [1, nh * d]
+            else:
+                o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale,
+                                      self.attn_impl)
+                o = o.transpose(1, 2).reshape(T, nh * d)
+            if "o" in ops:
+                h = K.gemv(o, L["o"], bias=L["o_b"], residual=h)
             else:
                 h = h + F.linear(o, L["o"], L["o_b"])
-                gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
-            g, u = gu.chunk(2, -1)
-            if gemv is not None:
-                h = gemv(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
+            if "gate_up" in ops:
+                gu = K.gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0])
             else:
-                h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
+                gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
+            if "down" in ops and self._silu():  # silu(gate) * up folded into the down projection
+                h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h, act_mul=True)
+            else:
+                g, u = gu.chunk(2, -1)
+                if "down" in ops:
+                    h = K.gemv(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
+                else:
+                    h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
             if want_aux and i in self.aux_layers:
                 aux[i] = h
         aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        if gemv is not None and hs.shape[0] == 1:
-            return gemv(hs, self.lm_head, self.norm, self.eps).float(), aux_t
+        if "lm_head" in ops and hs.shape[0] == 1:
+            return K.gemv(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
         return logits, aux_t
 
@@ -380,4 +437,4 @@ def rope_table(cfg, max_len: int, device, rotary_module=None):
 
 
 __all__ = ["LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES",
-           "ATTENTION_IMPLS"]
+           "ATTENTION_IMPLS", "TRITON_OPS"]

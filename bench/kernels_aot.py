@@ -1,0 +1,134 @@
+"""Compile draftsmith's Triton decode kernels ahead of time for a GPU architecture — no GPU needed — and report
+what each variant costs the hardware: registers per thread, local memory (spills), shared memory, and whether the
+weight loads are 16-byte vector loads (`ld.global.v4`).
+
+Why: the kernels are tested for numerics in triton's interpreter on CPU, which says nothing about whether they
+compile for the device, spill, or load narrowly. This answers those on the development machine, before a GPU call
+(and prunes gemv tiles that spill from the sweep).
+
+Usage:  python bench/kernels_aot.py [--arch 90] [--shape 8b|tiny] [--json FILE]
+(needs triton with its CUDA backend: the ptxas/cuobjdump it bundles; the CPU torch wheel + `pip install triton`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import markdown_table  # noqa: E402
+
+# the shapes of one decode step: (hidden, intermediate, heads, kv heads, head_dim, vocab)
+SHAPES = {"8b": (4096, 14336, 32, 8, 128, 128256), "tiny": (192, 512, 3, 1, 64, 16384)}
+
+
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, aligned: list[str]):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    # what the JIT does at launch: pointers aligned to 16 bytes and integers divisible by 16 are marked so
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def _resources(compiled) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    get = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}:(\d+)", out)) else None  # noqa: E731
+    ptx = compiled.asm["ptx"]
+    return {"regs": get("REG"), "local B": get("LOCAL"), "shared B": get("SHARED"),
+            "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
+            "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx))}
+
+
+def variants(shape: str, dtype: str = "bf16"):
+    """(label, kernel, signature, constexprs, num_warps, aligned args) of every kernel variant a step launches."""
+    from draftsmith.decode import kernels as K
+
+    H, inter, nh, nkv, d, V = SHAPES[shape]
+    p = f"*{dtype}"
+    gemv_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "N": "i32", "K": "i32",
+                "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "HAS_BIAS": "constexpr",
+                "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
+    kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
+             "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False),
+             "gate_up": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
+             "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True),
+             "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False)}
+    for kind, flags in kinds.items():
+        for bn, bk, nw in K.GEMV_CONFIGS:
+            yield (f"gemv {kind} {bn}/{bk}/{nw}", K._gemv_kernel, gemv_sig,
+                   dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk), nw, aligned)
+    rope_sig = {"qkv_ptr": p, "q_ptr": p, "kc_ptr": p, "vc_ptr": p, "cos_ptr": p, "sin_ptr": p, "pos_ptr": "*i64",
+                "slot_ptr": "*i64", "qkn_ptr": p, "stride_t": "i32", "stride_cache_h": "i32", "eps": "fp32",
+                "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr"}
+    for qkn in (False, True):
+        yield (f"rope_and_cache qk_norm={qkn}", K._rope_cache_kernel, rope_sig,
+               dict(NH=nh, NKV=nkv, D=d, HAS_QKN=qkn), 1, [n for n in rope_sig if n.endswith("_ptr")])
+    attn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "o_ptr": p, "pm_ptr": "*fp32",
+                "pl_ptr": "*fp32", "po_ptr": "*fp32", "S": "i32", "split_len": "i32", "n_split": "i32",
+                "stride_cache_h": "i32", "scale": "fp32", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr",
+                "BLOCK_S": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr"}
+    g = nh // nkv
+    for single in (True, False):
+        yield (f"decode_attention split single={single}", K._attn_split_kernel, attn_sig,
+               dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=K.ATTN_BLOCK_S, SINGLE=single,
+                    IEEE=dtype == "fp32"), 4, [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
+    comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
+                "D": "constexpr", "BLOCK_SP": "constexpr"}
+    yield ("decode_attention combine", K._attn_combine_kernel, comb_sig, dict(D=d, BLOCK_SP=16), 1,
+           [n for n in comb_sig if n.endswith("_ptr")])
+
+
+def report(shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None) -> list[dict]:
+    rows = []
+    for label, fn, sig, consts, nw, aligned in variants(shape, dtype):
+        if only and only not in label:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = _resources(_compile(fn, sig, consts, arch, nw, aligned))
+            err = ""
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is the finding
+            res, err = {}, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+        rows.append({"kernel": label, "warps": nw, **res, "compile s": time.perf_counter() - t0, "error": err})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="model shape the constexprs come from")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--only", default=None, help="only variants whose label contains this")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = report(args.shape, args.arch, args.dtype, args.only)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    print(markdown_table(rows, cols))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
