@@ -207,6 +207,15 @@ def test_engine_kernels_argument():
         SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
     with pytest.raises(ValueError, match="compact"):
         SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
+    if DEV == "cpu":  # outside the interpreter, CPU tensors cannot reach a Triton kernel: say so up front
+        from draftsmith.decode import kernels as K
+
+        was, K._INTERPRET = K._INTERPRET, False
+        try:
+            with pytest.raises(ValueError, match="needs a CUDA device"):
+                SpeculativeDecoder(m, None, max_len=32, kernels="triton")
+        finally:
+            K._INTERPRET = was
 
 
 def test_greedy_equal_with_triton_kernels():

@@ -231,6 +231,9 @@ class SpeculativeDecoder:
                                  "generic HF path)")
             if not K.available():
                 raise ValueError("kernels='triton' needs triton (pip install triton; CUDA builds of torch bring it)")
+            if self.device.type != "cuda" and not K.interpreted():
+                raise ValueError(f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
+                                 "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)")
             self.runner.kernels = "triton"
             self.kernel_tuning = self.runner.tune_kernels()  # before any compile or graph capture
         self.vocab_size = int(cfg.vocab_size)

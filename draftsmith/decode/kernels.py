@@ -67,6 +67,11 @@ def available() -> bool:
     return triton is not None
 
 
+def interpreted() -> bool:
+    """Whether the kernels run in triton's interpreter (CPU tensors, tests) rather than compiled for a GPU."""
+    return _INTERPRET
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
