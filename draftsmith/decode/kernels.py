@@ -282,18 +282,26 @@ def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
                 gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw)
         try:
             run()  # compiles
+            torch.cuda.synchronize()
+            # timed as a CUDA graph replay, as the step runs: launched from Python, 32 gemvs of ~10 us would time
+            # the host's launch rate instead of the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
         except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run (registers, shared memory): skip it
             rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": None, "error": type(e).__name__})
             continue
+        graph.replay()
         torch.cuda.synchronize()
         best = float("inf")
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            run()
+            graph.replay()
             b.record()
             b.synchronize()
             best = min(best, a.elapsed_time(b) * 1e3 / len(mats))
+        del graph
         rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": best, "error": ""})
     ok = [row for row in rows if row["us"] is not None]
     if ok:
