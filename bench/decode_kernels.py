@@ -68,14 +68,8 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
     """Each weight kind (every layer's copy, so nothing sits in L2) through cuBLAS F.linear and, when asked, the
     Triton gemv with what the step folds into it for that kind (norm, residual, silu(gate)*up) and its tuned tile,
     one CUDA graph per (kind, path): which matmuls the Triton kernel should take."""
-    L0 = runner.layers[0]
-    kinds = {"qkv": ([L["qkv"][0] for L in runner.layers], dict(norm_weight=L0["in"])),
-             "o": ([L["o"] for L in runner.layers], dict(residual=True)),
-             "gate_up": ([L["gu"][0] for L in runner.layers], dict(norm_weight=L0["post"])),
-             "down": ([L["down"] for L in runner.layers], dict(residual=True, act_mul=runner._silu())),
-             "lm_head": ([runner.lm_head], dict(norm_weight=runner.norm))}
     rows = []
-    for kind, (mats, kw) in kinds.items():
+    for kind, (mats, kw) in runner.gemv_kinds().items():
         x = torch.randn(1, mats[0].shape[1], device=dev, dtype=runner.dtype)
         nbytes = sum(w.numel() * w.element_size() for w in mats)
         row = {"matrix": kind, "shape": f"{mats[0].shape[0]}x{mats[0].shape[1]}", "count": len(mats)}
@@ -88,7 +82,8 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
 
                 def step(mats=mats, xk=xk, res=res, kw=kw, gemv=gemv):
                     for w in mats:
-                        gemv(xk, w, kw.get("norm_weight"), residual=res, act_mul=kw.get("act_mul", False))
+                        gemv(xk, w, kw.get("norm_weight"), bias=kw.get("bias"), residual=res,
+                             act_mul=kw.get("act_mul", False))
             else:
                 def step(mats=mats, x=x):
                     for w in mats:
@@ -119,7 +114,7 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def logits_gap(eng, runner, sp, dev) -> float:
+def logits_gap(eng, runner) -> float:
     """Largest |logit difference| of one plain step through the Triton kernels vs the torch path, same cache."""
     L = eng.L.view(1)
     mask = eng._mask(L)
@@ -191,7 +186,7 @@ def main(argv=None) -> int:
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
             plain = eng._runner_for(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
-            gap = logits_gap(eng, runner, sp, dev) if kn == "triton" else 0.0
+            gap = logits_gap(eng, runner) if kn == "triton" else 0.0
             setup_s = time.perf_counter() - t0
             t = time_steps(eng, plain, reps, dev)
             n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)

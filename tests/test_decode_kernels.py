@@ -89,7 +89,8 @@ def test_rope_and_cache_equals_torch(dtype, qk_norm):
     pos = torch.tensor([5, 7, 39], device=DEV)
     slots = torch.tensor([1, 30, 2], device=DEV)
     qkn = (torch.rand(nh + nkv, d, generator=g) + 0.5).to(DEV, dtype) if qk_norm else None
-    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype), torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
     kr, vr = kc.clone(), vc.clone()
     q = rope_and_cache(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, 1e-6)
     qr = _rope_reference(qkv, pos, slots, cos, sin, kr, vr, nh, nkv, qkn, 1e-6)

@@ -316,22 +316,24 @@ class LlamaFamilyForward(torch.nn.Module):
             ops.discard("attn")
         return frozenset(ops)
 
+    def gemv_kinds(self) -> dict:
+        """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
+        `kernels.tune_gemv` keyword arguments, with layer 0's norm weight and bias standing for all layers')."""
+        L0 = self.layers[0]
+        return {"qkv": ([L["qkv"][0] for L in self.layers], dict(norm_weight=L0["in"], bias=L0["qkv_b"][0])),
+                "o": ([L["o"] for L in self.layers], dict(bias=L0["o_b"], residual=True)),
+                "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0])),
+                "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True,
+                                                               act_mul=self._silu())),
+                "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
+
     def tune_kernels(self) -> list[dict]:
         """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
         before capturing graphs. One row per (kind, tile); [] on CPU."""
         from draftsmith.decode import kernels as K
 
-        L0 = self.layers[0]
-        kinds = {"qkv": ([L["qkv"][0] for L in self.layers], dict(norm_weight=L0["in"], bias=L0["qkv_b"][0])),
-                 "o": ([L["o"] for L in self.layers], dict(bias=L0["o_b"], residual=True)),
-                 "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0])),
-                 "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True,
-                                                                act_mul=self._silu())),
-                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
-        rows = []
-        for kind, (mats, kw) in kinds.items():
-            rows += [{"matrix": kind, **r} for r in K.tune_gemv(mats, **kw)]
-        return rows
+        return [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
+                for r in K.tune_gemv(mats, **kw)]
 
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
@@ -355,6 +357,7 @@ class LlamaFamilyForward(torch.nn.Module):
             cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
             sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
+        fold_act = "down" in ops and self._silu()
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
@@ -388,7 +391,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 gu = K.gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0])
             else:
                 gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
-            if "down" in ops and self._silu():  # silu(gate) * up folded into the down projection
+            if fold_act:  # silu(gate) * up folded into the down projection
                 h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h, act_mul=True)
             else:
                 g, u = gu.chunk(2, -1)
