@@ -147,6 +147,12 @@ def kernel_profile(fn, dev):
     return n, (ms / 1e3 if dev.type == "cuda" else None)
 
 
+def _triton_ok(dev) -> bool:
+    from draftsmith.decode import kernels as K
+
+    return dev.type == "cuda" and K.available()
+
+
 @torch.no_grad()
 def p1(args, dev, dtype, bw):
     cfg = llama8b_config(args.smoke)
@@ -159,8 +165,14 @@ def p1(args, dev, dtype, bw):
     kvtok = runner.kv_bytes_per_token()
     rows = []
     sp = SamplingParams()
-    for ctx, impl in [(c, i) for c in ctxs for i in args.attn_impls]:
-        eng = SpeculativeDecoder(runner, None, max_len=ctx + steps + 16, attn_impl=impl)
+    kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
+    combos = [(c, i, "torch") for c in ctxs for i in args.attn_impls if "torch" in kernels]
+    combos += [(c, "triton", "triton") for c in ctxs if "triton" in kernels]
+    for ctx, impl, kn in combos:
+        # kernels="triton": the one-token step through draftsmith.decode.kernels (tiles and attention split tuned
+        # on this GPU at construction); prefill keeps the torch path and its auto attention
+        eng = SpeculativeDecoder(runner, None, max_len=ctx + steps + 16,
+                                 attn_impl="auto" if kn == "triton" else impl, kernels=kn)
         prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
         plain = eng._runner_for(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
@@ -171,27 +183,28 @@ def p1(args, dev, dtype, bw):
         n_k, busy = kernel_profile(lambda: eng._plain_step(sp), dev)
         # end-to-end through generate() (host loop, one sync per 8 steps)
         res = eng.generate(prompt, steps, sampling=sp, mode=DecodeMode("plain"), eos_ids=[])
-        row = {"context": ctx, "attention": impl, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
+        row = {"context": ctx, "attention": impl, "kernels": kn, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
                "tokens_per_s_generate": (len(res.token_ids) - 1) / max(res.decode_s, 1e-9),
                "weight_bytes": wbytes, "kv_bytes": kvtok * L_avg, "achieved_bytes_per_s": ach,
                "fraction_of_copy_bw": ach / bw, "kernels_per_step": n_k,
                "kernel_ms_per_step": None if busy is None else busy * 1e3}
         rows.append(row)
-        log(f"P1 ctx={ctx} {impl}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
+        log(f"P1 ctx={ctx} {impl} {kn}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
             f"generate() {row['tokens_per_s_generate']:.1f} tok/s")
     RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
     LINES.append("### P1 — plain decode, bs=1, bf16, Llama-3.1-8B shape (random weights)")
     LINES.append(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s; weights {wbytes / 1e9:.2f} GB\n")
-    LINES.append("| context | attention | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | (W+KV) TB/s | "
-                 "÷ copy bw | kernels/step | kernel ms/step |")
-    LINES.append("|---|---|---|---|---|---|---|---|---|")
+    LINES.append("| context | attention | step kernels | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | "
+                 "(W+KV) TB/s | ÷ copy bw | kernels/step | kernel ms/step |")
+    LINES.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         km = "-" if r["kernel_ms_per_step"] is None else f"{r['kernel_ms_per_step']:.3f}"
-        LINES.append(f"| {r['context']} | {r['attention']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
+        LINES.append(f"| {r['context']} | {r['attention']} | {r['kernels']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
                      f"{r['tokens_per_s_generate']:.1f} | {r['achieved_bytes_per_s'] / 1e12:.2f} | "
                      f"{r['fraction_of_copy_bw']:.3f} | {r['kernels_per_step']} | {km} |")
     LINES.append("\nkernels/step and kernel ms/step: one eager step under the profiler (what a graph replay launches; "
-                 "kernel ms = the sum of kernel durations, so ms/step minus it is launch gaps).")
+                 "kernel ms = the sum of kernel durations, so ms/step minus it is launch gaps). step kernels: torch "
+                 "(cuBLAS + aten, attention as named) or triton (draftsmith.decode.kernels, 7 per layer).")
     return runner, eng
 
 
@@ -491,6 +504,8 @@ def main(argv=None):
                     default=[(4, 4, 16), (8, 5, 32), (8, 6, 48)], help="top_k/depth/tokens,...")
     ap.add_argument("--attn-impls", type=lambda s: s.split(","), default=["sdpa", "bmm"],
                     help="attention implementations measured side by side in P1, P2a and P2b (sdpa, bmm, split, auto)")
+    ap.add_argument("--kernels", type=lambda s: s.split(","), default=["torch", "triton"],
+                    help="P1: step kernels to measure side by side (triton rows only where triton runs on CUDA)")
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")

@@ -106,10 +106,13 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
         if not ok:
             continue
         best, worst = min(ok, key=lambda r: r["us"]), max(ok, key=lambda r: r["us"])
-        dflt = next((r["us"] for r in ok if (r["BLOCK_N"], r["BLOCK_K"], r["warps"]) ==
-                     (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS)), None)
-        out.append({"matrix": kind, "best tile (N/K/warps)": f"{best['BLOCK_N']}/{best['BLOCK_K']}/{best['warps']}",
-                    "best us": best["us"], "default us": dflt, "worst us": worst["us"],
+        dflt = next((r["us"] for r in ok if (r["BLOCK_N"], r["BLOCK_K"], r["warps"], r["prefetch"]) ==
+                     (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)), None)
+        nopf = [r["us"] for r in ok if not r["prefetch"]]
+        out.append({"matrix": kind, "best tile (N/K/warps/prefetch)":
+                    f"{best['BLOCK_N']}/{best['BLOCK_K']}/{best['warps']}/{best['prefetch']}",
+                    "best us": best["us"], "best without prefetch us": min(nopf) if nopf else None,
+                    "default us": dflt, "worst us": worst["us"],
                     "tiles failed": sum(1 for r in rows if r["matrix"] == kind and r["us"] is None)})
     return out
 
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
         from draftsmith.decode import kernels as K
 
         K.BLOCK_N, K.BLOCK_K = (int(v) for v in args.gemv_blocks.split("/"))
-        K.GEMV_CONFIGS[:] = [(K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS)]
+        K.GEMV_CONFIGS[:] = [(K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)]
     if "triton" in gemvs:
         t0 = time.perf_counter()
         tuning = runner.tune_kernels()
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
     from draftsmith.decode.llama import TRITON_OPS
 
     routings = [",".join(TRITON_OPS) if r == "all" else r for r in args.triton_ops.split("/")]
-    rows, tops = [], []
+    rows, tops, attn_tuning = [], [], []
     sp = SamplingParams()
     combos = [(kn, ops, comp, impl, S) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
               for comp in args.compile.split(",") for impl in args.impls.split(",") for S in caches]
@@ -182,6 +185,7 @@ def main(argv=None) -> int:
             runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
             eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl, kernels=kn,
                                      compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
+            attn_tuning += [r for r in eng.kernel_tuning if r["matrix"] == "attn"]
             ctx = max(1, S - reps - 24)
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
             plain = eng._runner_for(DecodeMode("plain"), sp)
@@ -216,11 +220,19 @@ def main(argv=None) -> int:
     if summ:
         body += ["Triton gemv tiles (the sweep of draftsmith.decode.kernels.GEMV_CONFIGS, per weight kind):", "",
                  markdown_table(summ, list(summ[0])), ""]
+    if attn_tuning:
+        kv_layer = 2 * runner.n_kv * runner.head_dim * runner.k_layers[0].element_size()  # bytes per slot
+        for r in attn_tuning:
+            r["KV ÷ copy bw"] = kv_layer * r["S"] / (r["us"] * 1e-6) / bw if r["us"] else None
+        body += ["Triton attention plans (draftsmith.decode.kernels.ATTN_CONFIGS; one query token, every slot "
+                 "visible, us per layer):", "",
+                 markdown_table(attn_tuning, ["S", "BLOCK_S", "split_len", "chunks", "warps", "us", "KV ÷ copy bw",
+                                              "error"]), ""]
     body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
     record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
-           {"rows": rows, "per_matrix": mats, "tuning": tuning, "top": tops, "matmul_floor_ms": t_mm * 1e3,
+           {"rows": rows, "per_matrix": mats, "tuning": tuning, "attn_tuning": attn_tuning, "top": tops, "matmul_floor_ms": t_mm * 1e3,
             "weight_bytes": wbytes, "copy_bw": bw},
            "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0

@@ -67,7 +67,8 @@ def variants(shape: str, dtype: str = "bf16"):
     p = f"*{dtype}"
     gemv_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "N": "i32", "K": "i32",
                 "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "HAS_BIAS": "constexpr",
-                "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr"}
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
     kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
              "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False),
@@ -75,9 +76,11 @@ def variants(shape: str, dtype: str = "bf16"):
              "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True),
              "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False)}
     for kind, flags in kinds.items():
-        for bn, bk, nw in K.GEMV_CONFIGS:
-            yield (f"gemv {kind} {bn}/{bk}/{nw}", K._gemv_kernel, gemv_sig,
-                   dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk), nw, aligned)
+        for bn, bk, nw, pf in K.GEMV_CONFIGS:
+            yield (f"gemv {kind} {bn}/{bk}/{nw}/{pf}", K._gemv_kernel, gemv_sig,
+                   dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=min(1 << (H - 1).bit_length(),
+                                                                                       K.NORM_BLOCK_MAX),
+                        PREFETCH=bool(pf)), nw, aligned)
     rope_sig = {"qkv_ptr": p, "q_ptr": p, "kc_ptr": p, "vc_ptr": p, "cos_ptr": p, "sin_ptr": p, "pos_ptr": "*i64",
                 "slot_ptr": "*i64", "qkn_ptr": p, "stride_t": "i32", "stride_cache_h": "i32", "eps": "fp32",
                 "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr"}
@@ -89,14 +92,16 @@ def variants(shape: str, dtype: str = "bf16"):
                 "stride_cache_h": "i32", "scale": "fp32", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr",
                 "BLOCK_S": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr"}
     g = nh // nkv
-    for single in (True, False):
-        yield (f"decode_attention split single={single}", K._attn_split_kernel, attn_sig,
-               dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=K.ATTN_BLOCK_S, SINGLE=single,
-                    IEEE=dtype == "fp32"), 4, [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
+    for bs, nw in sorted({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS}):
+        for single in (True, False):
+            yield (f"decode_attention split {bs}/{nw} single={single}", K._attn_split_kernel, attn_sig,
+                   dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=bs, SINGLE=single,
+                        IEEE=dtype == "fp32"), nw, [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
     comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
                 "D": "constexpr", "BLOCK_SP": "constexpr"}
-    yield ("decode_attention combine", K._attn_combine_kernel, comb_sig, dict(D=d, BLOCK_SP=16), 1,
-           [n for n in comb_sig if n.endswith("_ptr")])
+    for bsp in (16, K.ATTN_MAX_SPLIT):
+        yield (f"decode_attention combine {bsp}", K._attn_combine_kernel, comb_sig, dict(D=d, BLOCK_SP=bsp),
+               K._combine_warps(bsp, d), [n for n in comb_sig if n.endswith("_ptr")])
 
 
 def report(shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None) -> list[dict]:

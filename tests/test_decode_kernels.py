@@ -27,10 +27,19 @@ from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_FOLDS = [(False, False, False), (True, False, False), (True, True, False), (False, True, True), (False, False, True)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm,bias,res", [(False, False, False), (True, False, False), (True, True, False),
-                                           (False, True, True), (False, False, True)])
-def test_gemv_equals_torch(dtype, norm, bias, res):
+@pytest.mark.parametrize("norm,bias,res,prefetch,norm_block", [(*f, pf, None) for f in _FOLDS for pf in (0, 1)]
+                         + [(True, False, False, 1, 128)])
+def test_gemv_equals_torch(dtype, norm, bias, res, prefetch, norm_block, monkeypatch):
+    """With and without the next block's weights loaded ahead; the norm's sum of squares in one pass over x or in
+    blocks (NORM_BLOCK_MAX below K)."""
+    from draftsmith.decode import kernels as K
+
+    if norm_block:
+        monkeypatch.setattr(K, "NORM_BLOCK_MAX", norm_block)
     g = torch.Generator().manual_seed(0)
     K, N = 600, 203  # neither a multiple of the blocks
     x = torch.randn(1, K, generator=g).to(DEV, dtype)
@@ -38,7 +47,7 @@ def test_gemv_equals_torch(dtype, norm, bias, res):
     nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype) if norm else None
     b = torch.randn(N, generator=g).to(DEV, dtype) if bias else None
     r = torch.randn(1, N, generator=g).to(DEV, dtype) if res else None
-    y = gemv(x, w, nw, 1e-5, bias=b, residual=r, block_k=256)
+    y = gemv(x, w, nw, 1e-5, bias=b, residual=r, block_k=256, prefetch=prefetch)
     ref = F.linear(hf_rms_norm(x, nw, 1e-5) if norm else x, w, b)
     if res:
         ref = r + ref
@@ -48,15 +57,16 @@ def test_gemv_equals_torch(dtype, norm, bias, res):
     torch.testing.assert_close(y.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_act_mul_equals_silu_times_up(dtype):
+def test_gemv_act_mul_equals_silu_times_up(dtype, prefetch):
     """down(silu(gate) * up) + residual with the activation folded into the gemv's prologue."""
     g = torch.Generator().manual_seed(3)
     K, N = 300, 70
     gu = torch.randn(1, 2 * K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
     r = torch.randn(1, N, generator=g).to(DEV, dtype)
-    y = gemv(gu, w, residual=r, act_mul=True, block_k=128)
+    y = gemv(gu, w, residual=r, act_mul=True, block_k=128, prefetch=prefetch)
     gate, up = gu.chunk(2, -1)
     ref = r + F.linear(F.silu(gate) * up, w)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
@@ -102,11 +112,12 @@ def test_rope_and_cache_equals_torch(dtype, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh,nkv,d,S,M,split", [(4, 2, 16, 37, 64, None), (8, 2, 32, 200, 256, 64),
-                                                (4, 4, 16, 130, 160, None), (3, 1, 64, 600, 640, None),
-                                                (3, 1, 64, 600, 640, 128), (32, 8, 128, 208, 208, None)],
-                         ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads"])
-def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split):
+@pytest.mark.parametrize("nh,nkv,d,S,M,split,bs", [(4, 2, 16, 37, 64, None, None), (8, 2, 32, 200, 256, 64, None),
+                                                   (4, 4, 16, 130, 160, None, None), (3, 1, 64, 600, 640, None, None),
+                                                   (3, 1, 64, 600, 640, 128, None), (32, 8, 128, 208, 208, None, None),
+                                                   (4, 2, 32, 1100, 1152, 32, 32)],
+                         ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads", "35-chunks"])
+def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
     """One query token over the first S cache slots with a random mask, one program per KV head or the keys split
     over programs (a chunk with every key masked included), against the compact forward's attention in fp32."""
     g = torch.Generator().manual_seed(S + nh)
@@ -117,12 +128,30 @@ def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split):
     mask[-1] = True
     if split:
         mask[:split] = False  # the whole first chunk masked: its weight must be 0, not NaN
-    o = decode_attention(q, kc, vc, mask, d ** -0.5, split_len=split)
+    o = decode_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs)
     ref = grouped_attention(q.view(1, nh, 1, d).float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask[None],
                             d ** -0.5, "bmm").reshape(1, nh * d)
     assert o.shape == (1, nh * d) and o.dtype == dtype
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(o.float(), ref, **tol)
+
+
+def test_decode_attention_uses_the_tuned_plan(monkeypatch):
+    """A plan `tune_attention` kept for this shape is what decode_attention launches (split_len not a multiple of
+    the default key block: the call fails if the plan is ignored)."""
+    from draftsmith.decode import kernels as K
+
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, d, S = 4, 2, 16, 200
+    q = torch.randn(nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, S, d, generator=g).to(DEV), torch.randn(1, nkv, S, d, generator=g).to(DEV)
+    mask = torch.rand(S, generator=g).to(DEV) < 0.7
+    ref = decode_attention(q, kc, vc, mask, 0.25)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, kc, vc, mask, 0.25, split_len=96)
+    monkeypatch.setitem(K._TUNED_ATTN, K._attn_key(S, nkv, nh // nkv, d, q.dtype), (96, 32, 2))
+    assert K._attn_plan(S, nkv, nh // nkv, d, q.dtype, q.device, None, None, None) == (96, 32, 2)
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), ref, atol=2e-6, rtol=2e-6)
 
 
 def test_decode_attention_skips_unmasked_tail():
@@ -272,7 +301,8 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     rows = json.loads(out.read_text())
     from draftsmith.decode import kernels as K
 
-    assert len(rows) == 5 * len(K.GEMV_CONFIGS) + 5
+    n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
+    assert len(rows) == 5 * len(K.GEMV_CONFIGS) + 2 + 2 * n_attn + 2
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
     assert all(row["v4 loads"] > 0 for row in rows if row["kernel"].startswith(("gemv", "decode_attention split")))

@@ -47,16 +47,32 @@ except Exception:  # noqa: BLE001
 BLOCK_N = 16
 BLOCK_K = 512
 NUM_WARPS = 4
-# The sweep of `tune_gemv`: (BLOCK_N, BLOCK_K, num_warps). From 2 to 32 rows per program (the 8B q/k/v has 6,144
-# rows: 192..3,072 programs over 132 SMs), 4-32 KB of weights in flight per program and iteration.
-GEMV_CONFIGS = [(2, 2048, 8), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-                (16, 512, 4), (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 256, 8)]
-# (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps), filled by `tune_gemv`
+# The sweep of `tune_gemv`: (BLOCK_N, BLOCK_K, num_warps, prefetch). From 2 to 32 rows per program (the 8B q/k/v
+# has 6,144 rows: 192..3,072 programs over 132 SMs), 4-32 KB of weights in flight per program and iteration.
+# prefetch=1 loads the next K block before the current one is summed: triton does not pipeline a loop without
+# tl.dot, so without it every iteration waits one full memory latency (a 4096-wide matrix in 512-wide blocks is
+# 8 such waits per program, ~6 us — the whole budget of a 33 MB o projection at 4 TB/s is 8 us).
+GEMV_CONFIGS = [(2, 2048, 8, 0), (4, 512, 4, 0), (4, 1024, 4, 0), (8, 256, 4, 0), (8, 512, 4, 0), (8, 1024, 8, 0),
+                (16, 256, 4, 0), (16, 512, 4, 0), (16, 512, 8, 0), (32, 128, 4, 0), (32, 256, 4, 0), (32, 256, 8, 0),
+                (4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 8, 1), (16, 256, 4, 1), (16, 256, 8, 1),
+                (16, 512, 8, 1), (32, 128, 4, 1)]
+# (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps, prefetch), filled by `tune_gemv`
 _TUNED: dict = {}
+# the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
+NORM_BLOCK_MAX = 8192
 
 # decode_attention: keys per loop iteration, and the cache length from which the keys are split over programs
+# (the defaults, before `tune_attention` has timed this shape)
 ATTN_BLOCK_S = 64
 ATTN_SPLIT_MIN_S = 512
+# The sweep of `tune_attention`: (BLOCK_S, key blocks per program, num_warps); 0 blocks = one program per KV head.
+# One query token's attention is latency-bound (a few kB per KV head per block): short chains of loads over many
+# programs beat long ones, down to the extra combine kernel's cost.
+ATTN_CONFIGS = [(64, 0, 4), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4),
+                (64, 1, 8), (64, 2, 8), (128, 1, 8), (128, 2, 8)]
+ATTN_MAX_SPLIT = 64  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
+# (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
+_TUNED_ATTN: dict = {}
 
 # triton's interpreter (3.9) computes tl.dot of bf16 tiles wrongly; there the tiles are upcast first, which gives
 # the same products (bf16 x bf16 is exact in fp32) and the same fp32 accumulation
@@ -81,7 +97,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
                      HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
@@ -89,16 +105,26 @@ if triton is not None:
         out_ty = y_ptr.dtype.element_ty
         rstd = 1.0
         if HAS_NORM:
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, NORM_BLOCK):
+                rk = k0 + tl.arange(0, NORM_BLOCK)
                 xv = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        w_mask_n = n_ok[:, None]
+        if PREFETCH:
+            rk = tl.arange(0, BLOCK_K)
+            w_next = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & (rk < K)[None, :], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
+            if PREFETCH:  # this block's weights were loaded last iteration; issue the next block's now
+                w = w_next
+                rk1 = rk + BLOCK_K
+                w_next = tl.load(w_ptr + row[:, None] + rk1[None, :], mask=w_mask_n & (rk1 < K)[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
             xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
             if HAS_NORM:
                 xn = (xv.to(tl.float32) * rstd).to(out_ty)  # HF: normalise in fp32, round to the model dtype
@@ -109,7 +135,6 @@ if triton is not None:
                 u = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
                 a = (g / (1.0 + tl.exp(-g))).to(out_ty)  # torch's silu: x / (1 + exp(-x)) in fp32
                 xv = (a.to(tl.float32) * u).to(out_ty)
-            w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -174,26 +199,26 @@ if triton is not None:
             rs = s0 + tl.arange(0, BLOCK_S)
             s_ok = rs < S
             valid = s_ok & (tl.load(mask_ptr + rs, mask=s_ok, other=0) != 0)
-            # a block with no visible key is not read: the cache's unused tail (slots past the context) costs a
-            # mask read, not a K/V read, so attention time follows the context, not the cache capacity
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
-                if IEEE:  # fp32 models (and the interpreter, above): no TF32 in the scores
-                    sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    sc = tl.dot(q, tl.trans(k))
-                sc = tl.where(valid[None, :], sc * scale, -1.0e30)
-                m_new = tl.maximum(m, tl.max(sc, axis=1))
-                alpha = tl.exp(m - m_new)
-                p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m = m_new
+            # keys no mask row sees are not read (masked lanes issue no loads): the cache's unused tail costs a mask
+            # read, not a K/V read, so attention time follows the context, not the cache capacity. Branch-free, so
+            # the next block's loads can be issued early.
+            k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:  # fp32 models (and the interpreter, above): no TF32 in the scores
+                sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(valid[None, :], sc * scale, -1.0e30)
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
         rows = h * G + rr
         if SINGLE:
             out = acc / l_sum[:, None]
@@ -230,7 +255,8 @@ def _gemv_key(N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bo
 
 def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, act_mul: bool = False,
-         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         prefetch: int | None = None) -> torch.Tensor:
     """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
     dtype. See the module docstring."""
     _need()
@@ -242,8 +268,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
         raise ValueError(f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
                          f"features{' (act_mul: 2K)' if act_mul else ''}")
     key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul)
-    bn, bk, nw = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS))
+    bn, bk, nw, pf = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS, 0))
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
+    pf = pf if prefetch is None else prefetch
     xf = x.reshape(-1).contiguous()
     y = torch.empty(N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
@@ -253,13 +280,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
                        residual.reshape(N).contiguous() if residual is not None else dummy,
                        N, K, w.stride(0), float(eps),
                        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                       ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+                       ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk,
+                       NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX), PREFETCH=bool(pf), num_warps=nw)
     return y[None]
 
 
 def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               residual: bool = False, act_mul: bool = False, reps: int = 5,
-              configs: list[tuple[int, int, int]] | None = None, force: bool = False) -> list[dict]:
+              configs: list[tuple[int, int, int, int]] | None = None, force: bool = False) -> list[dict]:
     """Time every config of `GEMV_CONFIGS` on `mats` (same shape; one pass over all of them per timing, so with a
     model's 32 layers the weights stream from memory, not L2) and keep the fastest for their key. Returns one row
     per config (`us` per matrix), [] when the key was tuned before (unless `force`). On CPU (the interpreter)
@@ -276,38 +304,44 @@ def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
     rows = []
-    for bn, bk, nw in configs or GEMV_CONFIGS:
+    for bn, bk, nw, pf in configs or GEMV_CONFIGS:
         def run():
             for w in mats:
-                gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw)
-        try:
-            run()  # compiles
-            torch.cuda.synchronize()
-            # timed as a CUDA graph replay, as the step runs: launched from Python, 32 gemvs of ~10 us would time
-            # the host's launch rate instead of the kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-        except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run (registers, shared memory): skip it
-            rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": None, "error": type(e).__name__})
-            continue
-        graph.replay()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) * 1e3 / len(mats))
-        del graph
-        rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "us": best, "error": ""})
+                gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw,
+                     prefetch=pf)
+        us, err = _time_graph(run, len(mats), reps)
+        rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "prefetch": pf, "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
     if ok:
         top = min(ok, key=lambda row: row["us"])
-        _TUNED[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"])
+        _TUNED[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"], top["prefetch"])
     return rows
+
+
+def _time_graph(run, per: int, reps: int) -> tuple[float | None, str]:
+    """Best microseconds per `per` calls of `run` (CUDA) replayed as one CUDA graph, as the step runs: launched
+    from Python, dozens of ~10 us kernels would time the host's launch rate instead. (None, error) when the
+    variant does not run on this GPU (registers, shared memory)."""
+    try:
+        run()  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run: skip it
+        return None, type(e).__name__
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / per)
+    del graph
+    return best, ""
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
@@ -332,12 +366,35 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     return q
 
 
+def _attn_key(S: int, nkv: int, G: int, d: int, dtype) -> tuple:
+    return (int(S), int(nkv), int(G), int(d), str(dtype))
+
+
+def _attn_plan(S: int, nkv: int, G: int, d: int, dtype, device, split_len: int | None, block_s: int | None,
+               num_warps: int | None) -> tuple[int, int, int]:
+    """(split_len, BLOCK_S, num_warps): the arguments, else the tuned plan for this shape, else the default rule
+    (one program per KV head below ATTN_SPLIT_MIN_S slots, else about one wave of programs over the SMs)."""
+    tuned = _TUNED_ATTN.get(_attn_key(S, nkv, G, d, dtype))
+    if tuned and split_len is None and block_s is None:
+        sl, bs, nw = tuned
+        return sl, bs, num_warps or nw
+    bs = block_s or ATTN_BLOCK_S
+    if split_len is None:
+        if S < ATTN_SPLIT_MIN_S:
+            split_len = triton.cdiv(S, bs) * bs
+        else:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+            per = max(1, sms // nkv)
+            split_len = triton.cdiv(triton.cdiv(S, per), bs) * bs
+    return split_len, bs, num_warps or 4
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                     split_len: int | None = None) -> torch.Tensor:
+                     split_len: int | None = None, block_s: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
     """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
-    used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of ATTN_BLOCK_S):
-    keys per program; default one program per KV head below ATTN_SPLIT_MIN_S slots, else about one wave of
-    programs over the GPU's SMs."""
+    used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of `block_s`):
+    keys per program; by default what `tune_attention` picked for this shape, else the rule of `_attn_plan`."""
     _need()
     nkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q = q.reshape(-1, d)
@@ -347,14 +404,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: head_dim {d} (a power of two >= 16 needed), {nh} heads over {nkv} KV "
                          f"heads, {S} mask slots of {max_len}")
     G = nh // nkv
-    bs = ATTN_BLOCK_S
-    if split_len is None:
-        if S < ATTN_SPLIT_MIN_S:
-            split_len = triton.cdiv(S, bs) * bs
-        else:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-            per = max(1, sms // nkv)
-            split_len = triton.cdiv(triton.cdiv(S, per), bs) * bs
+    split_len, bs, nw = _attn_plan(S, nkv, G, d, q.dtype, q.device, split_len, block_s, num_warps)
+    if split_len % bs:
+        raise ValueError(f"decode_attention: split_len {split_len} is not a multiple of the key block {bs}")
     n_split = triton.cdiv(S, split_len)
     o = torch.empty(nh, d, dtype=q.dtype, device=q.device)
     single = n_split == 1
@@ -368,11 +420,56 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _attn_split_kernel[(nkv, n_split)](
         q.contiguous(), k_cache, v_cache, mask, o, pm, pl, po, S, split_len, n_split, k_cache.stride(1), float(scale),
         G=G, BLOCK_R=max(16, triton.next_power_of_2(G)), D=d, BLOCK_S=bs, SINGLE=single,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=nw)
     if not single:
-        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=max(2, triton.next_power_of_2(n_split)),
-                                    num_warps=1)
+        bsp = max(2, triton.next_power_of_2(n_split))
+        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d))
     return o.reshape(1, nh * d)
 
 
-__all__ = ["available", "gemv", "tune_gemv", "rope_and_cache", "decode_attention", "GEMV_CONFIGS"]
+def _combine_warps(block_sp: int, d: int) -> int:
+    """Warps of the combine kernel: its [chunks, head_dim] fp32 tile at <= 64 values per thread (no spills)."""
+    return max(1, min(8, block_sp * d // (64 * 32)))
+
+
+def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n_heads: int, S: int, scale: float,
+                   reps: int = 5, configs: list[tuple[int, int, int]] | None = None,
+                   force: bool = False) -> list[dict]:
+    """Time every plan of `ATTN_CONFIGS` for one query token over the first S slots of each layer's cache (every
+    key visible: the longest the step gets) and keep the fastest for this shape. One row per plan (`us` per
+    layer); [] on CPU or when this shape was tuned before (unless `force`)."""
+    _need()
+    kc0 = k_layers[0]
+    if kc0.device.type != "cuda":
+        return []
+    nkv, d = kc0.shape[1], kc0.shape[3]
+    G = n_heads // nkv
+    key = _attn_key(S, nkv, G, d, kc0.dtype)
+    if key in _TUNED_ATTN and not force:
+        return []
+    q = torch.randn(n_heads, d, device=kc0.device, dtype=kc0.dtype)
+    mask = torch.ones(S, dtype=torch.bool, device=kc0.device)
+    rows, seen = [], set()
+    for bs, nb, nw in configs or ATTN_CONFIGS:
+        whole = triton.cdiv(S, bs) * bs  # one chunk per KV head
+        split_len = whole if nb == 0 else min(bs * nb, whole)
+        n_split = triton.cdiv(S, split_len)
+        if n_split > ATTN_MAX_SPLIT or (split_len, bs, nw) in seen:
+            continue  # too many chunks for the combine tile, or the same launch as a plan already timed
+        seen.add((split_len, bs, nw))
+
+        def run(split_len=split_len, bs=bs, nw=nw):
+            for kc, vc in zip(k_layers, v_layers):
+                decode_attention(q, kc, vc, mask, scale, split_len=split_len, block_s=bs, num_warps=nw)
+        us, err = _time_graph(run, len(k_layers), reps)
+        rows.append({"S": S, "BLOCK_S": bs, "split_len": split_len, "chunks": n_split, "warps": nw, "us": us,
+                     "error": err})
+    ok = [row for row in rows if row["us"] is not None]
+    if ok:
+        top = min(ok, key=lambda row: row["us"])
+        _TUNED_ATTN[key] = (top["split_len"], top["BLOCK_S"], top["warps"])
+    return rows
+
+
+__all__ = ["available", "gemv", "tune_gemv", "rope_and_cache", "decode_attention", "tune_attention", "GEMV_CONFIGS",
+           "ATTN_CONFIGS"]

@@ -327,13 +327,18 @@ class LlamaFamilyForward(torch.nn.Module):
                                                                act_mul=self._silu())),
                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
 
-    def tune_kernels(self) -> list[dict]:
-        """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
-        before capturing graphs. One row per (kind, tile); [] on CPU."""
+    def tune_kernels(self, S: int | None = None) -> list[dict]:
+        """Pick the Triton gemv tile per weight kind, and with `S` (the mask's slots: the engine's max_len) the
+        attention's key split, by timing them on this GPU (`kernels.tune_gemv`, `kernels.tune_attention`); call it
+        before capturing graphs. One row per (kind, variant), attention's as kind "attn"; [] on CPU."""
         from draftsmith.decode import kernels as K
 
-        return [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
+        rows = [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
                 for r in K.tune_gemv(mats, **kw)]
+        if S is not None and "attn" in self.triton_ops_for(1):
+            rows += [{"matrix": "attn", **r} for r in K.tune_attention(self.k_layers, self.v_layers, self.n_heads,
+                                                                        int(S), self.scale)]
+        return rows
 
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
