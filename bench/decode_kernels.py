@@ -141,6 +141,8 @@ def main(argv=None) -> int:
                     "8/1024 (default: tuned per weight kind)")
     ap.add_argument("--triton-ops", default="all", help="with --gemv triton: the ops that take the Triton kernels "
                     "(comma list of qkv,rope,attn,o,gate_up,down,lm_head, or all); several routings separated by '/'")
+    ap.add_argument("--pdl", default="on", help="with --gemv triton: programmatic dependent launch of the kernels, "
+                    "off, on or off,on (side by side)")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -175,13 +177,19 @@ def main(argv=None) -> int:
     routings = [",".join(TRITON_OPS) if r == "all" else r for r in args.triton_ops.split("/")]
     rows, tops, attn_tuning = [], [], []
     sp = SamplingParams()
-    combos = [(kn, ops, comp, impl, S) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
-              for comp in args.compile.split(",") for impl in args.impls.split(",") for S in caches]
-    for kn, ops, comp, impl, S in combos:
+    # the Triton step runs from a CUDA graph without torch.compile (the engine refuses the combination)
+    combos = [(kn, ops, comp, impl, S, pdl) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
+              for comp in (args.compile.split(",") if kn == "torch" else ["off"])
+              for pdl in (args.pdl.split(",") if kn == "triton" else ["-"])
+              for impl in args.impls.split(",") for S in caches]
+    from draftsmith.decode import kernels as K
+
+    for kn, ops, comp, impl, S, pdl in combos:
         t0 = time.perf_counter()
-        label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/S={S}"
-        row = {"gemv": kn, "triton ops": ops, "attention": impl, "compile": comp, "cache S": S}
+        label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/pdl={pdl}/S={S}"
+        row = {"gemv": kn, "triton ops": ops, "pdl": pdl, "attention": impl, "compile": comp, "cache S": S}
         try:
+            K.USE_PDL = pdl == "on"
             runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
             eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl, kernels=kn,
                                      compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])

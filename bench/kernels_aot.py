@@ -39,7 +39,10 @@ def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, a
     # what the JIT does at launch: pointers aligned to 16 bytes and integers divisible by 16 are marked so
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps}
+    if constexprs.get("USE_PDL"):
+        opts["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def _resources(compiled) -> dict:
@@ -56,7 +59,8 @@ def _resources(compiled) -> dict:
     ptx = compiled.asm["ptx"]
     return {"regs": get("REG"), "local B": get("LOCAL"), "shared B": get("SHARED"),
             "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
-            "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx))}
+            "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx)),
+            "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx))}
 
 
 def variants(shape: str, dtype: str = "bf16"):
@@ -68,7 +72,7 @@ def variants(shape: str, dtype: str = "bf16"):
     gemv_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "N": "i32", "K": "i32",
                 "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "HAS_BIAS": "constexpr",
                 "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr"}
+                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr", "USE_PDL": "constexpr"}
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
     kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
              "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False),
@@ -77,31 +81,35 @@ def variants(shape: str, dtype: str = "bf16"):
              "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False)}
     for kind, flags in kinds.items():
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
-            yield (f"gemv {kind} {bn}/{bk}/{nw}/{pf}", K._gemv_kernel, gemv_sig,
-                   dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=min(1 << (H - 1).bit_length(),
-                                                                                       K.NORM_BLOCK_MAX),
-                        PREFETCH=bool(pf)), nw, aligned)
+            for pdl in (False, True):  # programmatic dependent launch loads the first block before its wait
+                yield (f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}", K._gemv_kernel, gemv_sig,
+                       dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
+                            NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX), PREFETCH=bool(pf),
+                            USE_PDL=pdl), nw, aligned)
     rope_sig = {"qkv_ptr": p, "q_ptr": p, "kc_ptr": p, "vc_ptr": p, "cos_ptr": p, "sin_ptr": p, "pos_ptr": "*i64",
                 "slot_ptr": "*i64", "qkn_ptr": p, "stride_t": "i32", "stride_cache_h": "i32", "eps": "fp32",
-                "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr"}
+                "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr", "USE_PDL": "constexpr"}
     for qkn in (False, True):
-        yield (f"rope_and_cache qk_norm={qkn}", K._rope_cache_kernel, rope_sig,
-               dict(NH=nh, NKV=nkv, D=d, HAS_QKN=qkn), 1, [n for n in rope_sig if n.endswith("_ptr")])
+        for pdl in (False, True):
+            yield (f"rope_and_cache qk_norm={qkn}{' pdl' if pdl else ''}", K._rope_cache_kernel, rope_sig,
+                   dict(NH=nh, NKV=nkv, D=d, HAS_QKN=qkn, USE_PDL=pdl), 1, [n for n in rope_sig if n.endswith("_ptr")])
     attn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "o_ptr": p, "pm_ptr": "*fp32",
                 "pl_ptr": "*fp32", "po_ptr": "*fp32", "S": "i32", "split_len": "i32", "n_split": "i32",
                 "stride_cache_h": "i32", "scale": "fp32", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr",
-                "BLOCK_S": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr"}
+                "BLOCK_S": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
     g = nh // nkv
     for bs, nw in sorted({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS}):
-        for single in (True, False):
-            yield (f"decode_attention split {bs}/{nw} single={single}", K._attn_split_kernel, attn_sig,
-                   dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=bs, SINGLE=single,
-                        IEEE=dtype == "fp32"), nw, [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
+        for single, pdl in ((True, False), (False, False), (False, True)):
+            yield (f"decode_attention split {bs}/{nw} single={single}{' pdl' if pdl else ''}", K._attn_split_kernel,
+                   attn_sig, dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=bs, SINGLE=single,
+                                  IEEE=dtype == "fp32", USE_PDL=pdl), nw,
+                   [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
     comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
-                "D": "constexpr", "BLOCK_SP": "constexpr"}
-    for bsp in (16, K.ATTN_MAX_SPLIT):
-        yield (f"decode_attention combine {bsp}", K._attn_combine_kernel, comb_sig, dict(D=d, BLOCK_SP=bsp),
-               K._combine_warps(bsp, d), [n for n in comb_sig if n.endswith("_ptr")])
+                "D": "constexpr", "BLOCK_SP": "constexpr", "USE_PDL": "constexpr"}
+    for bsp, pdl in ((16, False), (K.ATTN_MAX_SPLIT, False), (K.ATTN_MAX_SPLIT, True)):
+        yield (f"decode_attention combine {bsp}{' pdl' if pdl else ''}", K._attn_combine_kernel, comb_sig,
+               dict(D=d, BLOCK_SP=bsp, USE_PDL=pdl), K._combine_warps(bsp, d),
+               [n for n in comb_sig if n.endswith("_ptr")])
 
 
 def report(shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None) -> list[dict]:

@@ -235,6 +235,8 @@ def test_engine_kernels_argument():
     assert SpeculativeDecoder(m, None, max_len=32).runner.kernels == "torch"
     with pytest.raises(ValueError, match="kernels"):
         SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
+    with pytest.raises(ValueError, match="compile"):
+        SpeculativeDecoder(m, None, max_len=32, kernels="triton", compile=True)
     with pytest.raises(ValueError, match="compact"):
         SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
     if DEV == "cpu":  # outside the interpreter, CPU tensors cannot reach a Triton kernel: say so up front
@@ -272,7 +274,9 @@ def test_bench_decode_kernels_triton_smoke(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"))
+    # --smoke runs on CPU tensors, also on a GPU machine: the kernels there need the interpreter
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"),
+               TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off",
                         "--impls", "sdpa", "--gemv", "torch,triton"], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)
@@ -302,7 +306,9 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     from draftsmith.decode import kernels as K
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
-    assert len(rows) == 5 * len(K.GEMV_CONFIGS) + 2 + 2 * n_attn + 2
+    assert len(rows) == 2 * 5 * len(K.GEMV_CONFIGS) + 4 + 3 * n_attn + 3  # each with and without PDL
+    pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
+    assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
     assert all(row["v4 loads"] > 0 for row in rows if row["kernel"].startswith(("gemv", "decode_attention split")))

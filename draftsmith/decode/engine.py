@@ -231,6 +231,9 @@ class SpeculativeDecoder:
                                  "generic HF path)")
             if not K.available():
                 raise ValueError("kernels='triton' needs triton (pip install triton; CUDA builds of torch bring it)")
+            if compile:
+                raise ValueError("kernels='triton' and compile do not combine yet (dynamo fails to capture the "
+                                 "kernel launches); the Triton step runs from a CUDA graph without compile")
             if self.device.type != "cuda" and not K.interpreted():
                 raise ValueError(f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
                                  "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)")

@@ -40,6 +40,10 @@ try:  # an optional dependency: the CUDA wheels of torch bring it, the CPU wheel
     import triton.language as tl
 except Exception:  # noqa: BLE001
     triton = tl = None
+try:  # grid dependency control (programmatic dependent launch), triton >= 3.4 on sm_90+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # noqa: BLE001
+    gdc_launch_dependents = gdc_wait = None
 
 
 # Default tile of one gemv program: BLOCK_N outputs, K walked BLOCK_K at a time. Module-level so that a benchmark
@@ -74,6 +78,13 @@ ATTN_MAX_SPLIT = 64  # chunks per KV head the combine kernel takes (its tile is 
 # (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
 _TUNED_ATTN: dict = {}
 
+# Programmatic dependent launch: each kernel lets the next one launch as soon as all its own programs have started,
+# and waits (griddepcontrol.wait) for the previous kernel to finish only before it reads what that kernel wrote or
+# writes anything — so a gemv's first weight block is in flight while the previous kernel drains, and the launch
+# latency and ramp of ~230 kernels a step overlap their predecessors. Used on CUDA when the GPU (sm_90+) and triton
+# support it; `USE_PDL = False` turns it off (bench/decode_kernels.py --pdl off,on measures both).
+USE_PDL = True
+
 # triton's interpreter (3.9) computes tl.dot of bf16 tiles wrongly; there the tiles are upcast first, which gives
 # the same products (bf16 x bf16 is exact in fp32) and the same fp32 accumulation
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -97,12 +108,21 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
                      HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         row = rn.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
         out_ty = y_ptr.dtype.element_ty
+        w_mask_n = n_ok[:, None]
+        if PREFETCH or USE_PDL:  # the weights are no kernel's output: their first block loads before the wait
+            rk0 = tl.arange(0, BLOCK_K)
+            w_next = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=w_mask_n & (rk0 < K)[None, :], other=0.0)
+        if USE_PDL:
+            gdc_wait()  # x, the residual and y are shared with the previous kernels
         rstd = 1.0
         if HAS_NORM:
             ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
@@ -112,14 +132,10 @@ if triton is not None:
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        w_mask_n = n_ok[:, None]
-        if PREFETCH:
-            rk = tl.arange(0, BLOCK_K)
-            w_next = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & (rk < K)[None, :], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            if PREFETCH:  # this block's weights were loaded last iteration; issue the next block's now
+            if PREFETCH or USE_PDL:  # this block's weights were loaded last iteration; issue the next block's now
                 w = w_next
                 rk1 = rk + BLOCK_K
                 w_next = tl.load(w_ptr + row[:, None] + rk1[None, :], mask=w_mask_n & (rk1 < K)[None, :], other=0.0)
@@ -146,7 +162,11 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qkn_ptr,
                            stride_t, stride_cache_h, eps,
-                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_QKN: tl.constexpr):
+                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_QKN: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         t = tl.program_id(0)
         hd = tl.program_id(1)  # 0..NH-1: q heads, then NKV k heads, then NKV v heads
         rd = tl.arange(0, D)
@@ -182,7 +202,10 @@ if triton is not None:
     def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
                            S, split_len, n_split, stride_cache_h, scale,
                            G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                           SINGLE: tl.constexpr, IEEE: tl.constexpr):
+                           SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         h = tl.program_id(0)  # KV head: its G query heads are the rows of one tile
         sp = tl.program_id(1)  # key chunk
         rr = tl.arange(0, BLOCK_R)
@@ -230,7 +253,11 @@ if triton is not None:
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr):
+    def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0)  # query head
         rp = tl.arange(0, BLOCK_SP)
         rd = tl.arange(0, D)
@@ -242,6 +269,23 @@ if triton is not None:
         os = tl.load(po_ptr + idx[:, None] * D + rd[None, :], mask=p_ok[:, None], other=0.0)
         out = tl.sum(w[:, None] * os, axis=0) / tl.sum(w * ls, axis=0)
         tl.store(o_ptr + row * D + rd, out.to(o_ptr.dtype.element_ty))
+
+
+def pdl_supported(device) -> bool:
+    """Whether programmatic dependent launch can be used on `device`: CUDA sm_90+, triton with grid dependency
+    control, not the interpreter."""
+    if triton is None or gdc_wait is None or _INTERPRET or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_PDL_CACHE: dict = {}
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """The launch arguments that turn programmatic dependent launch on or off for a kernel on t's device."""
+    on = USE_PDL and _PDL_CACHE.setdefault(t.device, pdl_supported(t.device))
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
 def _need():
@@ -281,7 +325,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
                        N, K, w.stride(0), float(eps),
                        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                        ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk,
-                       NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX), PREFETCH=bool(pf), num_warps=nw)
+                       NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX), PREFETCH=bool(pf), num_warps=nw,
+                       **_pdl(x))
     return y[None]
 
 
@@ -362,7 +407,7 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     _rope_cache_kernel[(T, n_heads + 2 * n_kv)](
         qkv, q, k_cache, v_cache, cos, sin, positions, slots, qk_norm if qk_norm is not None else cos,
         qkv.stride(0), k_cache.stride(1), float(eps), NH=n_heads, NKV=n_kv, D=d, HAS_QKN=qk_norm is not None,
-        num_warps=1 if d <= 128 else 2)
+        num_warps=1 if d <= 128 else 2, **_pdl(qkv))
     return q
 
 
@@ -420,10 +465,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _attn_split_kernel[(nkv, n_split)](
         q.contiguous(), k_cache, v_cache, mask, o, pm, pl, po, S, split_len, n_split, k_cache.stride(1), float(scale),
         G=G, BLOCK_R=max(16, triton.next_power_of_2(G)), D=d, BLOCK_S=bs, SINGLE=single,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=nw)
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=nw, **_pdl(q))
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
-        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d))
+        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d),
+                                    **_pdl(q))
     return o.reshape(1, nh * d)
 
 
