@@ -117,6 +117,32 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl) -> list[dict]:
+    """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured)."""
+    from draftsmith.decode import kernels as K
+
+    key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
+    kept = K._TUNED_ATTN.get(key)
+    out = []
+    try:
+        for plan in K.attention_plans(S):
+            K._TUNED_ATTN[key] = plan
+            eng._graphs.clear()
+            plain = eng._runner_for(DecodeMode("plain"), sp)
+            eng.prefill(prompt, sp)
+            t = time_steps(eng, plain, reps, dev)
+            ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
+            out.append({"cache S": S, "pdl": pdl, "split_len": plan[0], "BLOCK_S": plan[1], "warps": plan[2],
+                        "chunks": -(-S // plan[0]), "ms/step": t * 1e3, "÷ copy bw": ach / bw,
+                        "tuned": "*" if plan == kept else ""})
+            print(out[-1], flush=True)
+    finally:
+        if kept is not None:
+            K._TUNED_ATTN[key] = kept
+        eng._graphs.clear()
+    return out
+
+
 def logits_gap(eng, runner) -> float:
     """Largest |logit difference| of one plain step through the Triton kernels vs the torch path, same cache."""
     L = eng.L.view(1)
@@ -143,6 +169,8 @@ def main(argv=None) -> int:
                     "(comma list of qkv,rope,attn,o,gate_up,down,lm_head, or all); several routings separated by '/'")
     ap.add_argument("--pdl", default="on", help="with --gemv triton: programmatic dependent launch of the kernels, "
                     "off, on or off,on (side by side)")
+    ap.add_argument("--attn-sweep", action="store_true", help="with --gemv triton: also time the whole step with "
+                    "each attention plan of ATTN_CONFIGS forced (the tuning times attention alone)")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -175,7 +203,7 @@ def main(argv=None) -> int:
     from draftsmith.decode.llama import TRITON_OPS
 
     routings = [",".join(TRITON_OPS) if r == "all" else r for r in args.triton_ops.split("/")]
-    rows, tops, attn_tuning = [], [], []
+    rows, tops, attn_tuning, attn_sweep = [], [], [], []
     sp = SamplingParams()
     # the Triton step runs from a CUDA graph without torch.compile (the engine refuses the combination)
     combos = [(kn, ops, comp, impl, S, pdl) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
@@ -210,6 +238,8 @@ def main(argv=None) -> int:
         ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
         row.update({"ms/step": t * 1e3, "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n,
                     "kernel ms": ms, "max |Δlogit| rel": gap, "setup s": setup_s, "error": ""})
+        if args.attn_sweep and kn == "triton":
+            attn_sweep += sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl)
         rows.append(row)
         tops.append((label, top))
         print(row, flush=True)
@@ -236,11 +266,15 @@ def main(argv=None) -> int:
                  "visible, us per layer):", "",
                  markdown_table(attn_tuning, ["S", "BLOCK_S", "split_len", "chunks", "warps", "us", "KV ÷ copy bw",
                                               "error"]), ""]
+    if attn_sweep:
+        body += ["The whole Triton step with each attention plan forced (ms/step; the plan tune_attention kept is "
+                 "marked):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
     body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
     record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
-           {"rows": rows, "per_matrix": mats, "tuning": tuning, "attn_tuning": attn_tuning, "top": tops, "matmul_floor_ms": t_mm * 1e3,
+           {"rows": rows, "per_matrix": mats, "tuning": tuning, "attn_tuning": attn_tuning, "attn_sweep": attn_sweep,
+            "top": tops, "matmul_floor_ms": t_mm * 1e3,
             "weight_bytes": wbytes, "copy_bw": bw},
            "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0

@@ -59,7 +59,7 @@ NUM_WARPS = 4
 GEMV_CONFIGS = [(2, 2048, 8, 0), (4, 512, 4, 0), (4, 1024, 4, 0), (8, 256, 4, 0), (8, 512, 4, 0), (8, 1024, 8, 0),
                 (16, 256, 4, 0), (16, 512, 4, 0), (16, 512, 8, 0), (32, 128, 4, 0), (32, 256, 4, 0), (32, 256, 8, 0),
                 (4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 8, 1), (16, 256, 4, 1), (16, 256, 8, 1),
-                (16, 512, 8, 1), (32, 128, 4, 1)]
+                (16, 512, 8, 1), (32, 128, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1), (4, 2048, 8, 1)]
 # (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps, prefetch), filled by `tune_gemv`
 _TUNED: dict = {}
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
@@ -74,7 +74,7 @@ ATTN_SPLIT_MIN_S = 512
 # programs beat long ones, down to the extra combine kernel's cost.
 ATTN_CONFIGS = [(64, 0, 4), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4),
                 (64, 1, 8), (64, 2, 8), (128, 1, 8), (128, 2, 8)]
-ATTN_MAX_SPLIT = 64  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
+ATTN_MAX_SPLIT = 128  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
 # (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
 _TUNED_ATTN: dict = {}
 
@@ -478,6 +478,18 @@ def _combine_warps(block_sp: int, d: int) -> int:
     return max(1, min(8, block_sp * d // (64 * 32)))
 
 
+def attention_plans(S: int, configs: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int, int]]:
+    """The distinct launches (split_len, BLOCK_S, num_warps) of `ATTN_CONFIGS` for S mask slots: plans whose chunk
+    covers every slot collapse into one, plans with more chunks than the combine kernel takes are left out."""
+    out = []
+    for bs, nb, nw in configs or ATTN_CONFIGS:
+        whole = triton.cdiv(S, bs) * bs  # one chunk per KV head
+        split_len = whole if nb == 0 else min(bs * nb, whole)
+        if triton.cdiv(S, split_len) <= ATTN_MAX_SPLIT and (split_len, bs, nw) not in out:
+            out.append((split_len, bs, nw))
+    return out
+
+
 def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n_heads: int, S: int, scale: float,
                    reps: int = 5, configs: list[tuple[int, int, int]] | None = None,
                    force: bool = False) -> list[dict]:
@@ -495,21 +507,14 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
         return []
     q = torch.randn(n_heads, d, device=kc0.device, dtype=kc0.dtype)
     mask = torch.ones(S, dtype=torch.bool, device=kc0.device)
-    rows, seen = [], set()
-    for bs, nb, nw in configs or ATTN_CONFIGS:
-        whole = triton.cdiv(S, bs) * bs  # one chunk per KV head
-        split_len = whole if nb == 0 else min(bs * nb, whole)
-        n_split = triton.cdiv(S, split_len)
-        if n_split > ATTN_MAX_SPLIT or (split_len, bs, nw) in seen:
-            continue  # too many chunks for the combine tile, or the same launch as a plan already timed
-        seen.add((split_len, bs, nw))
-
+    rows = []
+    for split_len, bs, nw in attention_plans(S, configs):
         def run(split_len=split_len, bs=bs, nw=nw):
             for kc, vc in zip(k_layers, v_layers):
                 decode_attention(q, kc, vc, mask, scale, split_len=split_len, block_s=bs, num_warps=nw)
         us, err = _time_graph(run, len(k_layers), reps)
-        rows.append({"S": S, "BLOCK_S": bs, "split_len": split_len, "chunks": n_split, "warps": nw, "us": us,
-                     "error": err})
+        rows.append({"S": S, "BLOCK_S": bs, "split_len": split_len, "chunks": triton.cdiv(S, split_len),
+                     "warps": nw, "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
     if ok:
         top = min(ok, key=lambda row: row["us"])
