@@ -83,7 +83,7 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
                 def step(mats=mats, xk=xk, res=res, kw=kw, gemv=gemv):
                     for w in mats:
                         gemv(xk, w, kw.get("norm_weight"), bias=kw.get("bias"), residual=res,
-                             act_mul=kw.get("act_mul", False))
+                             act_mul=kw.get("act_mul", False), glu=kw.get("glu", False))
             else:
                 def step(mats=mats, x=x):
                     for w in mats:
@@ -123,6 +123,8 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
 
     key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
     kept = K._TUNED_ATTN.get(key)
+    default = K._attn_plan(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype, dev,
+                           None, None, None) if kept is None else kept
     out = []
     try:
         for plan in K.attention_plans(S):
@@ -134,11 +136,13 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
             ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
             out.append({"cache S": S, "pdl": pdl, "split_len": plan[0], "BLOCK_S": plan[1], "warps": plan[2],
                         "chunks": -(-S // plan[0]), "ms/step": t * 1e3, "÷ copy bw": ach / bw,
-                        "tuned": "*" if plan == kept else ""})
+                        "default": "*" if plan == default else ""})
             print(out[-1], flush=True)
     finally:
         if kept is not None:
             K._TUNED_ATTN[key] = kept
+        else:
+            K._TUNED_ATTN.pop(key, None)
         eng._graphs.clear()
     return out
 
@@ -221,7 +225,8 @@ def main(argv=None) -> int:
             runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
             eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl, kernels=kn,
                                      compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
-            attn_tuning += [r for r in eng.kernel_tuning if r["matrix"] == "attn"]
+            if kn == "triton" and not any(r["S"] == S for r in attn_tuning):  # attention alone, each plan
+                attn_tuning += K.tune_attention(runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale)
             ctx = max(1, S - reps - 24)
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
             plain = eng._runner_for(DecodeMode("plain"), sp)
@@ -262,13 +267,13 @@ def main(argv=None) -> int:
         kv_layer = 2 * runner.n_kv * runner.head_dim * runner.k_layers[0].element_size()  # bytes per slot
         for r in attn_tuning:
             r["KV ÷ copy bw"] = kv_layer * r["S"] / (r["us"] * 1e-6) / bw if r["us"] else None
-        body += ["Triton attention plans (draftsmith.decode.kernels.ATTN_CONFIGS; one query token, every slot "
-                 "visible, us per layer):", "",
+        body += ["Triton attention plans timed alone (draftsmith.decode.kernels.tune_attention over "
+                 "ATTN_CONFIGS; one query token, every slot visible, us per layer):", "",
                  markdown_table(attn_tuning, ["S", "BLOCK_S", "split_len", "chunks", "warps", "us", "KV ÷ copy bw",
                                               "error"]), ""]
     if attn_sweep:
-        body += ["The whole Triton step with each attention plan forced (ms/step; the plan tune_attention kept is "
-                 "marked):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
+        body += ["The whole Triton step with each attention plan forced (ms/step; * = the default rule's plan, "
+                 "kernels._attn_plan):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
     body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))

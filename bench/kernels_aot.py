@@ -72,13 +72,15 @@ def variants(shape: str, dtype: str = "bf16"):
     gemv_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "N": "i32", "K": "i32",
                 "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "HAS_BIAS": "constexpr",
                 "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr", "USE_PDL": "constexpr"}
+                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr", "USE_PDL": "constexpr", "GLU": "constexpr"}
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
-    kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
-             "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False),
-             "gate_up": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False),
-             "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True),
-             "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False)}
+    kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+             "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
+             "gate_up": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+             "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=True),
+             "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
+             "down act_mul": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True, GLU=False),
+             "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False)}
     for kind, flags in kinds.items():
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
             for pdl in (False, True):  # programmatic dependent launch loads the first block before its wait

@@ -238,7 +238,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
                                  "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)")
             self.runner.kernels = "triton"
-            self.kernel_tuning = self.runner.tune_kernels(self.max_len)  # before any compile or graph capture
+            self.kernel_tuning = self.runner.tune_kernels()  # before any compile or graph capture
         self.vocab_size = int(cfg.vocab_size)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) if model is not None else None
         if eos is None:
@@ -358,8 +358,6 @@ class SpeculativeDecoder:
             self.runner.set_max_len(self.max_len)
         else:
             self.runner.max_len = self.max_len
-        if getattr(self.runner, "kernels", "torch") == "triton":  # the attention plan depends on the mask's length
-            self.kernel_tuning += self.runner.tune_kernels(self.max_len)
         if self.drafter is not None:
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
             self._alloc_drafter_cache(shape)

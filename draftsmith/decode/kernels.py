@@ -5,11 +5,12 @@ step reaches 0.74 — the rest is ~16 kernels per layer where ~7 would do (bench
 With every op below a one-token layer is seven kernels and nothing else:
 
   gemv(qkv, norm)  ->  rope_and_cache  ->  decode_attention  ->  gemv(o, +residual)
-  ->  gemv(gate/up, norm)  ->  gemv(down, silu(g)*u, +residual)
+  ->  gemv(gate/up, norm, silu(g)*u)  ->  gemv(down, +residual)
 
 `gemv` folds the neighbours of a matmul into it:
 
   y = W @ xn (+ bias) (+ residual),   xn = rmsnorm(x) * norm_weight,  or silu(g) * u  (`act_mul`),  or x
+  y = silu(W_g @ xn) * (W_u @ xn)     (`glu`: W = cat(W_g, W_u), each program takes the same rows of both)
 
 One program computes BLOCK_N outputs over all of K (no split-K reduce kernel); each program recomputes the
 norm's sum of squares of x (K values, L2-resident). The tile is picked per matrix shape by `tune_gemv` (a timed
@@ -65,14 +66,17 @@ _TUNED: dict = {}
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
 NORM_BLOCK_MAX = 8192
 
-# decode_attention: keys per loop iteration, and the cache length from which the keys are split over programs
-# (the defaults, before `tune_attention` has timed this shape)
-ATTN_BLOCK_S = 64
-ATTN_SPLIT_MIN_S = 512
+# decode_attention's default plan: keys per block, and at most this many chunks per KV head — the smallest chunk
+# of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan (8B shape, H200,
+# bench/decode_kernels.py --attn-sweep, docs/LOG.md): one or two 32-key blocks per program won at 208 and 2,128
+# slots, by 0.05-0.2 ms a step over the plans `tune_attention` prefers when attention is timed alone.
+ATTN_BLOCK_S = 32
+ATTN_TARGET_CHUNKS = 64
 # The sweep of `tune_attention`: (BLOCK_S, key blocks per program, num_warps); 0 blocks = one program per KV head.
 # One query token's attention is latency-bound (a few kB per KV head per block): short chains of loads over many
 # programs beat long ones, down to the extra combine kernel's cost.
-ATTN_CONFIGS = [(64, 0, 4), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4),
+ATTN_CONFIGS = [(64, 0, 4), (16, 2, 4), (16, 4, 4), (32, 1, 2), (32, 2, 2), (32, 1, 4), (32, 2, 4), (32, 4, 4),
+                (64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4),
                 (64, 1, 8), (64, 2, 8), (128, 1, 8), (128, 2, 8)]
 ATTN_MAX_SPLIT = 128  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
 # (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
@@ -109,7 +113,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
                      HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, GLU: tl.constexpr):
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -118,9 +122,14 @@ if triton is not None:
         row = rn.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
         out_ty = y_ptr.dtype.element_ty
         w_mask_n = n_ok[:, None]
+        if GLU:  # w = cat(gate, up): this program's up rows sit N rows below its gate rows
+            row2 = (rn + N).to(tl.int64) * stride_w
         if PREFETCH or USE_PDL:  # the weights are no kernel's output: their first block loads before the wait
             rk0 = tl.arange(0, BLOCK_K)
-            w_next = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=w_mask_n & (rk0 < K)[None, :], other=0.0)
+            m0 = w_mask_n & (rk0 < K)[None, :]
+            w_next = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=m0, other=0.0)
+            if GLU:
+                w2_next = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
         rstd = 1.0
@@ -132,15 +141,23 @@ if triton is not None:
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if GLU:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             if PREFETCH or USE_PDL:  # this block's weights were loaded last iteration; issue the next block's now
                 w = w_next
                 rk1 = rk + BLOCK_K
-                w_next = tl.load(w_ptr + row[:, None] + rk1[None, :], mask=w_mask_n & (rk1 < K)[None, :], other=0.0)
+                m1 = w_mask_n & (rk1 < K)[None, :]
+                w_next = tl.load(w_ptr + row[:, None] + rk1[None, :], mask=m1, other=0.0)
+                if GLU:
+                    w2 = w2_next
+                    w2_next = tl.load(w_ptr + row2[:, None] + rk1[None, :], mask=m1, other=0.0)
             else:
                 w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
+                if GLU:
+                    w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
             xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
             if HAS_NORM:
                 xn = (xv.to(tl.float32) * rstd).to(out_ty)  # HF: normalise in fp32, round to the model dtype
@@ -151,10 +168,20 @@ if triton is not None:
                 u = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
                 a = (g / (1.0 + tl.exp(-g))).to(out_ty)  # torch's silu: x / (1 + exp(-x)) in fp32
                 xv = (a.to(tl.float32) * u).to(out_ty)
-            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+            xf = xv.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * xf
+            if GLU:
+                acc2 += w2.to(tl.float32) * xf
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GLU:  # silu(gate) * up in the epilogue: each projection rounded, silu rounded, the product rounded
+            u = tl.sum(acc2, axis=1)
+            if HAS_BIAS:
+                u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+            g = y.to(out_ty).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            y = a * u.to(out_ty).to(tl.float32)
         if HAS_RES:  # the linear's output is rounded before the residual add, as two torch ops would
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
@@ -293,25 +320,28 @@ def _need():
         raise RuntimeError("triton is not installed: the compact forward's torch path needs no kernels")
 
 
-def _gemv_key(N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool) -> tuple:
-    return (int(N), int(K), str(dtype), has_norm, has_bias, has_res, act_mul)
+def _gemv_key(N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool,
+              glu: bool = False) -> tuple:
+    return (int(N), int(K), str(dtype), has_norm, has_bias, has_res, act_mul, glu)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, act_mul: bool = False,
          block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         prefetch: int | None = None) -> torch.Tensor:
+         prefetch: int | None = None, glu: bool = False) -> torch.Tensor:
     """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
     dtype. See the module docstring."""
     _need()
     K = w.shape[1]
-    N = w.shape[0]
-    if act_mul and norm_weight is not None:
-        raise ValueError("gemv: act_mul and norm_weight do not combine")
+    N = w.shape[0] // 2 if glu else w.shape[0]
+    if act_mul and (norm_weight is not None or glu):
+        raise ValueError("gemv: act_mul combines with neither norm_weight nor glu")
+    if glu and w.shape[0] % 2:
+        raise ValueError(f"gemv: glu needs cat(gate, up) weights, an even number of rows, not {w.shape[0]}")
     if x.shape[-1] != (2 * K if act_mul else K) or w.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
                          f"features{' (act_mul: 2K)' if act_mul else ''}")
-    key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul)
+    key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul, glu)
     bn, bk, nw, pf = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS, 0))
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     pf = pf if prefetch is None else prefetch
@@ -326,12 +356,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
                        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                        ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk,
                        NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX), PREFETCH=bool(pf), num_warps=nw,
-                       **_pdl(x))
+                       GLU=bool(glu), **_pdl(x))
     return y[None]
 
 
 def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              residual: bool = False, act_mul: bool = False, reps: int = 5,
+              residual: bool = False, act_mul: bool = False, glu: bool = False, reps: int = 5,
               configs: list[tuple[int, int, int, int]] | None = None, force: bool = False) -> list[dict]:
     """Time every config of `GEMV_CONFIGS` on `mats` (same shape; one pass over all of them per timing, so with a
     model's 32 layers the weights stream from memory, not L2) and keep the fastest for their key. Returns one row
@@ -342,8 +372,9 @@ def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
     if w0.device.type != "cuda":
         return []
     N, K = w0.shape
+    N = N // 2 if glu else N
     dt = w0.dtype
-    key = _gemv_key(N, K, dt, norm_weight is not None, bias is not None, residual, act_mul)
+    key = _gemv_key(N, K, dt, norm_weight is not None, bias is not None, residual, act_mul, glu)
     if key in _TUNED and not force:
         return []
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
@@ -353,7 +384,7 @@ def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
         def run():
             for w in mats:
                 gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw,
-                     prefetch=pf)
+                     prefetch=pf, glu=glu)
         us, err = _time_graph(run, len(mats), reps)
         rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "prefetch": pf, "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
@@ -417,20 +448,18 @@ def _attn_key(S: int, nkv: int, G: int, d: int, dtype) -> tuple:
 
 def _attn_plan(S: int, nkv: int, G: int, d: int, dtype, device, split_len: int | None, block_s: int | None,
                num_warps: int | None) -> tuple[int, int, int]:
-    """(split_len, BLOCK_S, num_warps): the arguments, else the tuned plan for this shape, else the default rule
-    (one program per KV head below ATTN_SPLIT_MIN_S slots, else about one wave of programs over the SMs)."""
+    """(split_len, BLOCK_S, num_warps): the arguments, else a plan kept for this shape (`tune_attention(keep=True)`
+    or a benchmark forcing one), else the default: ATTN_BLOCK_S-key blocks, the smallest power-of-two number of
+    them per chunk that keeps the chunks per KV head within ATTN_TARGET_CHUNKS."""
     tuned = _TUNED_ATTN.get(_attn_key(S, nkv, G, d, dtype))
     if tuned and split_len is None and block_s is None:
         sl, bs, nw = tuned
         return sl, bs, num_warps or nw
     bs = block_s or ATTN_BLOCK_S
     if split_len is None:
-        if S < ATTN_SPLIT_MIN_S:
-            split_len = triton.cdiv(S, bs) * bs
-        else:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-            per = max(1, sms // nkv)
-            split_len = triton.cdiv(triton.cdiv(S, per), bs) * bs
+        split_len = bs
+        while triton.cdiv(S, split_len) > ATTN_TARGET_CHUNKS:
+            split_len *= 2
     return split_len, bs, num_warps or 4
 
 
@@ -492,10 +521,14 @@ def attention_plans(S: int, configs: list[tuple[int, int, int]] | None = None) -
 
 def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n_heads: int, S: int, scale: float,
                    reps: int = 5, configs: list[tuple[int, int, int]] | None = None,
-                   force: bool = False) -> list[dict]:
+                   force: bool = False, keep: bool = False) -> list[dict]:
     """Time every plan of `ATTN_CONFIGS` for one query token over the first S slots of each layer's cache (every
-    key visible: the longest the step gets) and keep the fastest for this shape. One row per plan (`us` per
-    layer); [] on CPU or when this shape was tuned before (unless `force`)."""
+    key visible: the longest the step gets); with `keep`, the fastest becomes this shape's plan. One row per plan
+    (`us` per layer); [] on CPU or when this shape was kept before (unless `force`).
+
+    Attention timed alone is not the step: on the H200 its favourite plans cost the whole step 0.05-0.2 ms more
+    than the default rule's (other kernels' weight streams share the memory system), so the engine does not keep
+    these timings; bench/decode_kernels.py prints them next to whole-step timings of every plan."""
     _need()
     kc0 = k_layers[0]
     if kc0.device.type != "cuda":
@@ -516,7 +549,7 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
         rows.append({"S": S, "BLOCK_S": bs, "split_len": split_len, "chunks": triton.cdiv(S, split_len),
                      "warps": nw, "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
-    if ok:
+    if ok and keep:
         top = min(ok, key=lambda row: row["us"])
         _TUNED_ATTN[key] = (top["split_len"], top["BLOCK_S"], top["warps"])
     return rows

@@ -320,25 +320,29 @@ class LlamaFamilyForward(torch.nn.Module):
         """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
         `kernels.tune_gemv` keyword arguments, with layer 0's norm weight and bias standing for all layers')."""
         L0 = self.layers[0]
+        glu, act_mul = self._mlp_folds(self.triton_ops_for(1) or frozenset(self.triton_ops))
         return {"qkv": ([L["qkv"][0] for L in self.layers], dict(norm_weight=L0["in"], bias=L0["qkv_b"][0])),
                 "o": ([L["o"] for L in self.layers], dict(bias=L0["o_b"], residual=True)),
-                "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0])),
-                "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True,
-                                                               act_mul=self._silu())),
+                "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0],
+                                                                   glu=glu)),
+                "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True, act_mul=act_mul)),
                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
 
-    def tune_kernels(self, S: int | None = None) -> list[dict]:
-        """Pick the Triton gemv tile per weight kind, and with `S` (the mask's slots: the engine's max_len) the
-        attention's key split, by timing them on this GPU (`kernels.tune_gemv`, `kernels.tune_attention`); call it
-        before capturing graphs. One row per (kind, variant), attention's as kind "attn"; [] on CPU."""
+    def _mlp_folds(self, ops) -> tuple[bool, bool]:
+        """Where a one-token step computes silu(gate) * up: (in gate_up's epilogue, in down's prologue); neither
+        for another activation (torch computes it between the two gemvs)."""
+        silu = self._silu()
+        glu = silu and "gate_up" in ops
+        return glu, silu and not glu and "down" in ops
+
+    def tune_kernels(self) -> list[dict]:
+        """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
+        before capturing graphs. One row per (kind, tile); [] on CPU. (The attention plan follows a rule:
+        `kernels.tune_attention` says why.)"""
         from draftsmith.decode import kernels as K
 
-        rows = [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
+        return [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
                 for r in K.tune_gemv(mats, **kw)]
-        if S is not None and "attn" in self.triton_ops_for(1):
-            rows += [{"matrix": "attn", **r} for r in K.tune_attention(self.k_layers, self.v_layers, self.n_heads,
-                                                                        int(S), self.scale)]
-        return rows
 
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
@@ -362,7 +366,7 @@ class LlamaFamilyForward(torch.nn.Module):
             cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
             sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
-        fold_act = "down" in ops and self._silu()
+        glu, fold_act = self._mlp_folds(ops)
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
@@ -392,11 +396,16 @@ class LlamaFamilyForward(torch.nn.Module):
                 h = K.gemv(o, L["o"], bias=L["o_b"], residual=h)
             else:
                 h = h + F.linear(o, L["o"], L["o_b"])
-            if "gate_up" in ops:
-                gu = K.gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0])
+            if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [1, I]
+                gu = K.gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0], glu=glu)
             else:
                 gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
-            if fold_act:  # silu(gate) * up folded into the down projection
+            if glu:
+                if "down" in ops:
+                    h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h)
+                else:
+                    h = h + F.linear(gu, L["down"], L["down_b"])
+            elif fold_act:  # silu(gate) * up folded into the down projection
                 h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h, act_mul=True)
             else:
                 g, u = gu.chunk(2, -1)
