@@ -399,6 +399,13 @@ def p2b(args, dev, dtype, runner, best):
         if mode.key() not in seen:
             seen.add(mode.key())
             settings.append((mode, r["tau"]))
+    if not settings and args.p2b_tau:  # τ from an earlier P2a run (its BENCHMARKS.md section), given by hand
+        for item in args.p2b_tau.split(","):
+            spec, tau = item.split("=")
+            kind, _, val = spec.partition(":")
+            v = [int(x) for x in val.split("/")]
+            settings.append((DecodeMode("chain", draft_tokens=v[0]) if kind == "chain" else
+                             DecodeMode("tree", top_k=v[0], depth=v[1], tree_tokens=v[2]), float(tau)))
     if not settings:  # no P2a: report round costs of default settings with τ unknown
         settings = [(DecodeMode("chain", draft_tokens=4), None), (DecodeMode("tree", top_k=8, depth=6,
                                                                             tree_tokens=48), None)]
@@ -443,6 +450,12 @@ def p2b(args, dev, dtype, runner, best):
                          "tau_from_P2a": tau})
         graphs = eng.cuda_graphs
         del eng
+    if "triton" in args.kernels and _triton_ok(dev):  # the plain step through the Triton kernels (P1's fastest)
+        eng = SpeculativeDecoder(runner, None, max_len=ctx + (n + 2) * (max_acc + 1) + need + 16, kernels="triton")
+        plain = eng._runner_for(DecodeMode("plain"), sp)
+        eng.prefill(prompt, sp)
+        t_plains["triton kernels"] = time_steps(eng, plain, n, dev)
+        del eng
     t_plain = min(t_plains.values())  # the fastest plain decode is the baseline
     for row in rows:
         tau = row["tau_from_P2a"]
@@ -453,6 +466,8 @@ def p2b(args, dev, dtype, runner, best):
     RESULTS["sections"]["P2b"] = {"rows": rows, "cuda_graphs": graphs, "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()}}
     LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, "
                  f"context {ctx}")
+    if args.p2b_tau and not best.get("all"):
+        LINES.append(f"τ of each setting from an earlier P2a run (`--p2b-tau {args.p2b_tau}`), not this one.")
     LINES.append("plain step (graph): " + ", ".join(f"{a} {v * 1e3:.2f} ms" for a, v in t_plains.items()) +
                  f"; t_plain = the fastest, {t_plain * 1e3:.2f} ms. Cache {rows[0]['cache_slots'] if rows else '-'} "
                  "slots.\n")
@@ -506,6 +521,8 @@ def main(argv=None):
                     help="attention implementations measured side by side in P1, P2a and P2b (sdpa, bmm, split, auto)")
     ap.add_argument("--kernels", type=lambda s: s.split(","), default=["torch", "triton"],
                     help="P1: step kernels to measure side by side (triton rows only where triton runs on CUDA)")
+    ap.add_argument("--p2b-tau", default=None, help="P2b without P2a: settings and their τ measured by an earlier "
+                    "P2a, e.g. 'chain:4=3.51,tree:10/7/64=5.91' (the projection says so)")
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")
