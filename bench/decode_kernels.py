@@ -147,6 +147,43 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
     return out
 
 
+def verify_census(runner, T: int, S: int, impl: str, dev, reps: int, bw: float, wbytes: int, top: int) -> dict:
+    """One T-token verify forward of the torch path (what a speculative round's verify runs), from a CUDA graph:
+    ms, ÷ copy bw of the weight + KV bytes, kernels, the top kernels, and the step's matmuls alone at T rows."""
+    ctx = S - T - 8
+    ids = torch.randint(0, runner.vocab_size if hasattr(runner, "vocab_size") else runner.embed.shape[0], (T,),
+                        device=dev)
+    pos = torch.arange(ctx, ctx + T, device=dev)
+    ar = torch.arange(S, device=dev)
+    # a tree-ish mask: every node sees the context and the nodes before it with an even offset (not just causal)
+    rel = ar[None, :] - pos[:, None]
+    mask = (ar[None, :] < ctx) | ((rel <= 0) & (ar[None, :] >= ctx) & (rel % 2 == 0))
+    runner.attn_impl = impl
+
+    def fwd():
+        runner.forward(ids, pos, pos, mask, want_aux=True)
+
+    t = time_steps(None, _graphed(fwd, dev), reps, dev)
+    n, kms, top_k = kernel_census(fwd, dev, top)
+    mats = []
+    for L in runner.layers:
+        mats += [*L["qkv"], L["o"], *L["gu"], L["down"]]
+    ins = {}
+    for w in mats + [runner.lm_head]:
+        ins.setdefault(w.shape[1], torch.randn(T, w.shape[1], device=dev, dtype=runner.dtype))
+
+    def mm():
+        for w in mats:
+            F.linear(ins[w.shape[1]], w)
+        F.linear(ins[runner.lm_head.shape[1]], runner.lm_head)  # all T rows' logits, as a tree verify needs
+
+    t_mm = time_steps(None, _graphed(mm, dev), reps, dev)
+    kv = runner.kv_bytes_per_token() * (ctx + T)
+    return {"T": T, "attention": impl, "cache S": S, "ms": t * 1e3, "÷ copy bw": (wbytes + kv) / t / bw,
+            "matmuls alone ms": t_mm * 1e3, "matmuls ÷ copy bw": wbytes / t_mm / bw, "kernels": n,
+            "kernel ms": kms, "error": "", "top": top_k}
+
+
 def logits_gap(eng, runner) -> float:
     """Largest |logit difference| of one plain step through the Triton kernels vs the torch path, same cache."""
     L = eng.L.view(1)
@@ -175,6 +212,8 @@ def main(argv=None) -> int:
                     "off, on or off,on (side by side)")
     ap.add_argument("--attn-sweep", action="store_true", help="with --gemv triton: also time the whole step with "
                     "each attention plan of ATTN_CONFIGS forced (the tuning times attention alone)")
+    ap.add_argument("--verify", default="", help="also a T-token verify forward (tree-shaped mask) per T listed, "
+                    "e.g. 8,48,64: ms, ÷ copy bw, kernels and the top kernels, next to the same matmuls alone at T rows")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -252,6 +291,14 @@ def main(argv=None) -> int:
             print(f"    {kms:8.3f} ms  x{c:<4d} {name[:110]}", flush=True)
         del eng
     runner.kernels = "torch"
+    verify_rows = []
+    for T in [int(t) for t in args.verify.split(",") if t]:
+        for impl in args.impls.split(","):
+            try:
+                verify_rows.append(verify_census(runner, T, max(caches), impl, dev, reps, bw, wbytes, args.top))
+            except Exception as e:  # noqa: BLE001 - a failing row must not cost the rest of a budgeted run
+                verify_rows.append({"T": T, "attention": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            print(verify_rows[-1], flush=True)
     columns = list(dict.fromkeys(k for r in rows for k in r))
     body = [markdown_table(rows, columns), "",
             f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
@@ -274,11 +321,22 @@ def main(argv=None) -> int:
     if attn_sweep:
         body += ["The whole Triton step with each attention plan forced (ms/step; * = the default rule's plan, "
                  "kernels._attn_plan):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
+    if verify_rows:
+        vcols = [c for c in dict.fromkeys(k for r in verify_rows for k in r) if c != "top"]
+        body += ["Verify forwards (torch path, T tokens over the cache with a tree-shaped mask, one CUDA graph; "
+                 "'matmuls alone' = the same weights through F.linear at T rows):", "",
+                 markdown_table(verify_rows, vcols), ""]
+        for r in verify_rows:
+            if r.get("top"):
+                body.append(f"- verify T={r['T']} {r['attention']}: " +
+                            "; ".join(f"{n[:60]} x{c} {kms:.3f} ms" for n, c, kms in r["top"][:6]))
+        body.append("")
     body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
     record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
            {"rows": rows, "per_matrix": mats, "tuning": tuning, "attn_tuning": attn_tuning, "attn_sweep": attn_sweep,
+            "verify": verify_rows,
             "top": tops, "matmul_floor_ms": t_mm * 1e3,
             "weight_bytes": wbytes, "copy_bw": bw},
            "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
