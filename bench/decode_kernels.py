@@ -214,6 +214,8 @@ def main(argv=None) -> int:
                     "each attention plan of ATTN_CONFIGS forced (the tuning times attention alone)")
     ap.add_argument("--verify", default="", help="also a T-token verify forward (tree-shaped mask) per T listed, "
                     "e.g. 8,48,64: ms, ÷ copy bw, kernels and the top kernels, next to the same matmuls alone at T rows")
+    ap.add_argument("--rows-blocks", default="", help="with --verify and --gemv triton: gemm_rows tiles to sweep, "
+                    "BLOCK_N/BLOCK_K/warps comma-separated (default: kernels.ROWS_BLOCK_N/K/NUM_WARPS)")
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -292,13 +294,22 @@ def main(argv=None) -> int:
         del eng
     runner.kernels = "torch"
     verify_rows = []
-    for T in [int(t) for t in args.verify.split(",") if t]:
-        for impl in args.impls.split(","):
-            try:
-                verify_rows.append(verify_census(runner, T, max(caches), impl, dev, reps, bw, wbytes, args.top))
-            except Exception as e:  # noqa: BLE001 - a failing row must not cost the rest of a budgeted run
-                verify_rows.append({"T": T, "attention": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-            print(verify_rows[-1], flush=True)
+    tiles = [tuple(int(v) for v in b.split("/")) for b in args.rows_blocks.split(",")] if args.rows_blocks else [None]
+    vcombos = [(T, impl, kn, tile) for T in [int(t) for t in args.verify.split(",") if t]
+               for impl in args.impls.split(",") for kn in gemvs for tile in (tiles if kn == "triton" else [None])]
+    for T, impl, kn, tile in vcombos:
+        # kernels="triton" with triton_max_rows: the verify's matmuls through kernels.gemm_rows (attention torch's)
+        runner.kernels, runner.triton_max_rows = kn, (64 if kn == "triton" else 1)
+        K.USE_PDL = "on" in args.pdl.split(",")
+        if tile:
+            K.ROWS_BLOCK_N, K.ROWS_BLOCK_K, K.ROWS_NUM_WARPS = tile
+        try:
+            row = verify_census(runner, T, max(caches), impl, dev, reps, bw, wbytes, args.top)
+        except Exception as e:  # noqa: BLE001 - a failing row must not cost the rest of a budgeted run
+            row = {"T": T, "attention": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+        verify_rows.append({"path": kn, "rows tile": "/".join(map(str, tile)) if tile else "-", **row})
+        print(verify_rows[-1], flush=True)
+    runner.kernels, runner.triton_max_rows = "torch", 1
     columns = list(dict.fromkeys(k for r in rows for k in r))
     body = [markdown_table(rows, columns), "",
             f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
@@ -323,12 +334,13 @@ def main(argv=None) -> int:
                  "kernels._attn_plan):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
     if verify_rows:
         vcols = [c for c in dict.fromkeys(k for r in verify_rows for k in r) if c != "top"]
-        body += ["Verify forwards (torch path, T tokens over the cache with a tree-shaped mask, one CUDA graph; "
-                 "'matmuls alone' = the same weights through F.linear at T rows):", "",
+        body += ["Verify forwards (T tokens over the cache with a tree-shaped mask, one CUDA graph; path torch, or "
+                 "triton = the matmuls through kernels.gemm_rows; 'matmuls alone' = the same weights through "
+                 "F.linear at T rows):", "",
                  markdown_table(verify_rows, vcols), ""]
         for r in verify_rows:
             if r.get("top"):
-                body.append(f"- verify T={r['T']} {r['attention']}: " +
+                body.append(f"- verify T={r['T']} {r['attention']} {r['path']} {r['rows tile']}: " +
                             "; ".join(f"{n[:60]} x{c} {kms:.3f} ms" for n, c, kms in r["top"][:6]))
         body.append("")
     body += ["Top kernels by summed time (one profiled step):", ""]

@@ -60,7 +60,8 @@ def _resources(compiled) -> dict:
     return {"regs": get("REG"), "local B": get("LOCAL"), "shared B": get("SHARED"),
             "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
             "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx)),
-            "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx))}
+            "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx)),
+            "cp.async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx))}  # tl.dot operands pipelined via smem
 
 
 def variants(shape: str, dtype: str = "bf16"):
@@ -88,6 +89,20 @@ def variants(shape: str, dtype: str = "bf16"):
                        dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
                             NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX), PREFETCH=bool(pf),
                             USE_PDL=pdl), nw, aligned)
+    rows_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "T": "i32", "N": "i32",
+                "K": "i32", "stride_x": "i32", "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr",
+                "HAS_BIAS": "constexpr", "HAS_RES": "constexpr", "GLU": "constexpr", "BLOCK_M": "constexpr",
+                "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
+    rows_kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False), "o": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
+                  "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, GLU=True),
+                  "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False)}
+    for kind, flags in rows_kinds.items():
+        for bm, pdl in ((16, False), (64, False), (64, True)):
+            yield (f"gemm_rows {kind} M={bm} {K.ROWS_BLOCK_N}/{K.ROWS_BLOCK_K}/{K.ROWS_NUM_WARPS}"
+                   f"{' pdl' if pdl else ''}", K._rows_kernel, rows_sig,
+                   dict(flags, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=K.ROWS_BLOCK_N, BLOCK_K=K.ROWS_BLOCK_K,
+                        IEEE=dtype == "fp32", USE_PDL=pdl), K.ROWS_NUM_WARPS,
+                   ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"])
     rope_sig = {"qkv_ptr": p, "q_ptr": p, "kc_ptr": p, "vc_ptr": p, "cos_ptr": p, "sin_ptr": p, "pos_ptr": "*i64",
                 "slot_ptr": "*i64", "qkn_ptr": p, "stride_t": "i32", "stride_cache_h": "i32", "eps": "fp32",
                 "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr", "USE_PDL": "constexpr"}

@@ -198,6 +198,69 @@ def test_decode_attention_skips_unmasked_tail():
     torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm,bias,res,glu", [(False, False, False, False), (True, True, False, False),
+                                               (False, True, True, False), (True, True, False, True)],
+                         ids=["plain", "norm-bias", "bias-res", "norm-glu"])
+def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
+    """T rows (a verify's tokens) as one tl.dot tile: fp32 against F.linear (+ folds); bf16 against the one-row
+    gemv row by row (the same roundings: gemv is checked against torch above), since the interpreter's
+    truncating fp32 -> bf16 makes a bf16 torch reference differ by a few ulp after three roundings."""
+    from draftsmith.decode.kernels import gemm_rows
+
+    g = torch.Generator().manual_seed(T)
+    K, N = 300, 70
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype) if norm else None
+    b = torch.randn(2 * N, generator=g).to(DEV, dtype) if bias else None
+    n_out = N if glu else 2 * N
+    r = torch.randn(T, n_out, generator=g).to(DEV, dtype) if res else None
+    y = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu)
+    assert y.shape == (T, n_out) and y.dtype == dtype
+    if dtype == torch.float32:
+        ref = F.linear(hf_rms_norm(x, nw, 1e-5) if norm else x, w, b)
+        if glu:
+            gate, up = ref.chunk(2, -1)
+            ref = F.silu(gate) * up
+        if res:
+            ref = r + ref
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    else:
+        rows = [gemv(x[t:t + 1], w, nw, 1e-5, bias=b, residual=None if r is None else r[t:t + 1], glu=glu)
+                for t in range(T)]
+        torch.testing.assert_close(y.float(), torch.cat(rows).float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="gemm_rows"):
+        gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
+
+
+def test_verify_forward_through_row_kernels_equals_torch_path():
+    """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows on: gemm_rows for the
+    matmuls, rope_and_cache per token, torch attention — logits, aux and both caches equal the torch path's."""
+    model = tiny_qwen3().to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels, kf.triton_max_rows = "triton", 64
+    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) - {"attn"} and kf.triton_ops_for(65) == frozenset()
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
+    pos = torch.arange(16, device=DEV)
+    ar = torch.arange(48, device=DEV)
+    node = torch.arange(7, device=DEV)
+    # tree: every node sees the context (0..8) and the even-offset nodes before it
+    tree = (ar[None, :] < 9) | ((ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) &
+                                ((node[:, None] - (ar[None, :] - 9)) % 2 == 0))
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        rows = torch.tensor([0, 3, 6], device=DEV)
+        (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+
 def test_gemv_rejects_a_mismatched_weight():
     with pytest.raises(ValueError, match="gemv"):
         gemv(torch.randn(1, 8, device=DEV), torch.randn(4, 9, device=DEV))
@@ -293,10 +356,14 @@ def test_greedy_equal_with_triton_kernels():
     ref = SpeculativeDecoder(m, d, max_len=64)
     eng = SpeculativeDecoder(m, d, max_len=64)
     eng.runner.kernels = "triton"
+    rows = SpeculativeDecoder(m, d, max_len=64)  # and the verify forwards through the T-row kernels too
+    rows.runner.kernels, rows.runner.triton_max_rows = "triton", 64
     for p in prompts:
         want = ref.generate(p, 10, mode=DecodeMode("plain")).token_ids
         for mode in (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2)):
             assert eng.generate(p, 10, mode=mode).token_ids == want, (p, mode)
+        for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4)):
+            assert rows.generate(p, 10, mode=mode).token_ids == want, (p, mode)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU bench runs; triton 3.6's "
@@ -341,10 +408,12 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     from draftsmith.decode import kernels as K
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
-    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 + 3 * n_attn + 3  # each with and without PDL
+    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 3  # each with and without PDL
     pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
     assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
-    assert all(row["v4 loads"] > 0 for row in rows if row["kernel"].startswith(("gemv", "decode_attention split")))
+    # 16-byte loads: as vector loads into registers, or as the async copies of a pipelined tl.dot loop
+    assert all(row["v4 loads"] > 0 or row["cp.async"] > 0 for row in rows
+               if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split")))
     assert r.returncode == 0

@@ -160,11 +160,14 @@ class LlamaFamilyForward(torch.nn.Module):
         self.max_len = int(max_len)
         self.attn_impl = "sdpa"  # see grouped_attention
         # "triton": one-token steps run through `draftsmith.decode.kernels` (norms, residual adds, silu*up, RoPE
-        # and the cache write folded into seven kernels a layer; opt-in, not yet measured on a GPU); "torch":
-        # F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the others stay
-        # torch), so a benchmark can route each op to whichever is faster.
+        # and the cache write folded into seven kernels a layer; 0.86-0.88 of copy bandwidth on an H200, 8B
+        # shape); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
+        # others stay torch), so a benchmark can route each op to whichever is faster. `triton_max_rows` > 1 also
+        # sends forwards of up to that many tokens (a verify) through the T-row kernels (`kernels.gemm_rows`; the
+        # attention stays torch's): experimental, off by default until measured on a GPU.
         self.kernels = "torch"
         self.triton_ops = set(TRITON_OPS)
+        self.triton_max_rows = 1
         self.w = weights
         self.layers = []
         for i in range(self.n_layers):
@@ -302,13 +305,15 @@ class LlamaFamilyForward(torch.nn.Module):
 
     def triton_ops_for(self, T: int) -> frozenset:
         """The ops of a T-token forward that run through draftsmith.decode.kernels (empty: the torch path)."""
-        if self.kernels != "triton" or T != 1 or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
+        if self.kernels != "triton" or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
 
-        if not K.available():
+        if not K.available() or T > min(max(1, self.triton_max_rows), K.ROWS_MAX):
             return frozenset()
         ops = set(self.triton_ops)
+        if T > 1:  # gemm_rows for the matmuls, rope_and_cache per token; attention over a tree mask stays torch's
+            ops.discard("attn")
         d = self.head_dim
         if d & (d - 1):
             ops -= {"rope", "attn"}
@@ -367,10 +372,14 @@ class LlamaFamilyForward(torch.nn.Module):
             sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
         glu, fold_act = self._mlp_folds(ops)
+        lin = None
+        if ops:
+            lin = K.gemv if T == 1 else K.gemm_rows
+            fold_act = fold_act and T == 1  # gemm_rows has no act_mul prologue: silu(g) * u in torch then
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
-                qkv = K.gemv(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
+                qkv = lin(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
             else:
                 qkv = self._lin(_rms(h, L["in"], self.eps), L["qkv"], L["qkv_b"])
             kc, vc = self.k_layers[i], self.v_layers[i]
@@ -393,16 +402,16 @@ class LlamaFamilyForward(torch.nn.Module):
                                       self.attn_impl)
                 o = o.transpose(1, 2).reshape(T, nh * d)
             if "o" in ops:
-                h = K.gemv(o, L["o"], bias=L["o_b"], residual=h)
+                h = lin(o, L["o"], bias=L["o_b"], residual=h)
             else:
                 h = h + F.linear(o, L["o"], L["o_b"])
             if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [1, I]
-                gu = K.gemv(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0], glu=glu)
+                gu = lin(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0], glu=glu)
             else:
                 gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
             if glu:
                 if "down" in ops:
-                    h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h)
+                    h = lin(gu, L["down"], bias=L["down_b"], residual=h)
                 else:
                     h = h + F.linear(gu, L["down"], L["down_b"])
             elif fold_act:  # silu(gate) * up folded into the down projection
@@ -410,15 +419,15 @@ class LlamaFamilyForward(torch.nn.Module):
             else:
                 g, u = gu.chunk(2, -1)
                 if "down" in ops:
-                    h = K.gemv(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
+                    h = lin(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
                 else:
                     h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
             if want_aux and i in self.aux_layers:
                 aux[i] = h
         aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        if "lm_head" in ops and hs.shape[0] == 1:
-            return K.gemv(hs, self.lm_head, self.norm, self.eps).float(), aux_t
+        if "lm_head" in ops and hs.shape[0] <= K.ROWS_MAX:
+            return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
         return logits, aux_t
 
