@@ -384,7 +384,9 @@ _PDL_CACHE: dict = {}
 
 def _pdl(t: torch.Tensor) -> dict:
     """The launch arguments that turn programmatic dependent launch on or off for a kernel on t's device."""
-    on = USE_PDL and _PDL_CACHE.setdefault(t.device, pdl_supported(t.device))
+    if t.device not in _PDL_CACHE:
+        _PDL_CACHE[t.device] = pdl_supported(t.device)
+    on = USE_PDL and _PDL_CACHE[t.device]
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 

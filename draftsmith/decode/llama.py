@@ -405,7 +405,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 h = lin(o, L["o"], bias=L["o_b"], residual=h)
             else:
                 h = h + F.linear(o, L["o"], L["o_b"])
-            if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [1, I]
+            if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [T, I]
                 gu = lin(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0], glu=glu)
             else:
                 gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
