@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     routings = [",".join(TRITON_OPS) if r == "all" else r for r in args.triton_ops.split("/")]
     rows, tops, attn_tuning, attn_sweep = [], [], [], []
     sp = SamplingParams()
-    # the Triton step runs from a CUDA graph without torch.compile (the engine refuses the combination)
+    # the Triton step runs from a CUDA graph without torch.compile (with compile the engine compiles only wider forwards)
     combos = [(kn, ops, comp, impl, S, pdl) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
               for comp in (args.compile.split(",") if kn == "torch" else ["off"])
               for pdl in (args.pdl.split(",") if kn == "triton" else ["-"])

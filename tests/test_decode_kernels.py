@@ -330,8 +330,6 @@ def test_engine_kernels_argument():
     assert SpeculativeDecoder(m, None, max_len=32).runner.kernels == "torch"
     with pytest.raises(ValueError, match="kernels"):
         SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
-    with pytest.raises(ValueError, match="compile"):
-        SpeculativeDecoder(m, None, max_len=32, kernels="triton", compile=True)
     with pytest.raises(ValueError, match="compact"):
         SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
     if DEV == "cpu":  # outside the interpreter, CPU tensors cannot reach a Triton kernel: say so up front
@@ -364,6 +362,26 @@ def test_greedy_equal_with_triton_kernels():
             assert eng.generate(p, 10, mode=mode).token_ids == want, (p, mode)
         for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4)):
             assert rows.generate(p, 10, mode=mode).token_ids == want, (p, mode)
+
+
+def test_triton_kernels_with_compiled_rounds():
+    """kernels='triton' with compile=True: one-token steps run the kernels without dynamo (plain decoding compiles
+    nothing), the rounds' wider forwards run compiled — and the output is the plain torch path's, token for token."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    m = tiny_qwen3().to(DEV)
+    d = random_drafter(m, seed=2).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 8, mode=DecodeMode("plain")).token_ids
+    torch._dynamo.reset()
+    counters.clear()
+    eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", compile=True)
+    assert eng.generate(p, 8, mode=DecodeMode("plain")).token_ids == want
+    assert counters["stats"]["unique_graphs"] == 0  # the Triton step was not traced
+    assert eng.generate(p, 8, mode=DecodeMode("chain", draft_tokens=2)).token_ids == want
+    assert counters["stats"]["unique_graphs"] > 0  # the verify and the drafter were
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU bench runs; triton 3.6's "

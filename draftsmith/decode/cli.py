@@ -48,7 +48,8 @@ _ATTN_HELP = ("Attention of the compact forward and the drafter: auto (on CUDA S
 
 _KERNELS_HELP = ("One-token target steps (plain decoding) of the compact forward: torch (cuBLAS + separate "
                  "norms/RoPE/attention) | triton (draftsmith's fused kernels: 7 a layer, tiles tuned on the GPU at "
-                 "start; 0.86-0.88 of copy bandwidth on an 8B shape vs 0.61 for torch; not with --compile).")
+                 "start; 0.86-0.88 of copy bandwidth on an 8B shape vs 0.61 for torch; with --compile only the rounds' wider "
+                 "forwards compile).")
 
 
 def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto",

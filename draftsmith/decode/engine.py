@@ -231,9 +231,6 @@ class SpeculativeDecoder:
                                  "generic HF path)")
             if not K.available():
                 raise ValueError("kernels='triton' needs triton (pip install triton; CUDA builds of torch bring it)")
-            if compile:
-                raise ValueError("kernels='triton' and compile do not combine yet (dynamo fails to capture the "
-                                 "kernel launches); the Triton step runs from a CUDA graph without compile")
             if self.device.type != "cuda" and not K.interpreted():
                 raise ValueError(f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
                                  "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)")
@@ -298,9 +295,23 @@ class SpeculativeDecoder:
             # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly
             raise_recompile_limit()
             self._t_fwd = torch.compile(self.runner.forward, dynamic=False, mode=self._compile_mode)
+            if self.runner.kernels == "triton":
+                self._t_fwd = self._triton_or_compiled(self._t_fwd)
             if drafter is not None and hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing
                 drafter.inv_freq(self.device)  # (else: a recompile)
         self._build_drafter_view()
+
+    def _triton_or_compiled(self, compiled):
+        """With kernels='triton' and compile: a forward the Triton kernels take (a one-token step) runs them from
+        the plain runner — dynamo fails to capture their launches, and there is nothing left for it to fuse —
+        and every other width (verify, hand-off) runs compiled."""
+        eager = self.runner.forward
+
+        def forward(input_ids, positions, slots, mask, logits_rows=None, want_aux=True):
+            fwd = eager if self.runner.triton_ops_for(input_ids.shape[0]) else compiled
+            return fwd(input_ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+
+        return forward
 
     def _build_drafter_view(self) -> None:
         """q/k/v and gate/up fused, q and k rotated together (`fused_drafter`): the same weights, 8 fewer kernels
