@@ -417,10 +417,10 @@ def p2b(args, dev, dtype, runner, best):
     rows, t_plains = [], {}
     from draftsmith.decode.engine import _lower_bound_mask
 
+    # every slot a timed round can touch stays in range (an out-of-range index is a fatal device assert)
+    max_len = ctx + (n + 2) * (max_acc + 1) + need + 16
     for impl in args.attn_impls:
-        # every slot a timed round can touch stays in range (an out-of-range index is a fatal device assert)
-        eng = SpeculativeDecoder(runner, d, max_len=ctx + (n + 2) * (max_acc + 1) + need + 16, attn_impl=impl,
-                                 compile=args.compile)
+        eng = SpeculativeDecoder(runner, d, max_len=max_len, attn_impl=impl, compile=args.compile)
         plain = eng._runner_for(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         t_plains[impl] = time_steps(eng, plain, n, dev)
@@ -452,7 +452,7 @@ def p2b(args, dev, dtype, runner, best):
         graphs = eng.cuda_graphs
         del eng
     if "triton" in args.kernels and _triton_ok(dev):  # the plain step through the Triton kernels (P1's fastest)
-        eng = SpeculativeDecoder(runner, None, max_len=ctx + (n + 2) * (max_acc + 1) + need + 16, kernels="triton")
+        eng = SpeculativeDecoder(runner, None, max_len=max_len, kernels="triton")
         plain = eng._runner_for(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         t_plains["triton kernels"] = time_steps(eng, plain, n, dev)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import markdown_table, record  # noqa: E402
 from bench.decode import copy_bandwidth, kernel_census, llama8b_config, sync, time_steps  # noqa: E402
+from draftsmith.decode import kernels as K  # noqa: E402  (imports without triton; kernels need it)
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
 from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
@@ -75,12 +76,10 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
         row = {"matrix": kind, "shape": f"{mats[0].shape[0]}x{mats[0].shape[1]}", "count": len(mats)}
         for path in ["torch"] + [g for g in gemvs if g == "triton"]:
             if path == "triton":
-                from draftsmith.decode.kernels import gemv
-
                 xk = torch.randn(1, 2 * x.shape[1], device=dev, dtype=runner.dtype) if kw.get("act_mul") else x
                 res = torch.randn(1, mats[0].shape[0], device=dev, dtype=runner.dtype) if kw.get("residual") else None
 
-                def step(mats=mats, xk=xk, res=res, kw=kw, gemv=gemv):
+                def step(mats=mats, xk=xk, res=res, kw=kw, gemv=K.gemv):
                     for w in mats:
                         gemv(xk, w, kw.get("norm_weight"), bias=kw.get("bias"), residual=res,
                              act_mul=kw.get("act_mul", False), glu=kw.get("glu", False))
@@ -98,8 +97,6 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
 
 def tuning_summary(rows: list[dict]) -> list[dict]:
     """Per weight kind: the fastest and the slowest tile of the sweep, and the default tile's time."""
-    from draftsmith.decode import kernels as K
-
     out = []
     for kind in dict.fromkeys(r["matrix"] for r in rows):
         ok = [r for r in rows if r["matrix"] == kind and r["us"] is not None]
@@ -119,8 +116,6 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
 
 def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl) -> list[dict]:
     """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured)."""
-    from draftsmith.decode import kernels as K
-
     key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
     kept = K._TUNED_ATTN.get(key)
     default = K._attn_plan(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype, dev,
@@ -236,8 +231,6 @@ def main(argv=None) -> int:
     gemvs = args.gemv.split(",")
     tuning = []
     if args.gemv_blocks:
-        from draftsmith.decode import kernels as K
-
         K.BLOCK_N, K.BLOCK_K = (int(v) for v in args.gemv_blocks.split("/"))
         K.GEMV_CONFIGS[:] = [(K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)]
     if "triton" in gemvs:
@@ -255,8 +248,6 @@ def main(argv=None) -> int:
               for comp in (args.compile.split(",") if kn == "torch" else ["off"])
               for pdl in (args.pdl.split(",") if kn == "triton" else ["-"])
               for impl in args.impls.split(",") for S in caches]
-    from draftsmith.decode import kernels as K
-
     for kn, ops, comp, impl, S, pdl in combos:
         t0 = time.perf_counter()
         label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/pdl={pdl}/S={S}"

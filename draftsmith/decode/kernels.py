@@ -114,6 +114,19 @@ def _pow2(n: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _rms_apply(x, rstd, nw, out_ty: tl.constexpr):
+        """HF's RMSNorm of x given its 1/rms: normalise in fp32, round to the model dtype, times the weight, round."""
+        xn = (x.to(tl.float32) * rstd).to(out_ty)
+        return (nw.to(tl.float32) * xn.to(tl.float32)).to(out_ty)
+
+    @triton.jit
+    def _silu_mul(g, u, out_ty: tl.constexpr):
+        """silu(g) * u as two torch ops in the model dtype: g, u fp32 (already model-dtype values); torch's silu
+        x / (1 + exp(-x)) in fp32, rounded, times u, rounded."""
+        a = (g / (1.0 + tl.exp(-g))).to(out_ty)
+        return (a.to(tl.float32) * u).to(out_ty)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
                      HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
@@ -164,14 +177,10 @@ if triton is not None:
                     w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
             xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
             if HAS_NORM:
-                xn = (xv.to(tl.float32) * rstd).to(out_ty)  # HF: normalise in fp32, round to the model dtype
-                nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
-                xv = (nw.to(tl.float32) * xn.to(tl.float32)).to(out_ty)  # ... times the weight, round
-            if ACT_MUL:  # x = cat(gate, up) of 2K values: silu(gate) rounded, times up, rounded (two torch ops)
-                g = xv.to(tl.float32)
+                xv = _rms_apply(xv, rstd, tl.load(nw_ptr + rk, mask=k_ok, other=0.0), out_ty)
+            if ACT_MUL:  # x = cat(gate, up) of 2K values
                 u = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g))).to(out_ty)  # torch's silu: x / (1 + exp(-x)) in fp32
-                xv = (a.to(tl.float32) * u).to(out_ty)
+                xv = _silu_mul(xv.to(tl.float32), u, out_ty)
             xf = xv.to(tl.float32)[None, :]
             acc += w.to(tl.float32) * xf
             if GLU:
@@ -183,9 +192,7 @@ if triton is not None:
             u = tl.sum(acc2, axis=1)
             if HAS_BIAS:
                 u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
-            g = y.to(out_ty).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            y = a * u.to(out_ty).to(tl.float32)
+            y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
         if HAS_RES:  # the linear's output is rounded before the residual add, as two torch ops would
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
@@ -340,9 +347,7 @@ if triton is not None:
             k_ok = rk < K
             xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if HAS_NORM:
-                xn = (xv.to(tl.float32) * rstd[:, None]).to(out_ty)
-                nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
-                xv = (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(out_ty)
+                xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -361,9 +366,7 @@ if triton is not None:
             u = acc2
             if HAS_BIAS:
                 u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            g = y.to(out_ty).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            y = a * u.to(out_ty).to(tl.float32)
+            y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
         out = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:
