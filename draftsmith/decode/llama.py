@@ -334,12 +334,12 @@ class LlamaFamilyForward(torch.nn.Module):
                 "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True, act_mul=act_mul)),
                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
 
-    def _mlp_folds(self, ops) -> tuple[bool, bool]:
-        """Where a one-token step computes silu(gate) * up: (in gate_up's epilogue, in down's prologue); neither
-        for another activation (torch computes it between the two gemvs)."""
+    def _mlp_folds(self, ops, T: int = 1) -> tuple[bool, bool]:
+        """Where a T-token forward computes silu(gate) * up: (in gate_up's epilogue, in down's prologue — the
+        one-row gemv only); neither for another activation (torch computes it between the two matmuls)."""
         silu = self._silu()
         glu = silu and "gate_up" in ops
-        return glu, silu and not glu and "down" in ops
+        return glu, silu and not glu and "down" in ops and T == 1
 
     def tune_kernels(self) -> list[dict]:
         """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
@@ -372,11 +372,8 @@ class LlamaFamilyForward(torch.nn.Module):
             cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
             sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
-        glu, fold_act = self._mlp_folds(ops)
-        lin = None
-        if ops:
-            lin = K.gemv if T == 1 else K.gemm_rows
-            fold_act = fold_act and T == 1  # gemm_rows has no act_mul prologue: silu(g) * u in torch then
+        glu, fold_act = self._mlp_folds(ops, T)
+        lin = (K.gemv if T == 1 else K.gemm_rows) if ops else None
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
