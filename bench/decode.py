@@ -147,6 +147,52 @@ def kernel_profile(fn, dev):
     return n, (ms / 1e3 if dev.type == "cuda" else None)
 
 
+def graphed(fn, dev):
+    """`fn` captured in one CUDA graph (its replay), or `fn` itself on CPU; warmed up on a side stream first."""
+    if dev.type != "cuda":
+        return fn
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind by its name: cuBLAS/CUTLASS matmuls, inductor's fused Triton kernels, draftsmith's Triton
+    kernels, attention, the rest (sort/topk/index/copy/elementwise aten kernels)."""
+    n = name.lower()
+    if n.startswith("aten::"):  # CPU (smoke): operators, not kernels
+        return "aten op (cpu)"
+    if any(t in n for t in ("gemm", "nvjet", "cutlass", "cublas", "sm90_xmma", "gemv")) and "triton" not in n:
+        return "matmul"
+    if n.startswith("triton_"):
+        return "inductor"
+    if any(t in n for t in ("_gemv_kernel", "_attn", "_rope", "_norm", "_rows_kernel", "_combine")):
+        return "draftsmith triton"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if "sort" in n or "topk" in n or "radix" in n:
+        return "sort/topk"
+    return "other aten"
+
+
+def round_census(fn, dev) -> dict:
+    """One eager call of a round under the profiler: kernel count, summed ms, by kind, top kernels."""
+    n, ms, top = kernel_census(fn, dev, top=10_000)
+    by: dict = {}
+    for name, cnt, kms in top:
+        b = by.setdefault(kernel_kind(name), [0, 0.0])
+        b[0] += cnt
+        b[1] += kms
+    return {"kernels": n, "kernel_ms": ms, "by_kind": by, "top": top[:12]}
+
+
 def _triton_ok(dev) -> bool:
     from draftsmith.decode import kernels as K
 
@@ -436,24 +482,26 @@ def p2b(args, dev, dtype, runner, best):
             fn = eng._runner_for(mode, sp)
             eng.prefill(prompt, sp)
             t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
-            # components: one verify forward, one drafter step
+            # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
+            # verify forward, one drafter step (forward + logits, as each tree level or chain step runs)
             T = mode.verify_tokens
             Lt = torch.tensor(ctx, device=dev)
             pos = Lt + torch.arange(T, device=dev)
             mask = _lower_bound_mask(eng.max_len, pos, dev)
             ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
-            verify = lambda: runner.forward(ids[:T], pos, pos, mask)  # noqa: E731
-            t_verify = time_steps(eng, verify, 4, dev)
+            verify = lambda: eng._target(ids[:T], pos, pos, mask)  # noqa: E731
+            t_verify = time_steps(eng, graphed(verify, dev), n, dev)
             Td = 1 if mode.kind == "chain" else mode.top_k
             dpos = Lt + torch.arange(Td, device=dev)
             dmask = _lower_bound_mask(eng.max_len, dpos, dev)
             hid = torch.zeros(Td, H, dtype=dtype, device=dev)
-            dstep = lambda: eng._draft_fwd(ids[:Td], hid, dpos, dpos, dmask)  # noqa: E731
-            t_draft = time_steps(eng, dstep, 4, dev)
+            dstep = lambda: eng._draft_logits(eng._draft_fwd(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731
+            t_draft = time_steps(eng, graphed(dstep, dev), n, dev)
+            census = round_census(lambda: eng._step_fn(mode, sp)(), dev) if args.round_census else None
             rows.append({"mode": mode.kind, "setting": mode.__dict__, "attention": impl, "kernels": kn,
                          "context": ctx, "cache_slots": eng.max_len, "t_plain_own_ms": t_own * 1e3,
-                         "t_round_ms": t_round * 1e3, "t_verify_eager_ms": t_verify * 1e3,
-                         "t_draft_step_eager_ms": t_draft * 1e3, "tau_from_P2a": tau})
+                         "t_round_ms": t_round * 1e3, "t_verify_ms": t_verify * 1e3,
+                         "t_draft_step_ms": t_draft * 1e3, "tau_from_P2a": tau, "census": census})
             log(f"P2b {kn} {impl} {mode}: round {t_round * 1e3:.2f} ms (own plain {t_own * 1e3:.2f} ms)")
         graphs = eng.cuda_graphs
         del eng
@@ -475,8 +523,8 @@ def p2b(args, dev, dtype, runner, best):
     LINES.append("plain step (graph): " + ", ".join(f"{a} {v * 1e3:.2f} ms" for a, v in t_plains.items()) +
                  f"; t_plain = the fastest, {t_plain * 1e3:.2f} ms. Cache {rows[0]['cache_slots'] if rows else '-'} "
                  "slots.\n")
-    LINES.append("| setting | attention | step kernels | own plain ms | t_round ms (graph) | verify ms (eager) | "
-                 "draft step ms (eager) | τ (P2a) | break-even τ | projected × (fastest plain) | projected × (own plain) |")
+    LINES.append("| setting | attention | step kernels | own plain ms | t_round ms (graph) | verify ms (graph) | "
+                 "draft step ms (graph) | τ (P2a) | break-even τ | projected × (fastest plain) | projected × (own plain) |")
     LINES.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["setting"]
@@ -486,8 +534,24 @@ def p2b(args, dev, dtype, runner, best):
         proj = "-" if r["projected_speedup"] is None else f"{r['projected_speedup']:.2f}"
         own = "-" if r["projected_speedup_own_plain"] is None else f"{r['projected_speedup_own_plain']:.2f}"
         LINES.append(f"| {name} | {r['attention']} | {r['kernels']} | {r['t_plain_own_ms']:.2f} | {r['t_round_ms']:.2f} | "
-                     f"{r['t_verify_eager_ms']:.2f} | {r['t_draft_step_eager_ms']:.2f} | {tau} | {r['breakeven_tau']:.2f} | "
+                     f"{r['t_verify_ms']:.2f} | {r['t_draft_step_ms']:.2f} | {tau} | {r['breakeven_tau']:.2f} | "
                      f"{proj} | {own} |")
+    census_rows = [r for r in rows if r.get("census")]
+    if census_rows:
+        LINES.append("\nOne round under the profiler (its kernels are what the round's graph replays; ms = summed kernel "
+                     "time by kind, so t_round minus their total is launch gaps):\n")
+        kinds = list(dict.fromkeys(k for r in census_rows for k in r["census"]["by_kind"]))
+        LINES.append("| setting | step kernels | kernels | kernel ms | " + " | ".join(f"{k} ms (n)" for k in kinds) + " |")
+        LINES.append("|---|---|---|---|" + "---|" * len(kinds))
+        for r in census_rows:
+            c, s = r["census"], r["setting"]
+            name = f"chain K={s['draft_tokens']}" if r["mode"] == "chain" else \
+                f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+            cells = [f"{c['by_kind'][k][1]:.3f} ({c['by_kind'][k][0]})" if k in c["by_kind"] else "-" for k in kinds]
+            LINES.append(f"| {name} | {r['kernels']} | {c['kernels']} | {c['kernel_ms']:.3f} | " + " | ".join(cells) + " |")
+        for r in census_rows:
+            LINES.append(f"- {r['mode']} {r['kernels']} top: " + "; ".join(
+                f"{nm[:50]} x{cnt} {ms:.3f} ms" for nm, cnt, ms in r["census"]["top"][:8]))
     LINES.append(f"\nt_plain (fastest plain step of all engines above) = {t_plain * 1e3:.2f} ms; break-even τ against it. "
                  "own plain: the plain step of the row's own engine (same kernels, attention, compile).")
 
@@ -536,6 +600,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--compile", action="store_true", help="P2a and P2b: torch.compile the round forwards "
                     "(+compile time; P2b's plain steps stay as measured)")
+    ap.add_argument("--round-census", action="store_true", help="P2b: profile one round of each setting (kernels "
+                    "by kind: matmuls, inductor-fused, draftsmith Triton, sort/topk, other)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks every code path")
     ap.add_argument("--no-benchmarks-md", action="store_true")
     args = ap.parse_args(argv)
