@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, _lower_bound_mask  # noqa: E402
-from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache  # noqa: E402
+from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
 from draftsmith.decode.testing import random_drafter, tiny_llama, tiny_qwen3  # noqa: E402
@@ -198,6 +198,94 @@ def test_decode_attention_skips_unmasked_tail():
     torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
 
 
+def _tree_mask(T: int, S: int, ctx: int, g: torch.Generator) -> torch.Tensor:
+    """[T, S]: every row sees the context and a random ancestor-closed subset of the T nodes before it, itself
+    included (a tree verify's mask); the slots past ctx + T are the cache's unused tail."""
+    parent = [-1] + [int(torch.randint(-1, t, (1,), generator=g)) for t in range(1, T)]
+    m = torch.zeros(T, S, dtype=torch.bool)
+    m[:, :ctx] = True
+    for t in range(T):
+        a = t
+        while a >= 0:
+            m[t, ctx + a] = True
+            a = parent[a]
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,nh,nkv,d,ctx,M,split,bs,br", [
+    (7, 4, 2, 16, 30, 64, None, None, None), (49, 8, 2, 32, 150, 256, None, None, None),
+    (5, 3, 1, 64, 40, 64, 32, 16, 16), (33, 4, 4, 16, 200, 256, 64, 32, 32), (2, 32, 8, 128, 60, 128, None, None, None),
+    (1, 4, 2, 16, 20, 32, None, None, None)],
+    ids=["gqa2", "verify-49", "mqa-split-rows", "mha-row-blocks", "8b-heads", "one-token"])
+def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs, br):
+    """T query tokens with a tree mask each (rows of several tiles, keys split over programs, chunks that some or
+    all rows of a tile cannot see), q a strided view as the compact forward passes it, against the compact forward's
+    attention in fp32."""
+    g = torch.Generator().manual_seed(T * 7 + nh)
+    S = ctx + T + 3  # the mask covers 3 tail slots nobody sees
+    qkv = torch.randn(T, nh + 2 * nkv, d, generator=g).to(DEV, dtype)
+    q = qkv[:, :nh]  # strides (nh + 2 nkv) d, d, 1
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    mask = _tree_mask(T, S, ctx, g).to(DEV)
+    if split:
+        mask[: T // 2, :split] = False  # a chunk that half the rows (in the same tile as the rest) do not see
+    o = rows_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs, block_r=br)
+    ref = grouped_attention(q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask,
+                            d ** -0.5, "bmm").transpose(1, 2).reshape(T, nh * d)
+    assert o.shape == (T, nh * d) and o.dtype == dtype
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), ref, **tol)
+    if split is None:  # the default plan through the torch operator gives the same
+        torch.testing.assert_close(rows_attention(q, kc, vc, mask, d ** -0.5), o, atol=0, rtol=0)
+
+
+def test_rows_attention_skips_unseen_keys_and_checks_shapes():
+    """Keys no row sees (the unused cache tail, and a block every row's mask excludes) are never read: NaN there
+    changes nothing. A mask with the wrong number of rows, or a non-power-of-two head_dim, is a one-line error."""
+    g = torch.Generator().manual_seed(4)
+    T, nh, nkv, d, M = 6, 4, 2, 16, 256
+    q = torch.randn(T, nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV), torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    mask = _tree_mask(T, 100, 80, g).to(DEV)
+    mask[:, 32:64] = False
+    want = rows_attention(q, kc, vc, mask, 0.25)
+    kc[:, :, 100:], vc[:, :, 100:] = float("nan"), float("nan")
+    kc[:, :, 32:64], vc[:, :, 32:64] = float("nan"), float("nan")
+    torch.testing.assert_close(rows_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(q, kc, vc, mask[:5], 0.25)
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(torch.randn(T, nh, 24, device=DEV), torch.randn(1, nkv, M, 24, device=DEV),
+                       torch.randn(1, nkv, M, 24, device=DEV), mask, 0.25)
+
+
+def test_verify_forward_through_rows_attention_equals_torch_path():
+    """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
+    matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
+    ROWS_ATTN_MAX keep torch's attention."""
+    from draftsmith.decode import kernels as K
+
+    model = tiny_qwen3().to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels = "triton"
+    assert kf.triton_ops_for(7) == frozenset({"attn"}) and not kf.triton_step(7) and kf.triton_step(1)
+    assert kf.triton_ops_for(K.ROWS_ATTN_MAX + 1) == frozenset()
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(8)).to(DEV)
+    pos = torch.arange(16, device=DEV)
+    tree = _tree_mask(7, 48, 9, torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        depth = tree[:, 9:16].sum(-1) - 1
+        (lr, ar_), (lk, ak) = (f(ids[9:], 9 + depth, pos[9:], tree) for f in (ref, kf))
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("T", [1, 5, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm,bias,res,glu", [(False, False, False, False), (True, True, False, False),
@@ -237,12 +325,13 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
 
 def test_verify_forward_through_row_kernels_equals_torch_path():
     """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows on: gemm_rows for the
-    matmuls, rope_and_cache per token, torch attention — logits, aux and both caches equal the torch path's."""
+    matmuls, rope_and_cache per token, rows_attention — logits, aux and both caches equal the torch path's."""
     model = tiny_qwen3().to(DEV)
     n = model.config.num_hidden_layers
     ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
     kf.kernels, kf.triton_max_rows = "triton", 64
-    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) - {"attn"} and kf.triton_ops_for(65) == frozenset()
+    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn"})
+    assert kf.triton_ops_for(257) == frozenset() and kf.triton_step(7) and not kf.triton_step(65)
     ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
     pos = torch.arange(16, device=DEV)
     ar = torch.arange(48, device=DEV)
@@ -279,7 +368,7 @@ def test_one_token_step_equals_torch_path(name, model):
     ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).to(DEV)
     pos = torch.arange(9, device=DEV)
     with torch.no_grad():
-        for f in (ref_fwd, k_fwd):  # same prefill (T=9: the torch path in both)
+        for f in (ref_fwd, k_fwd):  # the same prefill up to the attention kernel (rows_attention in k_fwd)
             f(ids[:8], pos[:8], pos[:8], _lower_bound_mask(64, pos[:8], DEV))
         outs = [f(ids[8:], pos[8:], pos[8:], _lower_bound_mask(64, pos[8:], DEV)) for f in (ref_fwd, k_fwd)]
     (lr, ar), (lk, ak) = outs
@@ -308,7 +397,8 @@ def test_one_token_step_routes_each_op(name, leave_out):
     ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
     kf.kernels = "triton"
     kf.triton_ops = set(TRITON_OPS) - {leave_out}
-    assert kf.triton_ops_for(1) == frozenset(kf.triton_ops) and kf.triton_ops_for(2) == frozenset()
+    assert kf.triton_ops_for(1) == frozenset(kf.triton_ops)
+    assert kf.triton_ops_for(2) == (frozenset({"attn"}) if leave_out != "attn" else frozenset())
     ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(DEV)
     pos = torch.arange(12, device=DEV)
     with torch.no_grad():
@@ -356,10 +446,14 @@ def test_greedy_equal_with_triton_kernels():
     eng.runner.kernels = "triton"
     rows = SpeculativeDecoder(m, d, max_len=64)  # and the verify forwards through the T-row kernels too
     rows.runner.kernels, rows.runner.triton_max_rows = "triton", 64
+    built = SpeculativeDecoder(m, d, max_len=64, kernels="triton")  # verify and drafter attention: rows_attention
+    assert built._d_rows_attn > 0
     for p in prompts:
         want = ref.generate(p, 10, mode=DecodeMode("plain")).token_ids
         for mode in (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2)):
             assert eng.generate(p, 10, mode=mode).token_ids == want, (p, mode)
+        for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=6)):
+            assert built.generate(p, 10, mode=mode).token_ids == want, (p, mode)
         for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4)):
             assert rows.generate(p, 10, mode=mode).token_ids == want, (p, mode)
 
@@ -426,12 +520,12 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     from draftsmith.decode import kernels as K
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
-    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 3  # each with and without PDL
+    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 4 + 3  # each with and without PDL
     pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
     assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
     # 16-byte loads: as vector loads into registers, or as the async copies of a pipelined tl.dot loop
     assert all(row["v4 loads"] > 0 or row["cp.async"] > 0 for row in rows
-               if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split")))
+               if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention")))
     assert r.returncode == 0

@@ -274,6 +274,12 @@ class SpeculativeDecoder:
                                  f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
         self._d_slots = None
         self._d_mask = None
+        # kernels="triton": the drafter's attention over up to this many tokens through kernels.rows_attention (0: off)
+        self._d_rows_attn = 0
+        if drafter is not None and self.runner.kernels == "triton" and self.d_hd >= 16 and not self.d_hd & (self.d_hd - 1):
+            from draftsmith.decode import kernels as K
+
+            self._d_rows_attn = K.ROWS_ATTN_MAX
         self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
         self._resolve_attn_impl()
@@ -308,7 +314,7 @@ class SpeculativeDecoder:
         eager = self.runner.forward
 
         def forward(input_ids, positions, slots, mask, logits_rows=None, want_aux=True):
-            fwd = eager if self.runner.triton_ops_for(input_ids.shape[0]) else compiled
+            fwd = eager if self.runner.triton_step(input_ids.shape[0]) else compiled
             return fwd(input_ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
 
         return forward
@@ -387,6 +393,12 @@ class SpeculativeDecoder:
         kc.index_copy_(2, self._d_slots, k.to(kc.dtype))
         vc.index_copy_(2, self._d_slots, v.to(vc.dtype))
         S = self._d_mask.shape[1]
+        T = q.shape[2]
+        if self._d_rows_attn and T <= self._d_rows_attn:  # kernels="triton": the target verify's attention kernel
+            from draftsmith.decode import kernels as K
+
+            o = K.rows_attention(q[0].transpose(0, 1), kc, vc, self._d_mask, self.d_scale)  # [T, nh * d]
+            return o.view(T, q.shape[1], q.shape[3]).transpose(0, 1)[None]
         return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale, self.attn_impl)
 
     def _draft_fwd(self, ids, hidden, positions, slots, mask, eager=False):

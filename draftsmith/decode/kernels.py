@@ -291,6 +291,65 @@ if triton is not None:
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
+    def _rows_attn_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
+                          T, S, split_len, n_split, stride_qt, stride_qh, stride_mt, stride_cache_h, scale,
+                          NH: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                          BLOCK_S: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+        """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
+        are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program; a key block is
+        read when any row of the tile sees one of its keys."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        h = tl.program_id(0)  # KV head
+        sp = tl.program_id(1)  # key chunk
+        rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rd = tl.arange(0, D)
+        t = rr // G
+        qh = h * G + rr % G  # query head
+        r_ok = t < T
+        q = tl.load(q_ptr + t[:, None] * stride_qt + qh[:, None] * stride_qh + rd[None, :], mask=r_ok[:, None],
+                    other=0.0)
+        m = tl.full([BLOCK_R], -1.0e30, tl.float32)
+        l_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        kbase = kc_ptr + h.to(tl.int64) * stride_cache_h
+        vbase = vc_ptr + h.to(tl.int64) * stride_cache_h
+        start = sp * split_len
+        for s0 in range(start, start + split_len, BLOCK_S):
+            rs = s0 + tl.arange(0, BLOCK_S)
+            s_ok = rs < S
+            vis = tl.load(mask_ptr + t[:, None] * stride_mt + rs[None, :], mask=r_ok[:, None] & s_ok[None, :],
+                          other=0) != 0
+            seen = tl.max(vis.to(tl.int32), axis=0) > 0  # keys no row of this tile sees are not read
+            k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
+            v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
+            if IEEE:
+                sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(vis, sc * scale, -1.0e30)
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.where(vis, tl.exp(sc - m_new[:, None]), 0.0)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        rows = t * NH + qh  # output row [T, NH] token-major, as the combine kernel's rows
+        if SINGLE:  # (a padding row sees nothing: l = 0, not stored)
+            out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            tl.store(o_ptr + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None])
+        else:
+            idx = rows * n_split + sp
+            tl.store(pm_ptr + idx, m, mask=r_ok)
+            tl.store(pl_ptr + idx, l_sum, mask=r_ok)
+            tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
+
+    @triton.jit
     def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr,
                              USE_PDL: tl.constexpr):
         if USE_PDL:
@@ -614,6 +673,92 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return o.reshape(1, nh * d)
 
 
+# rows_attention (T query tokens, a verify or a tree draft step): tile rows (token x query head of a KV head), key
+# block and the most chunks per KV head over all row blocks — the one-token rule's ATTN_TARGET_CHUNKS divided by the
+# row blocks, since those already multiply the programs. ROWS_ATTN_MAX: the most tokens it takes (longer forwards,
+# prefill, keep the torch attention).
+ROWS_ATTN_BLOCK_R = 64
+ROWS_ATTN_BLOCK_S = 32
+ROWS_ATTN_WARPS = 4
+ROWS_ATTN_MAX = 256
+
+
+def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int | None) -> tuple[int, int]:
+    bs = block_s or ROWS_ATTN_BLOCK_S
+    if split_len is None:
+        target = max(1, ATTN_TARGET_CHUNKS // n_rblocks)
+        split_len = bs
+        while triton.cdiv(S, split_len) > target:
+            split_len *= 2
+    return split_len, bs
+
+
+def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
+                    split_len: int | None = None, block_s: int | None = None, block_r: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    _need()
+    T, nh, d = q.shape
+    nkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    S = mask.shape[-1]
+    if (not _pow2(d) or d < 16 or nh % nkv or S > max_len or mask.shape[0] != T or q.stride(2) != 1
+            or k_cache.stride(3) != 1 or k_cache.stride(2) != d or v_cache.stride() != k_cache.stride()):
+        raise ValueError(f"rows_attention: q {tuple(q.shape)} (strides {q.stride()}), caches {tuple(k_cache.shape)} "
+                         f"(strides {k_cache.stride()}), mask {tuple(mask.shape)}: head_dim a power of two >= 16, "
+                         "heads a multiple of the KV heads, one mask row per token over at most the cache's slots")
+    G = nh // nkv
+    br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
+    n_rb = triton.cdiv(T * G, br)
+    split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
+    if split_len % bs:
+        raise ValueError(f"rows_attention: split_len {split_len} is not a multiple of the key block {bs}")
+    n_split = triton.cdiv(S, split_len)
+    o = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
+    single = n_split == 1
+    if single:
+        pm = pl = po = o
+    else:
+        pm = torch.empty(T * nh, n_split, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        po = torch.empty(T * nh, n_split, d, dtype=torch.float32, device=q.device)
+    if mask.stride(1) != 1:
+        mask = mask.contiguous()
+    _rows_attn_kernel[(nkv, n_split, n_rb)](
+        q, k_cache, v_cache, mask, o, pm, pl, po, T, S, split_len, n_split, q.stride(0), q.stride(1), mask.stride(0),
+        k_cache.stride(1), float(scale), NH=nh, G=G, BLOCK_R=br, D=d, BLOCK_S=bs, SINGLE=single,
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=num_warps or ROWS_ATTN_WARPS, **_pdl(q))
+    if not single:
+        bsp = max(2, triton.next_power_of_2(n_split))
+        _attn_combine_kernel[(T * nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d),
+                                        **_pdl(q))
+    return o.reshape(T, nh * d)
+
+
+if triton is not None:
+    # an opaque operator to torch.compile (dynamo does not trace the launch; inductor calls it between its own
+    # kernels), so a compiled verify can take it
+    @torch.library.custom_op("draftsmith::rows_attention", mutates_args=())
+    def _rows_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+        return _rows_attention(q, k_cache, v_cache, mask, scale)
+
+    @_rows_attention_op.register_fake
+    def _(q, k_cache, v_cache, mask, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
+                   split_len: int | None = None, block_s: int | None = None, block_r: int | None = None,
+                   num_warps: int | None = None) -> torch.Tensor:
+    """T query tokens, each with its own mask row: q [T, nh, d] (any strides, head_dim contiguous); caches
+    [1, nkv, max_len, d] (one layer); mask [T, S] bool (True = attend) -> [T, nh * d] in q's dtype. Flash-decoding
+    as `decode_attention`, with the tile's rows the (token, query head) pairs of one KV head. The plan arguments
+    (benchmarks) bypass the torch operator that torch.compile sees."""
+    if split_len or block_s or block_r or num_warps:
+        return _rows_attention(q, k_cache, v_cache, mask, scale, split_len, block_s, block_r, num_warps)
+    _need()
+    return _rows_attention_op(q, k_cache, v_cache, mask, float(scale))
+
+
 def _combine_warps(block_sp: int, d: int) -> int:
     """Warps of the combine kernel: its [chunks, head_dim] fp32 tile at <= 64 values per thread (no spills)."""
     return max(1, min(8, block_sp * d // (64 * 32)))
@@ -667,5 +812,6 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
     return rows
 
 
-__all__ = ["available", "gemv", "gemm_rows", "tune_gemv", "rope_and_cache", "decode_attention", "tune_attention", "GEMV_CONFIGS",
+__all__ = ["available", "gemv", "gemm_rows", "tune_gemv", "rope_and_cache", "decode_attention", "rows_attention",
+           "tune_attention", "GEMV_CONFIGS",
            "ATTN_CONFIGS"]

@@ -162,10 +162,10 @@ class LlamaFamilyForward(torch.nn.Module):
         # "triton": one-token steps run through `draftsmith.decode.kernels` (norms, residual adds, silu*up, RoPE
         # and the cache write folded into seven kernels a layer; 0.86-0.88 of copy bandwidth on an H200, 8B
         # shape); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
-        # others stay torch), so a benchmark can route each op to whichever is faster. `triton_max_rows` > 1 also
-        # sends forwards of up to that many tokens (a verify) through the T-row kernels (`kernels.gemm_rows`; the
-        # attention stays torch's): experimental and off by default — correct on the H200 but slower than the torch
-        # verify so far (11.9 vs 6.97 ms at T=49, docs/LOG.md).
+        # others stay torch), so a benchmark can route each op to whichever is faster. Wider forwards (a verify, a
+        # hand-off) take only the attention kernel (`triton_ops_for`). `triton_max_rows` > 1 also sends forwards of
+        # up to that many tokens through the T-row matmul kernels (`kernels.gemm_rows`): experimental and off by
+        # default — correct on the H200 but slower than cuBLAS so far (11.9 vs 6.97 ms at T=49, docs/LOG.md).
         self.kernels = "torch"
         self.triton_ops = set(TRITON_OPS)
         self.triton_max_rows = 1
@@ -305,22 +305,35 @@ class LlamaFamilyForward(torch.nn.Module):
         return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
 
     def triton_ops_for(self, T: int) -> frozenset:
-        """The ops of a T-token forward that run through draftsmith.decode.kernels (empty: the torch path)."""
+        """The ops of a T-token forward that run through draftsmith.decode.kernels (empty: the torch path). A
+        one-token step (and, with `triton_max_rows`, up to that many tokens) takes every op of `triton_ops` it can;
+        a wider forward of up to `kernels.ROWS_ATTN_MAX` tokens (a verify, a hand-off) takes only the attention
+        (`kernels.rows_attention`: one kernel pair over the tree mask where torch needs the mask expanded, two
+        batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (prefill) none."""
         if self.kernels != "triton" or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
 
-        if not K.available() or T > min(max(1, self.triton_max_rows), K.ROWS_MAX):
+        if not K.available():
             return frozenset()
-        ops = set(self.triton_ops)
-        if T > 1:  # gemm_rows for the matmuls, rope_and_cache per token; attention over a tree mask stays torch's
-            ops.discard("attn")
         d = self.head_dim
+        attn_ok = d >= 16 and not d & (d - 1)
+        if T > min(max(1, self.triton_max_rows), K.ROWS_MAX):
+            return frozenset({"attn"}) if attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops \
+                else frozenset()
+        ops = set(self.triton_ops)
         if d & (d - 1):
             ops -= {"rope", "attn"}
-        if d < 16:
+        if not attn_ok:
             ops.discard("attn")
         return frozenset(ops)
+
+    def triton_step(self, T: int) -> bool:
+        """Whether a T-token forward is the all-kernel step (its matmuls are gemv/gemm_rows launches), which runs
+        without torch.compile (`SpeculativeDecoder._triton_or_compiled`)."""
+        from draftsmith.decode import kernels as K
+
+        return bool(self.triton_ops_for(T)) and T <= min(max(1, self.triton_max_rows), K.ROWS_MAX)
 
     def gemv_kinds(self) -> dict:
         """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
@@ -393,8 +406,10 @@ class LlamaFamilyForward(torch.nn.Module):
                 q, k = qk[:, :, :nh], qk[:, :, nh:]
                 kc.index_copy_(2, slots, k.transpose(1, 2))
                 vc.index_copy_(2, slots, v.transpose(1, 2))
-            if "attn" in ops:
+            if "attn" in ops and T == 1:
                 o = K.decode_attention(q, kc, vc, mask[0], self.scale)  # [1, nh * d]
+            elif "attn" in ops:
+                o = K.rows_attention(q[0], kc, vc, mask, self.scale)  # [T, nh * d]
             else:
                 o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale,
                                       self.attn_impl)
