@@ -1,0 +1,148 @@
+"""Attention of a speculative round's multi-token forwards (a tree verify, a tree draft step, a hand-off): the torch
+paths of the compact forward against every plan of `kernels.rows_attention`, per layer, over all 32 layers' caches
+(Llama-3.1-8B shape: 32 query heads, 8 KV heads, head_dim 128, bf16), each timed as one CUDA graph.
+
+Why: a T=49 verify's attention is latency-bound (3.6 MB of K/V a layer), and the first rows_attention plan took
+17 us a layer in the round (2026-12-01) — its fp32 partials (T x heads x chunks x 128) outweighed the K/V. This
+ranks the plans (row tile, key block, chunks, warps) per T so the default rule can be set from measurements.
+
+Usage (device):  python bench/decode_attention.py [--tokens 8,49,65] [--cache 880] [--top 12]
+                 python bench/decode_attention.py --smoke        (CPU, triton's interpreter: code paths only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import markdown_table, record  # noqa: E402
+
+
+def tree_mask(T: int, S: int, ctx: int, device) -> torch.Tensor:
+    """[T, S]: the context for every row, then a binary-ish tree over the T nodes (node i's parent (i-1)//2)."""
+    m = torch.zeros(T, S, dtype=torch.bool)
+    m[:, :ctx] = True
+    for t in range(T):
+        a = t
+        while a >= 0:
+            m[t, ctx + a] = True
+            a = (a - 1) // 2 if a else -1
+    return m.to(device)
+
+
+def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int]]:
+    """(block_r, block_s, n_split, warps) candidates; block_r at most the rows rounded up."""
+    from draftsmith.decode import kernels as K
+
+    rows = T * G
+    out = []
+    for br in (16, 32, 64, 128):
+        if br > max(16, K.triton.next_power_of_2(rows)):
+            continue
+        for bs in (32, 64):
+            for n_split in (1, 2, 4, 8, 16):
+                split_len = -(-S // n_split)
+                split_len = -(-split_len // bs) * bs
+                if -(-S // split_len) != n_split:
+                    continue
+                for nw in (4, 8):
+                    out.append((br, bs, split_len, nw))
+    return out[:6] if smoke else out
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="8,49,65", help="query tokens T per forward (tree k=8 step, verify 48/64)")
+    ap.add_argument("--cache", type=int, default=880, help="cache slots S (the P2b round's 880)")
+    ap.add_argument("--context", type=int, default=512, help="committed slots every row sees")
+    ap.add_argument("--top", type=int, default=12, help="plans listed per T (fastest first)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU through triton's interpreter")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.llama import grouped_attention, prepare_mask
+
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    nh, nkv, d, layers = (32, 8, 128, 32) if not args.smoke else (4, 2, 16, 2)
+    S, ctx = (args.cache, args.context) if not args.smoke else (48, 30)
+    G = nh // nkv
+    kcs = [torch.randn(1, nkv, S, d, device=dev, dtype=dtype) for _ in range(layers)]
+    vcs = [torch.randn(1, nkv, S, d, device=dev, dtype=dtype) for _ in range(layers)]
+    scale = d ** -0.5
+    rows, best = [], []
+
+    def timed(fn):
+        if dev.type != "cuda":
+            fn()
+            return 0.0, ""
+        us, err = K._time_graph(fn, layers, 5)
+        return us, err
+
+    for T in [int(t) for t in args.tokens.split(",")] if not args.smoke else [3, 9]:
+        mask = tree_mask(T, S, min(ctx, S - T), dev)
+        qkv = torch.randn(T, nh + 2 * nkv, d, device=dev, dtype=dtype)
+        q = qkv[:, :nh]  # the compact forward's view
+        ref = grouped_attention(q.transpose(0, 1)[None].float(), kcs[0].float(), vcs[0].float(), mask, scale,
+                                "bmm").transpose(1, 2).reshape(T, nh * d)
+        res = []
+        for impl in ("bmm", "sdpa"):  # as the compact forward's torch path runs them: mask prepared once a forward
+            def run(impl=impl):
+                am = prepare_mask(mask, G, dtype)
+                for kc, vc in zip(kcs, vcs):
+                    grouped_attention(q.transpose(0, 1)[None], kc, vc, am, scale, impl).transpose(1, 2).reshape(
+                        T, nh * d)
+            us, err = timed(run)
+            res.append({"T": T, "path": f"torch {impl}", "block_r": "-", "block_s": "-", "chunks": "-", "warps": "-",
+                        "us/layer": us, "error": err})
+        for br, bs, sl, nw in plans(T, G, S, args.smoke):
+            try:
+                o = K.rows_attention(q, kcs[0], vcs[0], mask, scale, split_len=sl, block_s=bs, block_r=br,
+                                     num_warps=nw)
+                diff = float((o.float() - ref).abs().max())
+            except Exception as e:  # noqa: BLE001 - a plan this GPU cannot run is a row, not the end
+                res.append({"T": T, "path": "rows_attention", "block_r": br, "block_s": bs, "chunks": -(-S // sl),
+                            "warps": nw, "us/layer": None, "error": type(e).__name__})
+                continue
+
+            def run(br=br, bs=bs, sl=sl, nw=nw):
+                for kc, vc in zip(kcs, vcs):
+                    K.rows_attention(q, kc, vc, mask, scale, split_len=sl, block_s=bs, block_r=br, num_warps=nw)
+            us, err = timed(run)
+            res.append({"T": T, "path": "rows_attention", "block_r": br, "block_s": bs, "chunks": -(-S // sl),
+                        "warps": nw, "us/layer": us, "max |Δ|": diff, "error": err})
+
+        def run_default():
+            for kc, vc in zip(kcs, vcs):
+                K.rows_attention(q, kc, vc, mask, scale)
+        us, err = timed(run_default)
+        res.append({"T": T, "path": "rows_attention (default rule)", "block_r": "-", "block_s": "-", "chunks": "-",
+                    "warps": "-", "us/layer": us, "error": err})
+        ok = sorted((r for r in res if r["us/layer"] is not None), key=lambda r: r["us/layer"])
+        rows += res
+        best += ok[: args.top] + [r for r in res if r["path"].startswith("torch") or "default" in r["path"]
+                                  if r not in ok[: args.top]]
+        for r in ok[:5]:
+            print(r, flush=True)
+    cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "us/layer", "max |Δ|", "error"]
+    body = (f"8B attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
+            f"each row one CUDA graph over {layers} layers' caches, us per layer (the fastest {args.top} plans per T, "
+            "then torch's paths and the default rule):\n\n" + markdown_table(best, cols))
+    if not args.smoke:
+        record("decode_attention", "decode attention — multi-token forwards of a round (8B shape)", body,
+               {"rows": rows}, "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    else:
+        print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
