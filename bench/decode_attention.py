@@ -103,9 +103,10 @@ def main(argv=None) -> int:
             us, err = timed(run)
             res.append({"T": T, "path": f"torch {impl}", "block_r": "-", "block_s": "-", "chunks": "-", "warps": "-",
                         "us/layer": us, "error": err})
+        slots = torch.arange(min(ctx, S - T), min(ctx, S - T) + T, device=dev)  # what the forward wrote
         for br, bs, sl, nw in plans(T, G, S, args.smoke):
             try:
-                o = K.rows_attention(q, kcs[0], vcs[0], mask, scale, split_len=sl, block_s=bs, block_r=br,
+                o = K.rows_attention(q, kcs[0], vcs[0], mask, scale, slots, split_len=sl, block_s=bs, block_r=br,
                                      num_warps=nw)
                 diff = float((o.float() - ref).abs().max())
             except Exception as e:  # noqa: BLE001 - a plan this GPU cannot run is a row, not the end
@@ -115,21 +116,23 @@ def main(argv=None) -> int:
 
             def run(br=br, bs=bs, sl=sl, nw=nw):
                 for kc, vc in zip(kcs, vcs):
-                    K.rows_attention(q, kc, vc, mask, scale, split_len=sl, block_s=bs, block_r=br, num_warps=nw)
+                    K.rows_attention(q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br,
+                                     num_warps=nw)
             us, err = timed(run)
             res.append({"T": T, "path": "rows_attention", "block_r": br, "block_s": bs, "chunks": -(-S // sl),
                         "warps": nw, "us/layer": us, "max |Δ|": diff, "error": err})
 
-        def run_default():
-            for kc, vc in zip(kcs, vcs):
-                K.rows_attention(q, kc, vc, mask, scale)
-        us, err = timed(run_default)
-        res.append({"T": T, "path": "rows_attention (default rule)", "block_r": "-", "block_s": "-", "chunks": "-",
-                    "warps": "-", "us/layer": us, "error": err})
+        for sl_arg, label in ((slots, "rows_attention (default rule)"), (None, "rows_attention (default, no slots)")):
+            def run_default(sl_arg=sl_arg):
+                for kc, vc in zip(kcs, vcs):
+                    K.rows_attention(q, kc, vc, mask, scale, sl_arg)
+            us, err = timed(run_default)
+            res.append({"T": T, "path": label, "block_r": "-", "block_s": "-", "chunks": "-", "warps": "-",
+                        "us/layer": us, "error": err})
         ok = sorted((r for r in res if r["us/layer"] is not None), key=lambda r: r["us/layer"])
         rows += res
-        best += ok[: args.top] + [r for r in res if r["path"].startswith("torch") or "default" in r["path"]
-                                  if r not in ok[: args.top]]
+        best += ok[: args.top] + [r for r in res if (r["path"].startswith("torch") or "default" in r["path"])
+                                  and r not in ok[: args.top]]
         for r in ok[:5]:
             print(r, flush=True)
     cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "us/layer", "max |Δ|", "error"]

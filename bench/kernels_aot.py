@@ -121,16 +121,16 @@ def variants(shape: str, dtype: str = "bf16"):
                    attn_sig, dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=bs, SINGLE=single,
                                   IEEE=dtype == "fp32", USE_PDL=pdl), nw,
                    [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
-    rattn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "o_ptr": p, "pm_ptr": "*fp32",
+    rattn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "slot_ptr": "*i64", "o_ptr": p, "pm_ptr": "*fp32",
                  "pl_ptr": "*fp32", "po_ptr": "*fp32", "T": "i32", "S": "i32", "split_len": "i32", "n_split": "i32",
                  "stride_qt": "i32", "stride_qh": "i32", "stride_mt": "i32", "stride_cache_h": "i32", "scale": "fp32",
                  "NH": "constexpr", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
-                 "SINGLE": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
+                 "BLOCK_T": "constexpr", "HAS_SLOTS": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
     for br, single, pdl in ((K.ROWS_ATTN_BLOCK_R, False, False), (K.ROWS_ATTN_BLOCK_R, False, True),
                             (K.ROWS_ATTN_BLOCK_R, True, True), (16, False, True)):
         yield (f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}{' pdl' if pdl else ''}",
                K._rows_attn_kernel, rattn_sig, dict(NH=nh, G=g, BLOCK_R=br, D=d, BLOCK_S=K.ROWS_ATTN_BLOCK_S,
-                                                    SINGLE=single, IEEE=dtype == "fp32", USE_PDL=pdl),
+                                                    BLOCK_T=64, HAS_SLOTS=True, SINGLE=single, IEEE=dtype == "fp32", USE_PDL=pdl),
                K.ROWS_ATTN_WARPS, [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
     comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
                 "D": "constexpr", "BLOCK_SP": "constexpr", "USE_PDL": "constexpr"}

@@ -232,6 +232,10 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
     if split:
         mask[: T // 2, :split] = False  # a chunk that half the rows (in the same tile as the rest) do not see
     o = rows_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs, block_r=br)
+    # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing
+    o_slots = rows_attention(q, kc, vc, mask, d ** -0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split,
+                             block_s=bs, block_r=br)
+    torch.testing.assert_close(o_slots, o, atol=0, rtol=0)
     ref = grouped_attention(q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask,
                             d ** -0.5, "bmm").transpose(1, 2).reshape(T, nh * d)
     assert o.shape == (T, nh * d) and o.dtype == dtype
@@ -243,7 +247,8 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
 
 def test_rows_attention_skips_unseen_keys_and_checks_shapes():
     """Keys no row sees (the unused cache tail, and a block every row's mask excludes) are never read: NaN there
-    changes nothing. A mask with the wrong number of rows, or a non-power-of-two head_dim, is a one-line error."""
+    changes nothing; with `slots`, keys past the highest slot written are not read either. A mask with the wrong number of rows,
+    slots not one per token, or a non-power-of-two head_dim, is a one-line error."""
     g = torch.Generator().manual_seed(4)
     T, nh, nkv, d, M = 6, 4, 2, 16, 256
     q = torch.randn(T, nh, d, generator=g).to(DEV)
@@ -254,6 +259,16 @@ def test_rows_attention_skips_unseen_keys_and_checks_shapes():
     kc[:, :, 100:], vc[:, :, 100:] = float("nan"), float("nan")
     kc[:, :, 32:64], vc[:, :, 32:64] = float("nan"), float("nan")
     torch.testing.assert_close(rows_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
+    # with the slots written (80..85), keys past slot 85 are not read and count as masked, whatever the mask says;
+    # masked keys below them are read (a cache holds finite values) and weigh nothing
+    slots = torch.arange(80, 86, device=DEV)
+    wide = mask.clone()
+    wide[:, 86:100] = True
+    kc[:, :, 32:64], vc[:, :, 32:64] = 3e4, -3e4
+    kc[:, :, 86:100], vc[:, :, 86:100] = float("nan"), float("nan")
+    torch.testing.assert_close(rows_attention(q, kc, vc, wide, 0.25, slots), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(q, kc, vc, mask, 0.25, slots[:3])
     with pytest.raises(ValueError, match="rows_attention"):
         rows_attention(q, kc, vc, mask[:5], 0.25)
     with pytest.raises(ValueError, match="rows_attention"):

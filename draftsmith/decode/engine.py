@@ -397,7 +397,7 @@ class SpeculativeDecoder:
         if self._d_rows_attn and T <= self._d_rows_attn:  # kernels="triton": the target verify's attention kernel
             from draftsmith.decode import kernels as K
 
-            o = K.rows_attention(q[0].transpose(0, 1), kc, vc, self._d_mask, self.d_scale)  # [T, nh * d]
+            o = K.rows_attention(q[0].transpose(0, 1), kc, vc, self._d_mask, self.d_scale, self._d_slots)
             return o.view(T, q.shape[1], q.shape[3]).transpose(0, 1)[None]
         return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale, self.attn_impl)
 

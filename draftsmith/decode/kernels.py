@@ -291,16 +291,24 @@ if triton is not None:
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def _rows_attn_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
+    def _rows_attn_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
                           T, S, split_len, n_split, stride_qt, stride_qh, stride_mt, stride_cache_h, scale,
                           NH: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                          SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
         """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
-        are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program; a key block is
-        read when any row of the tile sees one of its keys."""
+        are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program. With HAS_SLOTS the
+        keys read are those up to the highest slot this forward wrote (a scalar bound, so the K/V loads do not
+        wait for the mask tile and pipeline across key blocks); else a key block is read where any row of the tile
+        sees one of its keys."""
         if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
+        if HAS_SLOTS:
+            rt = tl.arange(0, BLOCK_T)
+            kv_hi = tl.max(tl.load(slot_ptr + rt, mask=rt < T, other=0), axis=0).to(tl.int32) + 1
+        else:
+            kv_hi = S
         h = tl.program_id(0)  # KV head
         sp = tl.program_id(1)  # key chunk
         rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -316,12 +324,16 @@ if triton is not None:
         kbase = kc_ptr + h.to(tl.int64) * stride_cache_h
         vbase = vc_ptr + h.to(tl.int64) * stride_cache_h
         start = sp * split_len
-        for s0 in range(start, start + split_len, BLOCK_S):
+        stop = tl.minimum(start + split_len, tl.minimum(kv_hi, S))
+        for s0 in range(start, stop, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
-            s_ok = rs < S
+            s_ok = rs < stop
             vis = tl.load(mask_ptr + t[:, None] * stride_mt + rs[None, :], mask=r_ok[:, None] & s_ok[None, :],
                           other=0) != 0
-            seen = tl.max(vis.to(tl.int32), axis=0) > 0  # keys no row of this tile sees are not read
+            if HAS_SLOTS:
+                seen = s_ok
+            else:
+                seen = tl.max(vis.to(tl.int32), axis=0) > 0  # keys no row of this tile sees are not read
             k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
             v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
             if IEEE:
@@ -694,8 +706,8 @@ def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int 
 
 
 def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                    split_len: int | None = None, block_s: int | None = None, block_r: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None, split_len: int | None = None, block_s: int | None = None,
+                    block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     _need()
     T, nh, d = q.shape
     nkv, max_len = k_cache.shape[1], k_cache.shape[2]
@@ -722,9 +734,12 @@ def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         po = torch.empty(T * nh, n_split, d, dtype=torch.float32, device=q.device)
     if mask.stride(1) != 1:
         mask = mask.contiguous()
+    if slots is not None and slots.shape != (T,):
+        raise ValueError(f"rows_attention: slots {tuple(slots.shape)} is not one per token ({T})")
     _rows_attn_kernel[(nkv, n_split, n_rb)](
-        q, k_cache, v_cache, mask, o, pm, pl, po, T, S, split_len, n_split, q.stride(0), q.stride(1), mask.stride(0),
-        k_cache.stride(1), float(scale), NH=nh, G=G, BLOCK_R=br, D=d, BLOCK_S=bs, SINGLE=single,
+        q, k_cache, v_cache, mask, slots if slots is not None else mask, o, pm, pl, po, T, S, split_len, n_split,
+        q.stride(0), q.stride(1), mask.stride(0), k_cache.stride(1), float(scale), NH=nh, G=G, BLOCK_R=br, D=d,
+        BLOCK_S=bs, BLOCK_T=triton.next_power_of_2(T), HAS_SLOTS=slots is not None, SINGLE=single,
         IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=num_warps or ROWS_ATTN_WARPS, **_pdl(q))
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
@@ -738,25 +753,30 @@ if triton is not None:
     # kernels), so a compiled verify can take it
     @torch.library.custom_op("draftsmith::rows_attention", mutates_args=())
     def _rows_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-        return _rows_attention(q, k_cache, v_cache, mask, scale)
+                           slots: torch.Tensor | None, scale: float) -> torch.Tensor:
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots)
 
     @_rows_attention_op.register_fake
-    def _(q, k_cache, v_cache, mask, scale):
+    def _(q, k_cache, v_cache, mask, slots, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                   split_len: int | None = None, block_s: int | None = None, block_r: int | None = None,
-                   num_warps: int | None = None) -> torch.Tensor:
+                   slots: torch.Tensor | None = None, split_len: int | None = None, block_s: int | None = None,
+                   block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """T query tokens, each with its own mask row: q [T, nh, d] (any strides, head_dim contiguous); caches
     [1, nkv, max_len, d] (one layer); mask [T, S] bool (True = attend) -> [T, nh * d] in q's dtype. Flash-decoding
-    as `decode_attention`, with the tile's rows the (token, query head) pairs of one KV head. The plan arguments
-    (benchmarks) bypass the torch operator that torch.compile sees."""
+    as `decode_attention`, with the tile's rows the (token, query head) pairs of one KV head.
+
+    `slots` [T] (the cache slots this forward wrote): keys past the highest of them are not read and count as
+    masked — true of every causal use (a token sees what was written before it or with it), and it lets the K/V
+    loads run ahead of the mask; masked keys below the bound are read and weigh 0 (a cache holds finite values).
+    Without `slots` a key block is read only where the tile's mask rows see it. The plan
+    arguments (benchmarks) bypass the torch operator that torch.compile sees."""
     if split_len or block_s or block_r or num_warps:
-        return _rows_attention(q, k_cache, v_cache, mask, scale, split_len, block_s, block_r, num_warps)
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps)
     _need()
-    return _rows_attention_op(q, k_cache, v_cache, mask, float(scale))
+    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale))
 
 
 def _combine_warps(block_sp: int, d: int) -> int:

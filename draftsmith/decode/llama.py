@@ -409,7 +409,7 @@ class LlamaFamilyForward(torch.nn.Module):
             if "attn" in ops and T == 1:
                 o = K.decode_attention(q, kc, vc, mask[0], self.scale)  # [1, nh * d]
             elif "attn" in ops:
-                o = K.rows_attention(q[0], kc, vc, mask, self.scale)  # [T, nh * d]
+                o = K.rows_attention(q[0], kc, vc, mask, self.scale, slots)  # [T, nh * d]
             else:
                 o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale,
                                       self.attn_impl)
