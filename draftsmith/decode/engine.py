@@ -294,6 +294,7 @@ class SpeculativeDecoder:
         self._compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
         self._t_fwd = self.runner.forward
         self._d_module = self._d_call = None
+        self._d_topk = self._draft_topk
         if compile and self.backend == "llama":
             from draftsmith.utils.compiling import raise_recompile_limit
 
@@ -328,8 +329,11 @@ class SpeculativeDecoder:
             return
         self._d_module = fused_for_decoding(self.drafter)
         self._d_call = self._d_module
+        self._d_topk = self._draft_topk
         if self._compiled and self.backend == "llama":
             self._d_call = torch.compile(self._d_module, dynamic=False, mode=self._compile_mode)
+            # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels)
+            self._d_topk = torch.compile(self._draft_topk, dynamic=False, mode=self._compile_mode)
         self._graphs.clear()
 
     def _refresh_drafter_view(self) -> None:
@@ -416,6 +420,10 @@ class SpeculativeDecoder:
 
     def _draft_logits(self, h):
         return self.drafter.compute_logits(h).float()
+
+    def _draft_topk(self, h, k: int):
+        """The k most likely draft tokens after h (drafter ids) and their log-probs: (values, indices) [..., k]."""
+        return torch.topk(torch.log_softmax(self._draft_logits(h), -1), k, dim=-1)
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -553,8 +561,7 @@ class SpeculativeDecoder:
         L = self.L
         prefix = self._ar < L  # committed slots, shared by every mask of the round
         # candidates: token (target id), score (cumulative log-prob), parent (candidate index, -1 = root)
-        lp = torch.log_softmax(self._draft_logits(self.h_last), -1)
-        s1, i1 = torch.topk(lp, k)
+        s1, i1 = self._d_topk(self.h_last, k)
         c_tok, c_score, c_parent = [self.d_ids.gather(0, i1)], [s1], [c["parent0"]]
         # (no python-scalar advanced-index writes below: those would copy host->device inside a graph)
         anc = c["anc0"].clone()  # candidate ancestor-or-self
@@ -566,8 +573,7 @@ class SpeculativeDecoder:
             f_mask = c["f_add"][0] if f_mask is None else f_mask | c["f_add"][j - 1]
             mask = self._region(prefix, region_slots, f_mask)
             h = self._draft_fwd(f_tok, f_h, pos_all[j - 1], slots_all[j - 1], mask)  # [k, H]
-            lpj = torch.log_softmax(self._draft_logits(h), -1)
-            sj, ij = torch.topk(lpj, k, dim=-1)  # [k, k]
+            sj, ij = self._d_topk(h, k)  # [k, k]
             sc = (f_score[:, None] + sj).reshape(-1)
             tok = self.d_ids[ij.reshape(-1)]
             pc = f_cand.repeat_interleave(k)  # parent candidate of each child
