@@ -469,6 +469,7 @@ def p2b(args, dev, dtype, runner, best):
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
     combos = [(kn, impl) for kn in kernels for impl in args.attn_impls]
+    graphs = None
     for kn, impl in combos:
         eng = SpeculativeDecoder(runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn)
         plain = eng._runner_for(DecodeMode("plain"), sp)

@@ -371,7 +371,8 @@ class LlamaFamilyForward(torch.nn.Module):
         """input_ids/positions/slots [T] long; mask [T, S] bool over cache slots 0..S-1 (S <= max_len).
 
         Writes the T tokens' K/V at `slots`, then attends with `mask`. Returns (logits [R, V] fp32 for
-        `logits_rows` (all T when None), aux [T, k*H] in the model dtype or None).
+        `logits_rows` (all T when None), aux [T, k*H] in the model dtype or None). With kernels="triton" the mask
+        must show no slot past the highest of `slots` (as in any causal use: `kernels.rows_attention` reads none).
         """
         T = input_ids.shape[0]
         S = mask.shape[1]
