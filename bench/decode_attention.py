@@ -24,18 +24,6 @@ import torch  # noqa: E402
 from bench.common import markdown_table, record  # noqa: E402
 
 
-def tree_mask(T: int, S: int, ctx: int, device) -> torch.Tensor:
-    """[T, S]: the context for every row, then a binary-ish tree over the T nodes (node i's parent (i-1)//2)."""
-    m = torch.zeros(T, S, dtype=torch.bool)
-    m[:, :ctx] = True
-    for t in range(T):
-        a = t
-        while a >= 0:
-            m[t, ctx + a] = True
-            a = (a - 1) // 2 if a else -1
-    return m.to(device)
-
-
 def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int]]:
     """(block_r, block_s, n_split, warps) candidates; block_r at most the rows rounded up."""
     from draftsmith.decode import kernels as K
@@ -69,6 +57,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from draftsmith.decode import kernels as K
     from draftsmith.decode.llama import grouped_attention, prepare_mask
+    from draftsmith.decode.testing import tree_mask
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -88,7 +77,8 @@ def main(argv=None) -> int:
         return us, err
 
     for T in [int(t) for t in args.tokens.split(",")] if not args.smoke else [3, 9]:
-        mask = tree_mask(T, S, min(ctx, S - T), dev)
+        # a binary tree over the T nodes (node i's parent (i-1)//2) after the context
+        mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(T)], S, min(ctx, S - T)).to(dev)
         qkv = torch.randn(T, nh + 2 * nkv, d, device=dev, dtype=dtype)
         q = qkv[:, :nh]  # the compact forward's view
         ref = grouped_attention(q.transpose(0, 1)[None].float(), kcs[0].float(), vcs[0].float(), mask, scale,

@@ -22,7 +22,7 @@ from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, _lower_boun
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
-from draftsmith.decode.testing import random_drafter, tiny_llama, tiny_qwen3  # noqa: E402
+from draftsmith.decode.testing import random_drafter, tiny_llama, tiny_qwen3, tree_mask  # noqa: E402
 from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,17 +199,8 @@ def test_decode_attention_skips_unmasked_tail():
 
 
 def _tree_mask(T: int, S: int, ctx: int, g: torch.Generator) -> torch.Tensor:
-    """[T, S]: every row sees the context and a random ancestor-closed subset of the T nodes before it, itself
-    included (a tree verify's mask); the slots past ctx + T are the cache's unused tail."""
-    parent = [-1] + [int(torch.randint(-1, t, (1,), generator=g)) for t in range(1, T)]
-    m = torch.zeros(T, S, dtype=torch.bool)
-    m[:, :ctx] = True
-    for t in range(T):
-        a = t
-        while a >= 0:
-            m[t, ctx + a] = True
-            a = parent[a]
-    return m
+    """`testing.tree_mask` of a random tree of T nodes."""
+    return tree_mask([-1] + [int(torch.randint(-1, t, (1,), generator=g)) for t in range(1, T)], S, ctx)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

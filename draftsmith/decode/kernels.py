@@ -241,6 +241,25 @@ if triton is not None:
             tl.store(vc_ptr + (hd - NH - NKV) * stride_cache_h + slot * D + rd, x)
 
     @triton.jit
+    def _softmax_step(q, k, v, vis, m, l_sum, acc, scale, IEEE: tl.constexpr):
+        """One key block of flash attention: scores q k^T (fp32), masked by vis (True = attend), folded into the
+        running max m, sum l_sum and output acc [rows, D] (fp32) -> (m, l_sum, acc)."""
+        if IEEE:  # fp32 models (and the interpreter): no TF32 in the scores
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(vis, sc * scale, -1.0e30)
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.where(vis, tl.exp(sc - m_new[:, None]), 0.0)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc * alpha[:, None] + pv
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
                            S, split_len, n_split, stride_cache_h, scale,
                            G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -269,21 +288,7 @@ if triton is not None:
             # the next block's loads can be issued early.
             k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:  # fp32 models (and the interpreter, above): no TF32 in the scores
-                sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = tl.where(valid[None, :], sc * scale, -1.0e30)
-            m_new = tl.maximum(m, tl.max(sc, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            m, l_sum, acc = _softmax_step(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
         rows = h * G + rr
         if SINGLE:
             out = acc / l_sum[:, None]
@@ -340,21 +345,7 @@ if triton is not None:
                 seen = tl.max(vis.to(tl.int32), axis=0) > 0  # keys no row of this tile sees are not read
             k = tl.load(kbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
             v = tl.load(vbase + rs[:, None] * D + rd[None, :], mask=seen[:, None], other=0.0)
-            if IEEE:
-                sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = tl.where(vis, sc * scale, -1.0e30)
-            m_new = tl.maximum(m, tl.max(sc, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.where(vis, tl.exp(sc - m_new[:, None]), 0.0)
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            m, l_sum, acc = _softmax_step(q, k, v, vis, m, l_sum, acc, scale, IEEE)
         rows = t * NH + qh  # output row [T, NH] token-major, as the combine kernel's rows
         if SINGLE:  # (a padding row sees nothing: l = 0, not stored)
             out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]

@@ -49,6 +49,21 @@ def tiny_llama(vocab_size: int = 8, seed: int = 0, init: float = 0.5, layers: in
     return model
 
 
+def tree_mask(parents: Sequence[int], S: int, ctx: int) -> torch.Tensor:
+    """A tree verify's mask [T, S] for T = len(parents) nodes at slots ctx..ctx+T-1: every row sees the context
+    (slots < ctx), itself and its ancestors (parents[i] < i, -1 = a child of the committed context); the slots past
+    ctx + T are the cache's unused tail."""
+    T = len(parents)
+    m = torch.zeros(T, S, dtype=torch.bool)
+    m[:, :ctx] = True
+    for t in range(T):
+        a = t
+        while a >= 0:
+            m[t, ctx + a] = True
+            a = parents[a]
+    return m
+
+
 def random_drafter(model, seed: int = 0, **overrides):
     """An untrained draftsmith Drafter for an in-memory HF model (target embedding attached)."""
     from draftsmith.drafter import Drafter, DrafterConfig
