@@ -132,6 +132,18 @@ def variants(shape: str, dtype: str = "bf16"):
                K._rows_attn_kernel, rattn_sig, dict(NH=nh, G=g, BLOCK_R=br, D=d, BLOCK_S=K.ROWS_ATTN_BLOCK_S,
                                                     BLOCK_T=64, HAS_SLOTS=True, SINGLE=single, IEEE=dtype == "fp32", USE_PDL=pdl),
                K.ROWS_ATTN_WARPS, [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
+    topk_sig = {"x_ptr": p, "cv_ptr": "*fp32", "ci_ptr": "*i32", "bm_ptr": "*fp32", "bs_ptr": "*fp32", "V": "i32",
+                "stride_x": "i32", "NB": "i32", "K": "constexpr", "BLOCK": "constexpr", "USE_PDL": "constexpr"}
+    merge_sig = {"cv_ptr": "*fp32", "ci_ptr": "*i32", "bm_ptr": "*fp32", "bs_ptr": "*fp32", "ov_ptr": "*fp32",
+                 "oi_ptr": "*i64", "NB": "i32", "V": "i32", "K": "constexpr", "BLOCK_C": "constexpr",
+                 "BLOCK_B": "constexpr", "USE_PDL": "constexpr"}
+    for k in (8, K.TOPK_MAX):  # a draft level's top-k over the 32k draft vocabulary
+        yield (f"topk_logprobs block k={k} pdl", K._topk_block_kernel, topk_sig,
+               dict(K=k, BLOCK=K.TOPK_BLOCK, USE_PDL=True), 8, ["x_ptr", "stride_x"])
+        nb = -(-32000 // K.TOPK_BLOCK)
+        yield (f"topk_logprobs merge k={k} pdl", K._topk_merge_kernel, merge_sig,
+               dict(K=k, BLOCK_C=1 << (nb * k - 1).bit_length(), BLOCK_B=1 << (nb - 1).bit_length(), USE_PDL=True),
+               1, [])
     comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
                 "D": "constexpr", "BLOCK_SP": "constexpr", "USE_PDL": "constexpr"}
     for bsp, pdl in ((16, False), (K.ATTN_MAX_SPLIT, False), (K.ATTN_MAX_SPLIT, True)):

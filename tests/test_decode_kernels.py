@@ -267,6 +267,34 @@ def test_rows_attention_skips_unseen_keys_and_checks_shapes():
                        torch.randn(1, nkv, M, 24, device=DEV), mask, 0.25)
 
 
+@pytest.mark.parametrize("R,V,k,dtype", [(1, 50, 3, torch.float32), (8, 5000, 8, torch.float32),
+                                         (8, 200, 8, torch.bfloat16), (3, 2049, 16, torch.float32),
+                                         (2, 16, 16, torch.float32)],
+                         ids=["one-row", "draft-level", "bf16", "block-edge", "k-equals-V"])
+def test_topk_logprobs_equals_torch(R, V, k, dtype):
+    """log-softmax + top-k in two kernels against torch's: the same columns in the same order, the same log-probs;
+    ties go to the lower column (torch leaves their order open, so a tie is checked on its own)."""
+    from draftsmith.decode.kernels import topk_logprobs
+
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(R, V, generator=g) * 3
+    if dtype == torch.bfloat16:  # distinct values a bf16 holds exactly (random bf16 logits tie)
+        x = torch.stack([torch.randperm(V, generator=g) * 0.25 for _ in range(R)])
+    x = x.to(DEV, dtype)
+    v, i = topk_logprobs(x, k)
+    rv, ri = torch.topk(torch.log_softmax(x.float(), -1), k, dim=-1)
+    assert v.dtype == torch.float32 and i.dtype == torch.int64 and v.shape == (R, k)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, atol=2e-5, rtol=1e-5)
+    v1, i1 = topk_logprobs(x[0], k)  # one row, no batch dimension
+    assert v1.shape == (k,) and torch.equal(i1, ri[0])
+    tie = torch.zeros(1, V, device=DEV)
+    tie[0, [7, 3, V - 1]] = 5.0
+    assert topk_logprobs(tie, min(k, 3))[1][0].tolist() == [3, 7, V - 1][: min(k, 3)]
+    with pytest.raises(ValueError, match="topk_logprobs"):
+        topk_logprobs(x, 17)
+
+
 def test_verify_forward_through_rows_attention_equals_torch_path():
     """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
     matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
@@ -453,7 +481,7 @@ def test_greedy_equal_with_triton_kernels():
     rows = SpeculativeDecoder(m, d, max_len=64)  # and the verify forwards through the T-row kernels too
     rows.runner.kernels, rows.runner.triton_max_rows = "triton", 64
     built = SpeculativeDecoder(m, d, max_len=64, kernels="triton")  # verify and drafter attention: rows_attention
-    assert built._d_rows_attn > 0
+    assert built._d_rows_attn > 0 and built._topk_max > 0  # tree levels' top-k: kernels.topk_logprobs
     for p in prompts:
         want = ref.generate(p, 10, mode=DecodeMode("plain")).token_ids
         for mode in (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2)):
@@ -526,7 +554,7 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     from draftsmith.decode import kernels as K
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
-    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 4 + 3  # each with and without PDL
+    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 4 + 4 + 3  # each with and without PDL
     pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
     assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
     bad = [row for row in rows if row["error"] or row["local B"] != 0]

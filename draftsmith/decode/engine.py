@@ -274,12 +274,15 @@ class SpeculativeDecoder:
                                  f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
         self._d_slots = None
         self._d_mask = None
-        # kernels="triton": the drafter's attention over up to this many tokens through kernels.rows_attention (0: off)
-        self._d_rows_attn = 0
-        if drafter is not None and self.runner.kernels == "triton" and self.d_hd >= 16 and not self.d_hd & (self.d_hd - 1):
+        # kernels="triton": the drafter's attention over up to this many tokens through kernels.rows_attention, and
+        # a tree level's top-k up to this k through kernels.topk_logprobs (0: off)
+        self._d_rows_attn = self._topk_max = 0
+        if drafter is not None and self.runner.kernels == "triton":
             from draftsmith.decode import kernels as K
 
-            self._d_rows_attn = K.ROWS_ATTN_MAX
+            self._topk_max = K.TOPK_MAX
+            if self.d_hd >= 16 and not self.d_hd & (self.d_hd - 1):
+                self._d_rows_attn = K.ROWS_ATTN_MAX
         self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
         self._resolve_attn_impl()
@@ -422,7 +425,12 @@ class SpeculativeDecoder:
         return self.drafter.compute_logits(h).float()
 
     def _draft_topk(self, h, k: int):
-        """The k most likely draft tokens after h (drafter ids) and their log-probs: (values, indices) [..., k]."""
+        """The k most likely draft tokens after h (drafter ids) and their log-probs: (values, indices) [..., k]
+        (kernels="triton": the log-softmax and top-k as `kernels.topk_logprobs`'s two kernels)."""
+        if k <= self._topk_max:
+            from draftsmith.decode import kernels as K
+
+            return K.topk_logprobs(self.drafter.compute_logits(h), k)
         return torch.topk(torch.log_softmax(self._draft_logits(h), -1), k, dim=-1)
 
     # ------------------------------------------------------------------ prefill

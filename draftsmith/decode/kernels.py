@@ -774,6 +774,106 @@ def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale))
 
 
+# topk_logprobs: columns per program of the first pass (each keeps its k best), and the largest k it takes
+TOPK_BLOCK = 2048
+TOPK_MAX = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _topk_block_kernel(x_ptr, cv_ptr, ci_ptr, bm_ptr, bs_ptr, V, stride_x, NB,
+                           K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        """Pass 1 of `topk_logprobs`: one block of BLOCK columns of one row -> its K largest (value, column), first
+        column first among equal values, and the block's max and sum of exp(x - max) for the log-softmax."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        r = tl.program_id(0)
+        b = tl.program_id(1)
+        cols = b * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < V
+        x = tl.load(x_ptr + r.to(tl.int64) * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        bm = tl.max(x, axis=0)
+        tl.store(bm_ptr + r * NB + b, bm)
+        tl.store(bs_ptr + r * NB + b, tl.sum(tl.where(ok, tl.exp(x - bm), 0.0), axis=0))
+        big = V + BLOCK
+        for i in tl.static_range(K):
+            v = tl.max(x, axis=0)
+            j = tl.min(tl.where((x == v) & ok, cols, big), axis=0)
+            tl.store(cv_ptr + (r * NB + b) * K + i, v)
+            tl.store(ci_ptr + (r * NB + b) * K + i, j)
+            x = tl.where(cols == j, float("-inf"), x)
+
+    @triton.jit
+    def _topk_merge_kernel(cv_ptr, ci_ptr, bm_ptr, bs_ptr, ov_ptr, oi_ptr, NB, V,
+                           K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr):
+        """Pass 2: the K best of a row's blocks' candidates, in descending order (ties: lower column first), minus
+        the row's log-sum-exp -> log-probs and columns."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        r = tl.program_id(0)
+        rb = tl.arange(0, BLOCK_B)
+        b_ok = rb < NB
+        bm = tl.load(bm_ptr + r * NB + rb, mask=b_ok, other=float("-inf"))
+        bs = tl.load(bs_ptr + r * NB + rb, mask=b_ok, other=0.0)
+        mx = tl.max(bm, axis=0)
+        lse = mx + tl.log(tl.sum(tl.where(b_ok, bs * tl.exp(bm - mx), 0.0), axis=0))
+        rc = tl.arange(0, BLOCK_C)
+        c_ok = rc < NB * K
+        cv = tl.load(cv_ptr + r * NB * K + rc, mask=c_ok, other=float("-inf"))
+        ci = tl.load(ci_ptr + r * NB * K + rc, mask=c_ok, other=V)
+        for i in tl.static_range(K):
+            v = tl.max(cv, axis=0)
+            j = tl.min(tl.where((cv == v) & c_ok, ci, V), axis=0)
+            tl.store(ov_ptr + r * K + i, v - lse)
+            tl.store(oi_ptr + r * K + i, j.to(tl.int64))
+            cv = tl.where(ci == j, float("-inf"), cv)
+
+
+def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _need()
+    R, V = logits.shape
+    if not 1 <= k <= min(TOPK_MAX, V) or logits.stride(1) != 1:
+        raise ValueError(f"topk_logprobs: k={k} of {V} columns (1 <= k <= {TOPK_MAX}, columns contiguous)")
+    block = min(TOPK_BLOCK, max(16, triton.next_power_of_2(V)))
+    nb = triton.cdiv(V, block)
+    dev = logits.device
+    cv = torch.empty(R, nb, k, dtype=torch.float32, device=dev)
+    ci = torch.empty(R, nb, k, dtype=torch.int32, device=dev)
+    bm = torch.empty(R, nb, dtype=torch.float32, device=dev)
+    bs = torch.empty_like(bm)
+    ov = torch.empty(R, k, dtype=torch.float32, device=dev)
+    oi = torch.empty(R, k, dtype=torch.int64, device=dev)
+    _topk_block_kernel[(R, nb)](logits, cv, ci, bm, bs, V, logits.stride(0), nb, K=k, BLOCK=block,
+                                num_warps=8 if block >= 2048 else 4, **_pdl(logits))
+    _topk_merge_kernel[(R,)](cv, ci, bm, bs, ov, oi, nb, V, K=k, BLOCK_C=max(16, triton.next_power_of_2(nb * k)),
+                             BLOCK_B=max(2, triton.next_power_of_2(nb)), num_warps=1, **_pdl(logits))
+    return ov, oi
+
+
+if triton is not None:
+    @torch.library.custom_op("draftsmith::topk_logprobs", mutates_args=())
+    def _topk_logprobs_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _topk_logprobs(logits, k)
+
+    @_topk_logprobs_op.register_fake
+    def _(logits, k):
+        R = logits.shape[0]
+        return (logits.new_empty(R, k, dtype=torch.float32), logits.new_empty(R, k, dtype=torch.int64))
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(torch.log_softmax(logits.float(), -1), k)` in two kernels: logits [..., V] (any float dtype) ->
+    (log-probs fp32 [..., k] in descending order, column indices int64 [..., k]; among equal values the lower
+    column first). What a tree level of the drafter needs; torch's top-k over a 32k-wide row is a chain of radix-
+    select kernels (~10 a call on an H200) after a separate log-softmax. A torch custom op (compiled callers)."""
+    _need()
+    shape = logits.shape
+    v, i = _topk_logprobs_op(logits.reshape(-1, shape[-1]), int(k))
+    return v.reshape(*shape[:-1], k), i.reshape(*shape[:-1], k)
+
+
 def _combine_warps(block_sp: int, d: int) -> int:
     """Warps of the combine kernel: its [chunks, head_dim] fp32 tile at <= 64 values per thread (no spills)."""
     return max(1, min(8, block_sp * d // (64 * 32)))
@@ -828,5 +928,6 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
 
 
 __all__ = ["available", "gemv", "gemm_rows", "tune_gemv", "rope_and_cache", "decode_attention", "rows_attention",
+           "topk_logprobs",
            "tune_attention", "GEMV_CONFIGS",
            "ATTN_CONFIGS"]
