@@ -277,7 +277,7 @@ class SpeculativeDecoder:
         # kernels="triton": the drafter's attention over up to this many tokens through kernels.rows_attention, and
         # a tree level's top-k up to this k through kernels.topk_logprobs (0: off)
         self._d_rows_attn = self._topk_max = 0
-        if drafter is not None and self.runner.kernels == "triton":
+        if drafter is not None and getattr(self.runner, "kernels", "torch") == "triton":  # (the HF path has none)
             from draftsmith.decode import kernels as K
 
             self._topk_max = K.TOPK_MAX
