@@ -49,8 +49,8 @@ _ATTN_HELP = ("Attention of the compact forward and the drafter: auto (on CUDA S
 _KERNELS_HELP = ("Decode kernels of the compact forward: torch (cuBLAS + separate norms/RoPE/attention) | triton "
                  "(one-token steps through draftsmith's fused kernels, 7 a layer, tiles tuned on the GPU at start: "
                  "0.87-0.90 of copy bandwidth on an 8B shape vs 0.61 for torch; the rounds' verify, hand-off and "
-                 "draft-step attention through one tree-mask kernel). Fastest: --kernels triton --compile "
-                 "(8B shape: 3.0x projected for tree rounds against this plain step).")
+                 "draft-step attention through one tree-mask kernel, a tree level's top-k through two). Fastest: "
+                 "--kernels triton --compile (8B shape: 3.1x projected for tree rounds against this plain step).")
 
 
 def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto",
