@@ -467,29 +467,34 @@ def test_engine_kernels_argument():
             K._INTERPRET = was
 
 
-def test_greedy_equal_with_triton_kernels():
-    """Plain and chain decoding through the engine with the kernels on: token for token the plain torch path's
-    greedy output (tiny Qwen3, fp32, peaky logits: no near-ties)."""
+@pytest.mark.parametrize("setup", ["one-token", "rows", "built"])
+def test_greedy_equal_with_triton_kernels(setup):
+    """Decoding through the engine with the kernels on gives, token for token, the plain torch path's greedy output
+    (tiny Qwen3, fp32, peaky logits: no near-ties). one-token: the runner's one-token steps through the kernels
+    (plain, chain); rows: the verify forwards through the T-row matmul kernels too (chain, tree); built: an engine
+    made with kernels="triton" — the drafter's attention through rows_attention and its tree levels' top-k through
+    topk_logprobs as well (chain, tree). All in triton's interpreter on CPU, hence few prompts."""
     m = tiny_qwen3().to(DEV)
     d = random_drafter(m, seed=1).to(DEV)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(6)]
+                             generator=g).tolist() for _ in range(4)]
     ref = SpeculativeDecoder(m, d, max_len=64)
-    eng = SpeculativeDecoder(m, d, max_len=64)
-    eng.runner.kernels = "triton"
-    rows = SpeculativeDecoder(m, d, max_len=64)  # and the verify forwards through the T-row kernels too
-    rows.runner.kernels, rows.runner.triton_max_rows = "triton", 64
-    built = SpeculativeDecoder(m, d, max_len=64, kernels="triton")  # verify and drafter attention: rows_attention
-    assert built._d_rows_attn > 0 and built._topk_max > 0  # tree levels' top-k: kernels.topk_logprobs
+    if setup == "built":
+        eng = SpeculativeDecoder(m, d, max_len=64, kernels="triton")
+        assert eng._d_rows_attn > 0 and eng._topk_max > 0
+        modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=6))
+    else:
+        eng = SpeculativeDecoder(m, d, max_len=64)
+        eng.runner.kernels = "triton"
+        modes = (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2))
+        if setup == "rows":
+            eng.runner.triton_max_rows = 64
+            modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4))
     for p in prompts:
-        want = ref.generate(p, 10, mode=DecodeMode("plain")).token_ids
-        for mode in (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2)):
-            assert eng.generate(p, 10, mode=mode).token_ids == want, (p, mode)
-        for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=6)):
-            assert built.generate(p, 10, mode=mode).token_ids == want, (p, mode)
-        for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4)):
-            assert rows.generate(p, 10, mode=mode).token_ids == want, (p, mode)
+        want = ref.generate(p, 8, mode=DecodeMode("plain")).token_ids
+        for mode in modes:
+            assert eng.generate(p, 8, mode=mode).token_ids == want, (p, mode)
 
 
 def test_triton_kernels_with_compiled_rounds():
