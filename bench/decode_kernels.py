@@ -259,7 +259,7 @@ def main(argv=None) -> int:
                                      compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
             if kn == "triton" and not any(r["S"] == S for r in attn_tuning):  # attention alone, each plan
                 attn_tuning += K.tune_attention(runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale)
-            ctx = max(1, S - reps - 24)
+            ctx = max(1, S - reps - 24) if not args.smoke else 8  # smoke: a short prefill (the interpreter is slow)
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
             plain = eng._runner_for(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
