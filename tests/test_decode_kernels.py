@@ -488,9 +488,10 @@ def test_greedy_equal_with_triton_kernels(setup):
         eng = SpeculativeDecoder(m, d, max_len=64)
         eng.runner.kernels = "triton"
         modes = (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2))
-        if setup == "rows":
+        if setup == "rows":  # the experimental T-row matmuls (off by default): the slowest in the interpreter
             eng.runner.triton_max_rows = 64
             modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4))
+            prompts = prompts[:2]
     for p in prompts:
         want = ref.generate(p, 8, mode=DecodeMode("plain")).token_ids
         for mode in modes:
