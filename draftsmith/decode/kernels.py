@@ -118,6 +118,14 @@ def _pow2(n: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _pdl_start(USE_PDL: tl.constexpr):
+        """Programmatic dependent launch for a kernel that touches shared data at once: let the next kernel launch,
+        then wait for the previous one to finish (a kernel that can prefetch first, the gemv, waits later)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
     def _rms_apply(x, rstd, nw, out_ty: tl.constexpr):
         """HF's RMSNorm of x given its 1/rms: normalise in fp32, round to the model dtype, times the weight, round."""
         xn = (x.to(tl.float32) * rstd).to(out_ty)
@@ -206,9 +214,7 @@ if triton is not None:
                            stride_t, stride_cache_h, eps,
                            NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_QKN: tl.constexpr,
                            USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         t = tl.program_id(0)
         hd = tl.program_id(1)  # 0..NH-1: q heads, then NKV k heads, then NKV v heads
         rd = tl.arange(0, D)
@@ -264,9 +270,7 @@ if triton is not None:
                            S, split_len, n_split, stride_cache_h, scale,
                            G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                            SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         h = tl.program_id(0)  # KV head: its G query heads are the rows of one tile
         sp = tl.program_id(1)  # key chunk
         rr = tl.arange(0, BLOCK_R)
@@ -310,9 +314,7 @@ if triton is not None:
         keys read are those up to the highest slot this forward wrote (a scalar bound, so the K/V loads do not
         wait for the mask tile and pipeline across key blocks); else a key block is read where any row of the tile
         sees one of its keys."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         if HAS_SLOTS:
             rt = tl.arange(0, BLOCK_T)
             kv_hi = tl.max(tl.load(slot_ptr + rt, mask=rt < T, other=0), axis=0).to(tl.int32) + 1
@@ -359,9 +361,7 @@ if triton is not None:
     @triton.jit
     def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr,
                              USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         row = tl.program_id(0)  # query head
         rp = tl.arange(0, BLOCK_SP)
         rd = tl.arange(0, D)
@@ -384,9 +384,7 @@ if triton is not None:
                      USE_PDL: tl.constexpr):
         """`gemv` for T <= BLOCK_M rows (a verify's tokens): one program per BLOCK_N outputs, all T rows as one
         tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < T
@@ -785,9 +783,7 @@ if triton is not None:
                            K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         """Pass 1 of `topk_logprobs`: one block of BLOCK columns of one row -> its K largest (value, column), first
         column first among equal values, and the block's max and sum of exp(x - max) for the log-softmax."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         r = tl.program_id(0)
         b = tl.program_id(1)
         cols = b * BLOCK + tl.arange(0, BLOCK)
@@ -809,9 +805,7 @@ if triton is not None:
                            K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr):
         """Pass 2: the K best of a row's blocks' candidates, in descending order (ties: lower column first), minus
         the row's log-sum-exp -> log-probs and columns."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        _pdl_start(USE_PDL)
         r = tl.program_id(0)
         rb = tl.arange(0, BLOCK_B)
         b_ok = rb < NB
