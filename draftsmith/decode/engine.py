@@ -335,7 +335,8 @@ class SpeculativeDecoder:
         self._d_topk = self._draft_topk
         if self._compiled and self.backend == "llama":
             self._d_call = torch.compile(self._d_module, dynamic=False, mode=self._compile_mode)
-            # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels)
+            # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;
+            # with kernels="triton" the log-softmax and top-k are topk_logprobs's two)
             self._d_topk = torch.compile(self._draft_topk, dynamic=False, mode=self._compile_mode)
         self._graphs.clear()
 

@@ -309,7 +309,7 @@ class LlamaFamilyForward(torch.nn.Module):
         one-token step (and, with `triton_max_rows`, up to that many tokens) takes every op of `triton_ops` it can;
         a wider forward of up to `kernels.ROWS_ATTN_MAX` tokens (a verify, a hand-off) takes only the attention
         (`kernels.rows_attention`: one kernel pair over the tree mask where torch needs the mask expanded, two
-        batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (prefill) none."""
+        batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (long prefills) none."""
         if self.kernels != "triton" or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
@@ -318,7 +318,7 @@ class LlamaFamilyForward(torch.nn.Module):
             return frozenset()
         d = self.head_dim
         attn_ok = d >= 16 and not d & (d - 1)
-        if T > min(max(1, self.triton_max_rows), K.ROWS_MAX):
+        if T > self._kernel_rows():
             return frozenset({"attn"}) if attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops \
                 else frozenset()
         ops = set(self.triton_ops)
@@ -331,9 +331,13 @@ class LlamaFamilyForward(torch.nn.Module):
     def triton_step(self, T: int) -> bool:
         """Whether a T-token forward is the all-kernel step (its matmuls are gemv/gemm_rows launches), which runs
         without torch.compile (`SpeculativeDecoder._triton_or_compiled`)."""
+        return bool(self.triton_ops_for(T)) and T <= self._kernel_rows()
+
+    def _kernel_rows(self) -> int:
+        """The most tokens a forward runs all through the kernels (1, or `triton_max_rows` up to ROWS_MAX)."""
         from draftsmith.decode import kernels as K
 
-        return bool(self.triton_ops_for(T)) and T <= min(max(1, self.triton_max_rows), K.ROWS_MAX)
+        return min(max(1, self.triton_max_rows), K.ROWS_MAX)
 
     def gemv_kinds(self) -> dict:
         """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
