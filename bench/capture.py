@@ -34,7 +34,7 @@ def useful_flops(n_params: int, lengths: np.ndarray, hidden: int, layers: int) -
 
 def bare_forward(target, samples, batch_tokens: int, shard_tokens: int, pad_id: int) -> float:
     """The same right-padded batches the capture runs, without hooks, copies or writes."""
-    from draftsmith.store.capture import plan_batches, plan_shards
+    from draftsmith.capture.job import plan_batches, plan_shards
 
     lengths = np.array([len(s.input_ids) for s in samples])
     batches = []
@@ -71,7 +71,7 @@ def take_tokens(samples, n_tokens: int):
 
 def run_model(name, target, samples, variants, batch_tokens, workdir: Path) -> list[dict]:
     from draftsmith.store import format as fmt
-    from draftsmith.store.capture import CaptureConfig, run_capture
+    from draftsmith.capture.job import CaptureConfig, run_capture
 
     H, N = target.hidden_size, target.num_layers
     n_params = sum(p.numel() for p in target.decoder.parameters()) - target.embed_tokens.weight.numel()
@@ -119,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from draftsmith.data import load_samples
-    from draftsmith.target import load_target, target_from_model
+    from draftsmith.target_model import load_target, target_from_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dsbench-"))
     small = load_target(args.small, dtype="bf16" if args.device == "cuda" else "fp32", device=args.device)

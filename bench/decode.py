@@ -304,7 +304,7 @@ def humaneval_prompts(path, tok, limit):
 def p2a(args, dev, dtype):
     from draftsmith.decode.evaluate import run_eval
     from draftsmith.drafter import Drafter
-    from draftsmith.target import load_target
+    from draftsmith.target_model import load_target
 
     t = load_target(args.target, dtype="bf16" if dev.type == "cuda" else "fp32", device=str(dev))
     if args.drafter == "random":  # infrastructure check only: an untrained drafter accepts ~nothing (τ≈1)

@@ -57,7 +57,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from draftsmith.decode import kernels as K
     from draftsmith.decode.llama import grouped_attention, prepare_mask
-    from draftsmith.decode.testing import tree_mask
+    # the tests' reference tree mask (built from parent pointers, independent of the engine's own)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from decode_helpers import tree_mask
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -58,7 +58,7 @@ def census(target_path: str, modes: list[str], draft_vocab: int = 2048) -> list[
     from draftsmith.decode import SpeculativeDecoder
     from draftsmith.decode.sampling import SamplingParams
     from draftsmith.drafter import Drafter
-    from draftsmith.target import load_target
+    from draftsmith.target_model import load_target
 
     t = load_target(target_path, dtype="fp32", device="cpu")
     torch.manual_seed(0)

@@ -81,20 +81,20 @@ def _worker_capture(a) -> None:
     import numpy as np
 
     from draftsmith.data.loader import Sample
-    from draftsmith.store.capture import CaptureConfig, run_capture
+    from draftsmith.capture.job import CaptureConfig, run_capture
 
     z = np.load(a.samples, allow_pickle=False)
     ids, mask, off = z["ids"], z["mask"], z["offsets"]
     samples = [Sample(ids[off[i]:off[i + 1]], mask[off[i]:off[i + 1]], f"sample{i}") for i in range(len(off) - 1)]
     import torch
 
-    from draftsmith.store.capture import _init_dist, _resolve_device, dist_info
-    from draftsmith.target import load_target
+    from draftsmith.common.dist import dist_info, init_dist, resolve_device
+    from draftsmith.target_model import load_target
 
     rank, world, local = dist_info()
-    device = _resolve_device("auto" if a.device == "cuda" else "cpu", local)
+    device = resolve_device("auto" if a.device == "cuda" else "cpu", local)
     if world > 1:
-        _init_dist(world, "nccl" if device.type == "cuda" else "gloo")
+        init_dist(world, "nccl" if device.type == "cuda" else "gloo")
     t = time.time()
     target = load_target(a.target, dtype="bf16" if a.device == "cuda" else "fp32", device=device,
                          tp_plan="auto" if a.tp else None)
@@ -229,7 +229,7 @@ class Bench:
         import numpy as np
 
         from draftsmith.data import load_samples
-        from draftsmith.target.load import load_tokenizer
+        from draftsmith.target_model.load import load_tokenizer
 
         path = self.work / f"{name}.npz"
         if path.is_file():

@@ -44,7 +44,7 @@ PEAK_BF16 = 790e12
 
 
 def synthetic_row(T: int, H: int, k: int, V: int, rng: np.random.Generator, device):
-    from draftsmith.train.data import MicroBatch
+    from draftsmith.train.batches import MicroBatch
     from draftsmith.train.ttt import document_ids_from_lengths, positions_from_doc_ids
 
     lens, used = [], 0
@@ -62,7 +62,7 @@ def synthetic_row(T: int, H: int, k: int, V: int, rng: np.random.Generator, devi
 
 
 def store_rows(store, T: int, n: int, seed: int, device):
-    from draftsmith.train.data import build_micro_batch, epoch_rows, source_lengths
+    from draftsmith.train.batches import build_micro_batch, epoch_rows, source_lengths
 
     lengths = source_lengths(store)
     rows = epoch_rows(list(range(len(store))), lengths, T, seed, 0)[:n]
@@ -215,7 +215,7 @@ def main() -> None:
     t_start = time.perf_counter()
     if not torch.cuda.is_available():
         sys.exit("bench/train.py needs a CUDA device")
-    from draftsmith.target import load_target
+    from draftsmith.target_model import load_target
 
     target = load_target(args.target, dtype="bf16", device="cuda")
     vd = args.draft_vocab_size or min(32000, target.vocab_size)

@@ -6,9 +6,9 @@
 
 Phases (each in try/except; what finished is reported even when a later phase fails):
 
-1. split + export: the trainer's held-out split of STORE (`draftsmith.train.evaluate.heldout_split`, i.e.
+1. split + export: the trainer's held-out split of STORE (`draftsmith.train.heldout.heldout_split`, i.e.
    `data.split_train_eval(n, --eval-fraction, --seed)`, the split `draftsmith train` uses). The store is
-   exported with `draftsmith.store.export_speculators` (the code behind `draftsmith store export --format
+   exported with `draftsmith.export.speculators_store` (the code behind `draftsmith store export --format
    speculators`) with its rows REORDERED: training samples first (ascending), held-out samples last.
    speculators' `ArrowDataset` trains on rows `[0, int(n * --train-data-ratio))` and validates on the rest,
    so `--train-data-ratio (n_train + 0.5) / n` makes its split exactly ours. The row -> store-sample mapping
@@ -110,7 +110,7 @@ def train_data_ratio(n_train: int, n: int) -> float:
 
 
 def plan_split(n: int, seed: int, eval_fraction: float) -> dict:
-    from draftsmith.train.evaluate import heldout_split
+    from draftsmith.train.heldout import heldout_split
 
     train_idx, eval_idx = heldout_split(n, seed, eval_fraction)
     order = list(train_idx) + list(eval_idx)
@@ -131,7 +131,7 @@ def export_split(store, out_dir: Path, split: dict, draft_vocab_size: int, progr
     import numpy as np
 
     from draftsmith.drafter.vocab import build_draft_vocab
-    from draftsmith.store.export_speculators import export_speculators
+    from draftsmith.export.speculators_store import export_speculators
 
     summary = export_speculators(ReorderedStore(store, split["row_to_sample"]), out_dir, progress=progress)
     d2t, t2d = build_draft_vocab(store.token_counts(), draft_vocab_size)
@@ -440,7 +440,7 @@ def plan(a) -> dict:
     aux = [int(i) for i in store.manifest["aux_layers"]]
     export_dir = work / "speculators_data"
     try:
-        from draftsmith.train.data import source_lengths
+        from draftsmith.train.batches import source_lengths
 
         lengths = source_lengths(store)
         per_epoch = speculators_batches_per_epoch([min(int(lengths[i]), a.batch_tokens) for i in split["train_samples"]],
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
     if P["spec_batches_per_epoch"]:
         print(f"speculators: {P['spec_batches_per_epoch'][0]} packed batches in epoch 0 -> --epochs {P['spec_epochs']} "
               f"--max-steps {a.steps}")
-    print(f"export:      draftsmith.store.export_speculators(reordered store) -> {P['export_dir']}")
+    print(f"export:      draftsmith.export.speculators_store(reordered store) -> {P['export_dir']}")
     print(f"speculators: {P['spec_cmd']}")
     print(f"draftsmith:  {P['ds_cmd']}")
     if a.dry_run:
@@ -568,8 +568,8 @@ def main(argv=None) -> int:
         import torch
 
         from draftsmith.drafter import Drafter
-        from draftsmith.target import load_target
-        from draftsmith.train.evaluate import evaluate_drafter, open_store
+        from draftsmith.target_model import load_target
+        from draftsmith.train.heldout import evaluate_drafter, open_store
 
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         target = load_target(a.target, dtype="bf16" if dev.type == "cuda" else "fp32", device=dev)

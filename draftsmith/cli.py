@@ -13,7 +13,7 @@ import sys
 import typer
 
 from draftsmith import __version__
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 app = typer.Typer(
     name="draftsmith",
@@ -31,14 +31,13 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# Stage modules that contribute commands, in pipeline order. A stage that is not present yet is skipped.
+# Stage modules that contribute commands, in pipeline order; each exposes `register(app)`.
 STAGE_CLIS = [
+    "draftsmith.capture.cli",
     "draftsmith.store.cli",
     "draftsmith.train.cli",
     "draftsmith.decode.cli",
     "draftsmith.export.cli",
-    "draftsmith.serve.cli",
-    "draftsmith.bench.cli",
 ]
 
 
@@ -62,13 +61,7 @@ from draftsmith.inspect_cli import inspect as _inspect  # noqa: E402
 app.command("inspect")(_inspect)
 
 for _mod in STAGE_CLIS:
-    try:
-        _m = importlib.import_module(_mod)
-    except ModuleNotFoundError as _e:  # the stage does not exist yet
-        if not _e.name or not (_mod == _e.name or _mod.startswith(_e.name + ".")):
-            raise
-        continue
-    _m.register(app)
+    importlib.import_module(_mod).register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

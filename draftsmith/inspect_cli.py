@@ -40,7 +40,7 @@ def inspect(
         info = inspect_drafter(str(p), target=target)
         typer.echo(json.dumps(info, indent=2, default=str) if json_out else format_report(info))
         return
-    from draftsmith.target.inspect import format_target_info, inspect_target
+    from draftsmith.target_model.inspect import format_target_info, inspect_target
 
     info = inspect_target(p)
     typer.echo(json.dumps(info, indent=2) if json_out else format_target_info(info))

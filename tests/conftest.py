@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Test helpers (tiny_models, decode_helpers) live beside this file, outside the package; tests in the tiers below
+# import them by module name.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Without a GPU, triton (if installed) can only run kernels in its interpreter, and that mode must be on before
 # triton is first imported (transformers imports it early): tests/test_decode_kernels.py relies on it.

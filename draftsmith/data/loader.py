@@ -11,7 +11,7 @@ import numpy as np
 
 from draftsmith.data import records as R
 from draftsmith.data.chat import ChatPlan, render_checked, special_and_ws_ids
-from draftsmith.errors import BadRecordError, DraftsmithError
+from draftsmith.common.errors import BadRecordError, DraftsmithError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _BATCH_CHARS = 4_000_000  # characters tokenized per batch call

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from draftsmith.errors import BadRecordError
+from draftsmith.common.errors import BadRecordError
 
 # Reason kinds (the keys of DataReport.skipped).
 MALFORMED_JSON = "malformed JSON"

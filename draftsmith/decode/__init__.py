@@ -1,6 +1,6 @@
 """Speculative decoding with an EAGLE-3 drafter (batch size 1): plain, chain and EAGLE-2 dynamic tree.
 
-    from draftsmith.target import load_target
+    from draftsmith.target_model import load_target
     from draftsmith.drafter import Drafter
     from draftsmith.decode import SpeculativeDecoder, DecodeMode, SamplingParams
 

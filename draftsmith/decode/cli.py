@@ -9,13 +9,14 @@ from typing import Optional
 
 import typer
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.hf import text_config
+from draftsmith.common.errors import DraftsmithError
 
 
 def _load(target: str, drafter: Optional[str], device: str, dtype: str):
     import torch
 
-    from draftsmith.target import load_target
+    from draftsmith.target_model import load_target
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +66,7 @@ def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool =
 
 
 def _max_positions(t) -> int:
-    cfg = t.config.get_text_config() if hasattr(t.config, "get_text_config") else t.config
+    cfg = text_config(t.config)
     return int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
 
 
@@ -164,7 +165,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""
         from draftsmith.decode.evaluate import load_prompt_ids, print_table, run_eval, write_plots
-        from draftsmith.utils.io import atomic_write_json
+        from draftsmith.common.io import atomic_write_json
 
         try:
             temps = [float(x) for x in temperatures.split(",") if x.strip()]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.common.hf import text_config
 from draftsmith.decode.sampling import SamplingParams, chain_accept, choose, sample, warp
 
 
@@ -142,7 +143,7 @@ def _region_mask(S: int, L: torch.Tensor, region: torch.Tensor, device) -> torch
 class SpeculativeDecoder:
     """Speculative generator for one target (+ optional EAGLE-3 drafter) at batch size 1.
 
-    target: a `draftsmith.target.Target` or an HF CausalLM. drafter: a `draftsmith.drafter.Drafter` (or
+    target: a `draftsmith.target_model.Target` or an HF CausalLM. drafter: a `draftsmith.drafter.Drafter` (or
     any module with its interface) or None (plain decoding only). `max_len`: cache capacity in tokens
     (prompt + new tokens + one round's draft). `backend`: "auto" (compact Llama-family forward when
     supported, else HF generic), "llama", "hf". `cuda_graphs`: None = on when the device is CUDA and the
@@ -180,7 +181,7 @@ class SpeculativeDecoder:
             model, cfg = None, prebuilt.cfg
         else:
             model = target if isinstance(target, torch.nn.Module) else target.model
-            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            cfg = text_config(model.config)
         self.model = model
         self.tokenizer = getattr(target, "tokenizer", None) if prebuilt is None else None
         self.drafter = drafter
@@ -189,7 +190,7 @@ class SpeculativeDecoder:
             if drafter is not None and getattr(drafter.config, "aux_layer_ids", None) is not None:
                 aux_layers = list(drafter.config.aux_layer_ids)
             else:
-                from draftsmith.target.layers import default_aux_layers
+                from draftsmith.target_model.layers import default_aux_layers
 
                 aux_layers = default_aux_layers(int(cfg.num_hidden_layers))
         self.aux_layers = [int(i) for i in aux_layers]
@@ -210,7 +211,7 @@ class SpeculativeDecoder:
 
             layers = getattr(target, "layers", None)
             if layers is None:
-                from draftsmith.target.load import _find_decoder_layers
+                from draftsmith.target_model.load import _find_decoder_layers
 
                 layers = _find_decoder_layers(model, int(cfg.num_hidden_layers))
             self.runner = HFGenericForward(model, layers, self.aux_layers, self.max_len)
@@ -299,7 +300,7 @@ class SpeculativeDecoder:
         self._d_module = self._d_call = None
         self._d_topk = self._draft_topk
         if compile and self.backend == "llama":
-            from draftsmith.utils.compiling import raise_recompile_limit
+            from draftsmith.common.compiling import raise_recompile_limit
 
             # one graph per forward width (plain 1, chain K+1, tree k / N+1, hand-offs): several settings on one
             # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly

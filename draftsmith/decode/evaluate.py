@@ -20,7 +20,7 @@ from pathlib import Path
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 
 def load_prompt_ids(path: str, tokenizer, raw: bool = False, limit: int | None = None) -> list[list[int]]:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.common.hf import text_config
+
 
 def _layer_output(output):
     return output[0] if isinstance(output, (tuple, list)) else output
@@ -32,7 +34,7 @@ class HFGenericForward:
         self.layers = layers
         self.aux_layers = [int(i) for i in aux_layers]
         self.max_len = int(max_len)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         p = next(model.parameters())

@@ -20,13 +20,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.hf import text_config
 from draftsmith.drafter.model import hf_rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(config)
 
 
 def supports(config, max_len: int | None = None) -> tuple[bool, str]:

@@ -1,6 +1,6 @@
 """`DrafterConfig`: every number that shapes an EAGLE-3 drafter, plus where it came from.
 
-Layer ids are **layer-output ids** (draftsmith's internal convention, see `draftsmith.target.layers`):
+Layer ids are **layer-output ids** (draftsmith's internal convention, see `draftsmith.target_model.layers`):
 `aux_layer_ids=[1, 4, 7]` means the outputs of decoder layers 1, 4 and 7 of the target (HF
 `output_hidden_states` indices 2, 5, 8). Engines' own conventions are converted at the edges
 (`draftsmith.drafter.formats`).
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 #: `architectures` entry of draftsmith's own config.json (what `detect_format` keys on).
 NATIVE_ARCH = "DraftsmithEagle3Drafter"

@@ -1,7 +1,7 @@
 """Checkpoint layouts: draftsmith's own, SGLang/SpecForge/ModelOpt, vLLM, speculators, official EAGLE-3.
 
 Reading (`load_drafter`, behind `Drafter.from_pretrained`) detects the layout from config.json and the
-weight names; writing (`save_native`, `export_drafter`) produces each layout. What each engine expects
+weight names; writing: `save_native` here, the engines' layouts in `draftsmith.export.formats`. What each engine expects
 (checked against their sources, see docs in `draftsmith.export`):
 
 | layout       | config.json                                              | weights                            | aux ids |
@@ -19,7 +19,6 @@ the target's own embedding is attached instead.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ import torch
 
 from draftsmith.drafter.config import NATIVE_ARCH, NATIVE_MODEL_TYPE, DrafterConfig
 from draftsmith.drafter.vocab import check_mappings, identity_draft_vocab
-from draftsmith.errors import DraftsmithError
-from draftsmith.utils.io import read_json
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.io import read_json
+from draftsmith.target_model.facts import _rope_from_config, target_facts, target_tensors
 
 FORMATS = ("draftsmith", "sglang", "vllm", "speculators", "eagle")
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
@@ -37,112 +37,6 @@ SPECULATORS_ARCHS = ("Eagle3DraftModel", "Eagle3Speculator")
 _IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-# ============================================================================================ targets
-def _is_path(x: Any) -> bool:
-    return isinstance(x, (str, os.PathLike))
-
-
-def _target_config_dict(target: Any) -> tuple[dict, str | None]:
-    if _is_path(target):
-        from draftsmith.target.load import read_target_config
-
-        d = read_target_config(target)
-        name = str(target)
-    else:
-        cfg = getattr(target, "text_config", None) or getattr(target, "config", target)
-        if not hasattr(cfg, "to_dict"):
-            raise DraftsmithError(f"target: expected a model directory, a draftsmith Target or a HF config, got "
-                                  f"{type(target).__name__}")
-        d = cfg.to_dict()
-        name = getattr(target, "path", None) or d.get("_name_or_path") or None
-        name = str(name) if name else None
-    if isinstance(d.get("text_config"), dict) and "hidden_size" not in d:
-        d = {**d["text_config"], "architectures": d.get("architectures")}
-    return d, name
-
-
-def _rope_from_config(d: dict) -> tuple[float, dict | None]:
-    rp = d.get("rope_parameters")
-    if isinstance(rp, dict) and rp:
-        theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        scaling = None if rtype == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
-        return theta, scaling
-    theta = float(d.get("rope_theta", 10000.0) or 10000.0)
-    rs = d.get("rope_scaling")
-    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type", "default")) != "default":
-        return theta, dict(rs)
-    return theta, None
-
-
-def target_facts(target: Any) -> dict[str, Any]:
-    """The numbers of a target (path, draftsmith Target, HF model or config) that size and check a drafter."""
-    d, name = _target_config_dict(target)
-    try:
-        h, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        theta, scaling = _rope_from_config(d)
-        return dict(
-            hidden_size=h, intermediate_size=int(d["intermediate_size"]), num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or h // heads), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            hidden_act=d.get("hidden_act", "silu"), vocab_size=int(d["vocab_size"]),
-            num_layers=int(d["num_hidden_layers"]), model_type=d.get("model_type"), name_or_path=name,
-            architectures=d.get("architectures") or [], tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise DraftsmithError(f"target config ({name or 'in memory'}): field {e} is missing") from None
-
-
-def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V, H], lm_head [V, H]) of a target; read straight from safetensors for a path."""
-    if not _is_path(target):
-        if hasattr(target, "embed_tokens") and hasattr(target, "lm_head"):  # draftsmith Target
-            e, h = target.embed_tokens, target.lm_head
-        elif hasattr(target, "get_input_embeddings"):  # HF model
-            e, h = target.get_input_embeddings(), target.get_output_embeddings()
-        else:
-            raise DraftsmithError(f"target: cannot find the embedding and lm_head of a {type(target).__name__}")
-        e = getattr(e, "weight", e)
-        h = getattr(h, "weight", h) if h is not None else e
-        return e.detach(), h.detach()
-    from safetensors import safe_open
-
-    root = Path(target)
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        return _target_tensors_via_hf(root)
-    emb_key = head_key = None
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118
-                where[k] = f
-    for k in where:
-        if k.endswith("embed_tokens.weight") and (emb_key is None or k.count(".") < emb_key.count(".")):
-            emb_key = k
-        if k.endswith("lm_head.weight") and (head_key is None or k.count(".") < head_key.count(".")):
-            head_key = k
-    if emb_key is None:
-        return _target_tensors_via_hf(root)
-
-    def get(k: str) -> torch.Tensor:
-        with safe_open(str(where[k]), framework="pt") as sf:
-            return sf.get_tensor(k)
-
-    emb = get(emb_key)
-    return emb, (get(head_key) if head_key else emb)
-
-
-def _target_tensors_via_hf(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(root))
-    out = m.get_output_embeddings()
-    return m.get_input_embeddings().weight.detach(), (out if out is not None else m.get_input_embeddings()).weight.detach()
 
 
 # ============================================================================================ reading
@@ -363,7 +257,7 @@ def load_drafter(cls, path, target=None, dtype=None, format=None):
     if target is not None:
         facts = target_facts(target)
         if cfg.aux_layer_ids is None:  # imported without aux ids: the engines' default for this target
-            from draftsmith.target.layers import default_aux_layers
+            from draftsmith.target_model.layers import default_aux_layers
 
             cfg.aux_layer_ids = default_aux_layers(facts["num_layers"]) if cfg.num_aux == 3 else None
         if cfg.target_num_layers is None:
@@ -443,7 +337,7 @@ def _dtype_name(sd: dict[str, torch.Tensor]) -> str:
 
 def save_native(model, path, dtype: torch.dtype | None = None) -> Path:
     from draftsmith import __version__
-    from draftsmith.utils.io import atomic_save_file, atomic_write_json
+    from draftsmith.common.io import atomic_save_file, atomic_write_json
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -453,133 +347,4 @@ def save_native(model, path, dtype: torch.dtype | None = None) -> Path:
     cfg["torch_dtype"] = _dtype_name(sd)
     cfg["draftsmith_version"] = __version__
     atomic_write_json(root / "config.json", cfg)
-    return root
-
-
-def _rope_fields(cfg: DrafterConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = dict(cfg.rope_scaling)
-    return out
-
-
-def llama_config_fields(cfg: DrafterConfig, dtype_name: str) -> dict[str, Any]:
-    out = {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "vocab_size": cfg.vocab_size,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
-        **_rope_fields(cfg),
-    }
-    return out
-
-
-def _require_aux(cfg: DrafterConfig, fmt: str) -> list[int]:
-    if cfg.aux_layer_ids is None:
-        raise DraftsmithError(f"drafter field 'aux_layer_ids' is unknown; load it with --target so the default "
-                              f"layers can be resolved before exporting to {fmt}")
-    return list(cfg.aux_layer_ids)
-
-
-def export_files(model, fmt: str, dtype: torch.dtype | None = None,
-                 speculative_tokens: int = 3, verifier_architectures: list[str] | None = None
-                 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, tensors) of `model` in layout `fmt` (one of EXPORT_FORMATS)."""
-    cfg: DrafterConfig = model.config
-    sd = _cpu_tensors(model, dtype)
-    dname = _dtype_name(sd)
-    aux = _require_aux(cfg, fmt)
-    if fmt in ("sglang", "vllm"):
-        if fmt == "sglang" and cfg.num_hidden_layers > 1:
-            raise DraftsmithError(
-                f"drafter field 'num_hidden_layers'={cfg.num_hidden_layers}: SGLang's LlamaForCausalLMEagle3 runs "
-                "extra layers differently (its BasicDecoderLayer drops the residual); export to vllm or speculators")
-        if fmt == "sglang" and cfg.norm_before_residual:
-            raise DraftsmithError("drafter field 'norm_before_residual'=true: SGLang's LlamaForCausalLMEagle3 has no "
-                                  "such option; export to vllm or speculators")
-        if cfg.num_aux != 3:
-            raise DraftsmithError(f"drafter field 'aux_layer_ids': {cfg.num_aux} aux layers, SGLang and vLLM build "
-                                  "fc for exactly 3")
-        d = {"architectures": ["LlamaForCausalLMEagle3"], **llama_config_fields(cfg, dname),
-             "draft_vocab_size": cfg.draft_vocab_size,
-             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}}
-        if cfg.target_hidden_size != cfg.hidden_size:
-            d["target_hidden_size"] = cfg.target_hidden_size
-        if fmt == "vllm":
-            d["eagle_aux_hidden_state_layer_ids"] = cfg.aux_hidden_states_ids
-            if cfg.norm_before_residual:
-                d["norm_before_residual"] = True
-        tensors = {}
-        for k, v in sd.items():
-            if k.startswith("layers.0."):
-                k = "midlayer." + k[len("layers.0."):]
-            tensors[k] = v
-        return d, tensors
-    if fmt == "speculators":
-        if cfg.target_hidden_size != cfg.hidden_size:
-            raise DraftsmithError(f"drafter field 'target_hidden_size'={cfg.target_hidden_size} != hidden_size="
-                                  f"{cfg.hidden_size}: speculators' Eagle3DraftModel sizes fc from hidden_size only")
-        tl = llama_config_fields(cfg, dname)
-        tl.pop("torch_dtype")
-        tl.pop("rope_theta")
-        tl.pop("rope_scaling", None)
-        tl["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
-        d = {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": "0.9.0",
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "dtype": dname,
-            "eagle_aux_hidden_state_layer_ids": cfg.aux_hidden_states_ids,
-            "embed_requires_grad": False,
-            "fc_norm": False,
-            "norm_before_fc": False,
-            "norm_before_residual": cfg.norm_before_residual,
-            "norm_output": False,
-            "target_hidden_size": None,
-            "tie_word_embeddings": False,
-            "transformer_layer_config": tl,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                "verifier": {"name_or_path": cfg.target_name_or_path,
-                             "architectures": list(verifier_architectures or [])},
-            },
-        }
-        # speculators writes its copy of the target embedding, and needs it: Eagle3DraftModel.from_pretrained
-        # (0.9.0) leaves a checkpoint's missing embed_tokens zero-initialised instead of reloading it from the
-        # verifier (seen with transformers 5.17 and 5.24). vLLM loads it when present, shares the target's if not.
-        if model.embed_tokens is not None:
-            emb = model.embed_tokens.weight.detach().to("cpu")
-            sd["embed_tokens.weight"] = emb.to(sd["fc.weight"].dtype).contiguous().clone()
-        else:
-            warnings.warn("speculators export without embed_tokens.weight (no target embedding attached; pass "
-                          "--target): speculators' own Eagle3DraftModel.from_pretrained then runs with a zero "
-                          "embedding; vLLM is unaffected", stacklevel=2)
-        return d, sd
-    raise DraftsmithError(f"--format: unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
-
-
-def export_drafter(model, out: str | os.PathLike, fmt: str, dtype: torch.dtype | None = None,
-                   speculative_tokens: int = 3, verifier_architectures: list[str] | None = None) -> Path:
-    from draftsmith.utils.io import atomic_save_file, atomic_write_json
-
-    d, tensors = export_files(model, fmt, dtype, speculative_tokens, verifier_architectures)
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(root / "config.json", d)
     return root

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from draftsmith.drafter.formats import read_checkpoint, target_facts
-from draftsmith.errors import DraftsmithError
+from draftsmith.drafter.formats import read_checkpoint
+from draftsmith.target_model.facts import target_facts
+from draftsmith.common.errors import DraftsmithError
 
 
 def inspect_drafter(path: str | os.PathLike, target: Any = None) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def inspect_drafter(path: str | os.PathLike, target: Any = None) -> dict[str, An
             facts = None
         if facts is not None:
             if aux is None and cfg.num_aux == 3:
-                from draftsmith.target.layers import default_aux_layers
+                from draftsmith.target_model.layers import default_aux_layers
 
                 aux, source = default_aux_layers(facts["num_layers"]), "engine default for the target"
                 cfg.aux_layer_ids = aux

@@ -39,7 +39,7 @@ from torch import nn
 
 from draftsmith.drafter.config import DrafterConfig
 from draftsmith.drafter.vocab import build_draft_vocab, check_mappings, identity_draft_vocab
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -337,7 +337,7 @@ class Drafter(nn.Module):
     # ------------------------------------------------------------------ target fit
     def fit_problems(self, target: Any) -> list[str]:
         """Reasons this drafter cannot serve `target` (a path, a draftsmith Target or a HF config); [] = fits."""
-        from draftsmith.drafter.formats import target_facts
+        from draftsmith.target_model.facts import target_facts
 
         return fit_problems(self.config, target_facts(target))
 
@@ -373,7 +373,7 @@ class Drafter(nn.Module):
         head_dim, RoPE, eps, intermediate size from the target; the target's embedding attached; lm_head
         rows copied from the target's lm_head for the draft vocab (the V_d most frequent ids of
         `token_counts`, or the first V_d ids). Overrides: any DrafterConfig field."""
-        from draftsmith.drafter.formats import target_facts, target_tensors
+        from draftsmith.target_model.facts import target_facts, target_tensors
 
         facts = target_facts(target)
         fields: dict[str, Any] = dict(
@@ -419,7 +419,7 @@ class Drafter(nn.Module):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    from draftsmith.target.layers import default_aux_layers as _d
+    from draftsmith.target_model.layers import default_aux_layers as _d
 
     return _d(num_layers)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 
 def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,8 +37,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from draftsmith.drafter.formats import EXPORT_FORMATS, export_files  # noqa: F401
-from draftsmith.errors import DraftsmithError
+from draftsmith.export.formats import EXPORT_FORMATS, export_files  # noqa: F401
+from draftsmith.common.errors import DraftsmithError
 
 __all__ = ["EXPORT_FORMATS", "convert_command", "export", "export_files", "serve_command"]
 
@@ -51,7 +51,8 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
     import torch
 
     from draftsmith.drafter import Drafter
-    from draftsmith.drafter.formats import export_drafter, target_facts
+    from draftsmith.export.formats import export_drafter
+    from draftsmith.target_model.facts import target_facts
 
     if format not in EXPORT_FORMATS:
         raise DraftsmithError(f"--format: unknown format {format!r} (choose from {', '.join(EXPORT_FORMATS)})")
@@ -59,19 +60,19 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
         drafter = Drafter.from_pretrained(drafter, target=target)
     elif target is not None:
         if drafter.config.aux_layer_ids is None and drafter.config.num_aux == 3:
-            from draftsmith.target.layers import default_aux_layers
+            from draftsmith.target_model.layers import default_aux_layers
 
             drafter.config.aux_layer_ids = default_aux_layers(target_facts(target)["num_layers"])
         drafter.check_fits(target)
         if drafter.embed_tokens is None and drafter.config.hidden_size == drafter.config.target_hidden_size:
-            from draftsmith.drafter.formats import target_tensors
+            from draftsmith.target_model.facts import target_tensors
 
             drafter.set_embedding(target_tensors(target)[0])
     cfg = drafter.config
     local_target = cfg.target_name_or_path if (cfg.target_name_or_path and target is None and
                                                (Path(cfg.target_name_or_path) / "config.json").is_file()) else None
     if drafter.embed_tokens is None and local_target and not drafter.fit_problems(local_target):
-        from draftsmith.drafter.formats import target_tensors
+        from draftsmith.target_model.facts import target_tensors
 
         drafter.set_embedding(target_tensors(local_target)[0])
     archs: list[str] = []

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 
 def export_cmd(

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.errors import ArtifactMismatchError, DraftsmithError
+from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 from draftsmith.store import format as fmt
-from draftsmith.utils.io import read_json
+from draftsmith.common.io import read_json
 
 
 class HiddenStateStore:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.store import format as fmt
-from draftsmith.utils.io import read_json, sha256_file
+from draftsmith.common.io import read_json, sha256_file
 
 
 def verify_store(path: str | Path, progress: bool = True) -> list[str]:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.utils.io import atomic_write_json, fsync_dir, read_json
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.io import atomic_write_json, fsync_dir, read_json
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest.json"

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
 
 
 def _load_yaml(path: str) -> dict:

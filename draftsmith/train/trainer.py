@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.common.dist import all_reduce, barrier, dist_info
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.train import checkpoint as ckpt
-from draftsmith.train.data import (
+from draftsmith.train.batches import (
     MicroBatch,
     OnlineStates,
     Prefetcher,
@@ -103,25 +104,6 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------------
 # distributed helpers
 # ---------------------------------------------------------------------------------------------------
-def dist_info() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(t)
-    return t
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
 class TTTModel(nn.Module):
     """Wraps the drafter so that one `forward` is the whole K-step unroll (what DDP/FSDP need)."""
 
@@ -242,7 +224,7 @@ class Trainer:
     def _load_target(self, device):
         if self._target is not None:
             return self._target
-        from draftsmith.target import load_target
+        from draftsmith.target_model import load_target
 
         if not self.cfg.target:
             raise DraftsmithError("--target: required (the HF model directory the drafter is trained for)")
@@ -430,7 +412,7 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             self._truncate_metrics(metrics_path, start_step)
-            from draftsmith.utils.io import atomic_write_json
+            from draftsmith.common.io import atomic_write_json
 
             atomic_write_json(self.out / "train_config.json", cfg.to_dict())
         tb = self._tensorboard()
@@ -530,7 +512,7 @@ class Trainer:
             over = float(cfg.max_time is not None and time.time() - t0 >= cfg.max_time)
             red = torch.cat([acc_stats.reshape(-1).double(), loss_acc.reshape(1),
                              torch.tensor([float(tokens), over], dtype=torch.float64, device=device)])
-            red = _all_reduce(red.to(device if self.world > 1 and device.type == "cuda" else "cpu"), self.world).cpu()
+            red = all_reduce(red.to(device if self.world > 1 and device.type == "cuda" else "cpu"), self.world).cpu()
             st = TTTStats.from_tensor(red[:-3].view(5, -1))
             loss_mean = float(red[-3]) / G
             step_tokens = int(red[-2])
@@ -550,7 +532,7 @@ class Trainer:
             rec["tokens_per_s"] = tok_window / max(now - time_window, 1e-9)
             rec["elapsed_s"] = now - t0
             if step - start_step <= 2:  # compile (and any recompile) time, visible: flex attention compiles even
-                from draftsmith.utils.compiling import compile_seconds  # with --compile off (3 min on 2 H200s)
+                from draftsmith.common.compiling import compile_seconds  # with --compile off (3 min on 2 H200s)
 
                 n_fr, fwd_s, bwd_s = compile_seconds()
                 self.log(f"step {step}: {rec['elapsed_s'] if step == start_step + 1 else now - time_window:.1f}s"
@@ -589,7 +571,7 @@ class Trainer:
                 plot_metrics(metrics_path, self.out / "training.png")
             except Exception as e:  # plotting is optional
                 self.log(f"plot skipped: {e}")
-        _barrier(self.world)
+        barrier(self.world)
         return last
 
     # ----------------------------------------------------------------------------------------- pieces
@@ -637,7 +619,7 @@ class Trainer:
         if total is None:
             total = torch.zeros(5, self.cfg.ttt_steps, dtype=torch.float64, device=self.device)
         red = torch.cat([total.reshape(-1).double().cpu(), torch.tensor([loss_sum, float(n)], dtype=torch.float64)])
-        red = _all_reduce(red.to(self.device if self.world > 1 and self.device.type == "cuda" else "cpu"), self.world).cpu()
+        red = all_reduce(red.to(self.device if self.world > 1 and self.device.type == "cuda" else "cpu"), self.world).cpu()
         st = TTTStats.from_tensor(red[:-2].view(5, -1))
         m = st.metrics(prefix="eval_")
         m["eval_loss"] = float(red[-2]) / max(1.0, float(red[-1]))
@@ -720,7 +702,7 @@ class Trainer:
                 "drafter_config": self._unwrapped_drafter(wrapped).config.to_dict(),
             }
             ckpt.save_checkpoint(self.ckpt_root, step, msd, ot, om, state, keep=self.cfg.keep_checkpoints)
-        _barrier(self.world)
+        barrier(self.world)
 
     def _save_final(self, wrapped, aux_layers, total_steps):
         from draftsmith.drafter import Drafter
@@ -738,7 +720,7 @@ class Trainer:
             dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.save_dtype)
             d.save_pretrained(self.out / "final", dtype=dt)
             self.log(f"final drafter: {self.out / 'final'}")
-        _barrier(self.world)
+        barrier(self.world)
 
     def _check_resume_config(self, old: dict, where) -> None:
         keys = ("ttt_steps", "batch_tokens", "seed", "eval_fraction", "draft_vocab_size", "step_weight", "online",
@@ -758,7 +740,7 @@ class Trainer:
                     keep.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut by kill -9
-        from draftsmith.utils.io import atomic_write_bytes
+        from draftsmith.common.io import atomic_write_bytes
 
         atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.utils.compiling import RECOMPILE_LIMIT, raise_recompile_limit
+from draftsmith.common.compiling import RECOMPILE_LIMIT, raise_recompile_limit
 
 __all__ = [
     "TTTAttention",

@@ -1,0 +1,156 @@
+"""Atomic, crash-safe file writes.
+
+A file written here is either absent or complete: data goes to a temporary file in the same directory,
+is fsync'ed, then renamed over the destination (rename is atomic on POSIX), and the directory is fsync'ed
+so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield an unbuffered binary file; on success it is fsync'ed and renamed to `path`, else removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            yield f
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_save_file(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> str:
+    """`safetensors.torch.save_file`, atomically. Returns the sha256 of the written bytes.
+
+    Keep `metadata` to one key: safetensors writes it from a hash map, so several keys come out in a
+    random order and identical content would not be byte-identical across processes.
+    """
+    if metadata and len(metadata) > 1:
+        raise ValueError("atomic_save_file: give at most one metadata key (byte-reproducible output)")
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read JSON with a one-line error naming the file on failure."""
+    from draftsmith.common.errors import DraftsmithError
+
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: {what} not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+_ST_DTYPES = {
+    "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
+    "torch.bool": "BOOL", "torch.float64": "F64",
+}
+
+
+def atomic_save_safetensors_streaming(
+    tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None, chunk: int = 1 << 26
+) -> tuple[str, int]:
+    """Write a safetensors file atomically without building it in memory; sha256 computed on the way.
+
+    Same format as `safetensors.torch.save_file` (8-byte header length, JSON header padded to 8 bytes,
+    raw little-endian tensor bytes in header order), readable by `safe_open`. Tensors are laid out by
+    name, so the bytes are a deterministic function of the content. Returns (sha256, bytes written).
+    """
+    import torch
+
+    path = Path(path)
+    names = sorted(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    views = []
+    for name in names:
+        t = tensors[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        views.append(t.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-len(hjson) % 8)
+    head = len(hjson).to_bytes(8, "little") + hjson
+    h = hashlib.sha256()
+    with atomic_file(path) as f:
+        f.write(head)
+        h.update(head)
+        for v in views:
+            if v is None:
+                continue
+            mv = memoryview(v)
+            for i in range(0, len(mv), chunk):
+                part = mv[i : i + chunk]
+                h.update(part)  # hashlib and write release the GIL on large buffers
+                f.write(part)
+    return h.hexdigest(), len(head) + offset

@@ -1,0 +1,412 @@
+"""Greedy speculative decoding == plain greedy decoding, token for token (chain and tree), plus the
+drafter hand-off: per-round drafts equal a cache-free sequential recomputation, and a trained drafter
+reaches the acceptance its teacher-forced predictions promise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
+from decode_helpers import (overfit_drafter, overfit_drafter_ttt, random_drafter, reference_chain_drafts,
+                                       target_aux, tiny_qwen3)
+
+ROOT = str(Path(__file__).resolve().parents[3])
+PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
+                    if os.path.isdir(p)), None)
+HUMANEVAL = "/work/shared/data/eval/humaneval.jsonl"
+NEW = 12
+CHAIN = DecodeMode("chain", draft_tokens=3)
+TREE = DecodeMode("tree", top_k=3, depth=3, tree_tokens=8)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def _code_prompts(tok, n=50, max_tokens=24):
+    out = []
+    if os.path.exists(HUMANEVAL):
+        for line in open(HUMANEVAL):
+            text = json.loads(line)["turns"][0].split("\n", 1)[1]
+            out.append(tok.encode(text)[:max_tokens])
+    seeds = ["def ", "import numpy as np\n", "class Foo:\n    def ", "for i in range(", "# utils\n", "x = [", "\n"]
+    out += [tok.encode(s) for s in seeds]
+    return [p for p in out if p][:max(n, 50)]
+
+
+def _hf_greedy(model, ids, n, eos=None):
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def pycode():
+    if PYCODE_TINY is None:
+        pytest.skip("pycode-tiny not available")
+    from draftsmith.target_model import load_target
+
+    t = load_target(PYCODE_TINY, dtype="fp32")
+    prompts = _code_prompts(t.tokenizer)
+    torch.set_num_threads(1)
+    refs = [_hf_greedy(t.model, p, NEW, eos=0) for p in prompts]
+    return t, prompts, refs
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    m = tiny_qwen3()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 20, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(50)]
+    torch.set_num_threads(1)
+    refs = [_hf_greedy(m, p, NEW) for p in prompts]
+    return m, prompts, refs
+
+
+def _check_equal(engine, prompts, refs, mode):
+    for p, ref in zip(prompts, refs):
+        r = engine.generate(p, NEW, mode=mode)
+        assert r.token_ids == ref, f"mismatch for prompt {p}: {r.token_ids} != {ref}"
+    return r
+
+
+@pytest.mark.parametrize("mode", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_equal_random_drafter_pycode(pycode, mode):
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64)
+    assert eng.backend == "llama"
+    _check_equal(eng, prompts, refs, mode)
+
+
+@pytest.mark.parametrize("impl", ["bmm", "split"])
+@pytest.mark.parametrize("mode", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_equal_other_attention_impls_pycode(pycode, mode, impl):
+    """The batched-matmul and split-KV attentions (chosen on CUDA for long caches) keep greedy equality, target
+    and drafter; a 256-slot cache makes `split` really split (4 chunks, most of them masked out entirely)."""
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=256, attn_impl=impl)
+    assert eng.attn_impl == impl and eng.runner.attn_impl == impl
+    _check_equal(eng, prompts[:20], refs[:20], mode)
+
+
+def test_attn_impl_auto_and_validation(pycode):
+    t, _, _ = pycode
+    eng = SpeculativeDecoder(t, None, max_len=4096)
+    assert eng.attn_impl == "sdpa"  # CPU: SDPA whatever the length (the slot threshold is a CUDA measurement)
+    with pytest.raises(ValueError, match="attn_impl"):
+        SpeculativeDecoder(t, None, max_len=64, attn_impl="flash")
+
+
+def test_greedy_equal_compiled_rounds_pycode(pycode):
+    """`compile=True` (torch.compile of the round forwards: bench/decode.py --compile, P1c) keeps greedy
+    equality, chain and tree, on a few prompts (compiling takes most of the time)."""
+    import torch._dynamo
+
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64, compile=True)
+    for mode in (CHAIN, TREE, DecodeMode("plain")):
+        _check_equal(eng, prompts[:4], refs[:4], mode)
+    torch._dynamo.reset()
+
+
+def test_greedy_equal_max_autotune_rounds_pycode(pycode):
+    """compile="max-autotune" (inductor may swap cuBLAS for its own Triton GEMMs with fused neighbours) keeps
+    greedy equality; a bad compile value is refused."""
+    import torch._dynamo
+
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64, compile="max-autotune")
+    assert eng._compile_mode == "max-autotune-no-cudagraphs"
+    for mode in (CHAIN, DecodeMode("plain")):
+        _check_equal(eng, prompts[:2], refs[:2], mode)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="compile"):
+        SpeculativeDecoder(t, None, max_len=64, compile="fast")
+
+
+QWEN_MODES = [CHAIN, TREE, DecodeMode("plain"), DecodeMode("chain", draft_tokens=1),
+              DecodeMode("tree", top_k=1, depth=4, tree_tokens=4), DecodeMode("tree", top_k=5, depth=1, tree_tokens=5),
+              DecodeMode("tree", top_k=4, depth=4, tree_tokens=40)]
+
+
+@pytest.mark.parametrize("mode", QWEN_MODES, ids=["chain", "tree", "plain", "chain-k1", "tree-k1", "tree-d1",
+                                                  "tree-wide"])
+def test_greedy_equal_random_drafter_qwen3(qwen3, mode):
+    m, prompts, refs = qwen3
+    eng = SpeculativeDecoder(m, random_drafter(m), max_len=96)
+    _check_equal(eng, prompts, refs, mode)
+
+
+def test_greedy_equal_generic_hf_path(qwen3):
+    m, prompts, refs = qwen3
+    eng = SpeculativeDecoder(m, random_drafter(m), max_len=96, backend="hf")
+    assert eng.backend == "hf"
+    _check_equal(eng, prompts[:8], refs[:8], CHAIN)
+    _check_equal(eng, prompts[:8], refs[:8], TREE)
+
+
+def _other_arch(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "gemma":
+        return T.GemmaForCausalLM(T.GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=16, initializer_range=0.3)).eval()
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=64, n_layer=4, n_head=4, initializer_range=0.3,
+                                          bos_token_id=None, eos_token_id=None)).eval()
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gpt2"])
+def test_generic_path_other_architectures(arch):
+    """Architectures outside the compact forward (Gemma: scaled embeddings; GPT-2: learned positions) run
+    through the HF module with a 4D tree mask and explicit positions — still exact."""
+    import warnings
+
+    m = _other_arch(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = SpeculativeDecoder(m, random_drafter(m), max_len=64)
+    assert eng.backend == "hf"
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        p = torch.randint(1, 64, (8,), generator=g).tolist()
+        ref = _hf_greedy(m, p, NEW)
+        for mode in (CHAIN, TREE):
+            assert eng.generate(p, NEW, mode=mode, eos_ids=[]).token_ids == ref
+
+
+@pytest.fixture(scope="module")
+def trained(pycode):
+    t, prompts, refs = pycode
+    from draftsmith.drafter import Drafter
+
+    torch.manual_seed(0)
+    seqs = [p + r for p, r in zip(prompts, refs)]
+    counts = torch.bincount(torch.tensor([x for s in seqs for x in s]), minlength=t.vocab_size)
+    d = Drafter.from_target(t, token_counts=counts, draft_vocab_size=1024)
+    eng = SpeculativeDecoder(t, d, max_len=64)
+    # trained through the trainer's TTT unroll (3 steps), so later draft positions are trained too
+    overfit_drafter_ttt(eng, d, seqs, steps=40, lr=3e-3, ttt_steps=3)
+    return eng, d, prompts, refs
+
+
+def test_handoff_matches_sequential_reference(trained):
+    """Every round's draft tokens == drafts recomputed from scratch (prefill-style, no cache)."""
+    eng, d, prompts, _ = trained
+    for p in prompts[:6]:
+        r = eng.generate(p, NEW, mode=DecodeMode("chain", draft_tokens=2), trace=True)
+        committed = list(p) + [r.token_ids[0]]
+        for rnd in r.trace:
+            assert rnd["L"] == len(committed) - 1
+            ref = reference_chain_drafts(eng, d, committed, 2)
+            assert rnd["draft"][0] == committed[-1]
+            assert rnd["draft"][1:] == ref, f"round at L={rnd['L']}"
+            committed += rnd["tokens"]
+
+
+def test_tree_width_one_equals_chain(trained):
+    """A tree with top_k=1 is a chain: same drafts, same acceptance per round (tree mask, positions and
+    compaction of a straight path reproduce the chain exactly)."""
+    eng, _, prompts, _ = trained
+    for p in prompts[:12]:
+        a = eng.generate(p, NEW, mode=DecodeMode("chain", draft_tokens=3))
+        b = eng.generate(p, NEW, mode=DecodeMode("tree", top_k=1, depth=3, tree_tokens=3))
+        assert a.token_ids == b.token_ids and a.accepted == b.accepted
+
+
+def _teacher_forced_tau(eng, d, prompt, out):
+    """τ a K=1 chain must reach: the drafter's prefill-style prediction for each committed prefix."""
+    seq = list(prompt) + list(out)
+    aux, _ = target_aux(eng, seq[:-1])
+    ids = torch.tensor(seq[1:])
+    with torch.no_grad():
+        pred = d.compute_logits(d(ids[None], d.fuse(aux)[None])[0]).argmax(-1)
+    pred = d.draft_to_target(pred).tolist()  # pred[i] predicts seq[i+2]
+    L, acc = len(prompt), []
+    while L - len(prompt) + 1 < len(out):
+        ok = L + 1 < len(seq) and pred[L - 1] == seq[L + 1]
+        acc.append(int(ok))
+        L += 1 + int(ok)
+    return acc
+
+
+def test_trained_drafter_equal_and_tau(trained):
+    eng, d, prompts, refs = trained
+    taus = []
+    for p, ref in zip(prompts, refs):
+        r = eng.generate(p, NEW, mode=DecodeMode("chain", draft_tokens=1))
+        assert r.token_ids == ref
+        expect = _teacher_forced_tau(eng, d, p, ref)
+        assert r.accepted[:len(expect)] == expect[:len(r.accepted)]
+        taus.append(r.tau)
+    mean_tau = sum(taus) / len(taus)
+    assert mean_tau > 1.4, mean_tau  # random drafter: ~1.0
+    got = {}
+    for name, mode in (("chain", CHAIN), ("tree", TREE)):
+        ts = []
+        for p, ref in zip(prompts, refs):
+            r = eng.generate(p, NEW, mode=mode)
+            assert r.token_ids == ref
+            ts.append(r.tau)
+        got[name] = sum(ts) / len(ts)
+    # deeper drafts pay off only if every draft step and the hand-off are right
+    assert got["chain"] > mean_tau + 0.3, (got, mean_tau)
+    assert got["tree"] > got["chain"], got
+
+
+def test_trained_drafter_qwen3(qwen3):
+    """Tiny Qwen3 + a drafter overfit on its greedy outputs: equality over 50 prompts, chain and tree,
+    and acceptance far above the random drafter's."""
+    m, prompts, refs = qwen3
+    d = random_drafter(m, seed=1)
+    eng = SpeculativeDecoder(m, d, max_len=64)
+    rand_tau = sum(eng.generate(p, NEW, mode=CHAIN).tau for p in prompts[:10]) / 10
+    loss = overfit_drafter(eng, d, [p + r for p, r in zip(prompts, refs)], steps=150, lr=1e-2)
+    assert loss < 1.0, loss
+    for mode in (CHAIN, TREE):
+        taus = []
+        for p, ref in zip(prompts, refs):
+            r = eng.generate(p, NEW, mode=mode)
+            assert r.token_ids == ref
+            taus.append(r.tau)
+        assert sum(taus) / len(taus) > rand_tau + 0.5, (mode.kind, sum(taus) / len(taus), rand_tau)
+
+
+TRAINED_DRAFTER = os.environ.get("DRAFTSMITH_TEST_DRAFTER")  # a drafter trained by `draftsmith train`
+
+
+@pytest.mark.skipif(not TRAINED_DRAFTER, reason="set DRAFTSMITH_TEST_DRAFTER to a trained drafter for the target")
+def test_greedy_equal_trained_checkpoint():
+    from draftsmith.drafter import Drafter
+    from draftsmith.target_model import load_target
+
+    t = load_target(os.environ.get("DRAFTSMITH_TEST_TARGET", PYCODE_TINY), dtype="fp32")
+    d = Drafter.from_pretrained(TRAINED_DRAFTER, target=t).float()
+    eng = SpeculativeDecoder(t, d, max_len=128)
+    prompts = _code_prompts(t.tokenizer)
+    taus = []
+    for p in prompts:
+        ref = _hf_greedy(t.model, p, 32, eos=0)
+        for mode in (CHAIN, TREE):
+            r = eng.generate(p, 32, mode=mode)
+            assert r.token_ids == ref
+            taus.append(r.tau)
+    assert sum(taus) / len(taus) > 1.3
+
+
+@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
+def test_stops_exactly_on_eos_and_length(qwen3, mode):
+    """EOS inside an accepted run of draft tokens cuts the output right after it; max_new_tokens is exact."""
+    m, prompts, refs = qwen3
+    d = random_drafter(m, seed=1)
+    eng = SpeculativeDecoder(m, d, max_len=64)
+    overfit_drafter(eng, d, [p + r for p, r in zip(prompts[:10], refs[:10])], steps=80, lr=1e-2)
+    for p, ref in zip(prompts[:10], refs[:10]):
+        for n in (1, 5, NEW):
+            assert eng.generate(p, n, mode=mode).token_ids == ref[:n]
+        eos = ref[len(ref) // 2]
+        cut = ref.index(eos) + 1
+        r = eng.generate(p, NEW, mode=mode, eos_ids=[eos])
+        assert r.token_ids == ref[:cut] and r.finish_reason == "eos"
+    assert eng.generate(prompts[0], 0, mode=mode).token_ids == []
+
+
+def test_bench_script_smoke(tmp_path):
+    """bench/decode.py --smoke runs every section's code path on CPU (tiny shapes)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[3])
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode.py"), "--smoke", "--sections",
+                        "P1,P2a,P2b"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert not res["errors"], res["errors"]
+    assert {"P1", "P2a", "P2b"} <= set(res["sections"])
+
+
+def test_decode_kernels_bench_smoke(tmp_path):
+    """bench/decode_kernels.py --smoke: every attention implementation through the engine, the kernel census and
+    the matmul floor, on CPU; its section goes to $OUT and to the file named by DRAFTSMITH_BENCHMARKS."""
+    import subprocess
+    import sys
+
+    md = tmp_path / "BENCH.md"
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(md))
+    root = str(Path(__file__).resolve().parents[3])
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert {row["attention"] for row in res["rows"]} == {"sdpa", "bmm", "split"}
+    assert all(row["kernels"] > 0 and row["ms/step"] > 0 for row in res["rows"]) and res["matmul_floor_ms"] > 0
+    assert "decode kernels" in md.read_text()
+
+
+def test_cache_end_falls_back_to_plain_steps(qwen3):
+    """When a round no longer fits the cache, decoding continues with plain steps, then stops ('cache')."""
+    m, prompts, _ = qwen3
+    eng = SpeculativeDecoder(m, random_drafter(m), max_len=32)
+    p = prompts[0][:8]
+    ref = _hf_greedy(m, p, 40)
+    for mode in (CHAIN, TREE):
+        r = eng.generate(p, 40, mode=mode)
+        assert r.finish_reason == "cache" and 16 <= len(r.token_ids) < 40
+        assert r.token_ids == ref[:len(r.token_ids)]
+
+
+def test_compiled_engine_stays_compiled_across_many_settings(pycode):
+    """Each draft/verify width is one static graph; bench/decode.py --compile runs ~8 settings on one engine.
+    Past dynamo's default recompile limit (8 per function) the rest would silently run eagerly, so the engine
+    raises the limit; this runs more widths than 8 and checks dynamo never reports hitting it."""
+    import logging
+
+    import torch._dynamo
+
+    t, prompts, _ = pycode
+    from draftsmith.drafter import Drafter
+
+    hits: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
+                hits.append(record.getMessage())
+
+    h = Catch(level=logging.WARNING)
+    lg = logging.getLogger("torch._dynamo.convert_frame")
+    lg.addHandler(h)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=512), max_len=96, compile=True)
+        for k in range(1, 9):  # drafter hand-off widths 2..9 + the 1-token draft step: 9 graphs of one function
+            eng.generate(prompts[0], 4, mode=DecodeMode("chain", draft_tokens=k))
+    finally:
+        lg.removeHandler(h)
+        torch._dynamo.reset()
+    assert not hits, hits[0]

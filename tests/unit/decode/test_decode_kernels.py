@@ -1,0 +1,572 @@
+"""Triton decode kernels (`draftsmith.decode.kernels`, opt-in) against the torch path: the fused
+norm/bias/residual GEMV alone, a one-token step of the compact forward, and greedy decoding through the engine.
+
+Needs triton; on a machine without CUDA the kernels run in triton's interpreter (TRITON_INTERPRET=1, set below
+before the kernels are compiled). The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest),
+so bf16 comparisons allow a unit in the last place; fp32 ones are tight. Skipped where triton is not installed (the CPU torch wheel does not bring it:
+`pip install triton` to run these on CPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, _lower_bound_mask  # noqa: E402
+from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
+from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
+from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
+from decode_helpers import random_drafter, tiny_llama, tiny_qwen3, tree_mask  # noqa: E402
+from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_FOLDS = [(False, False, False), (True, False, False), (True, True, False), (False, True, True), (False, False, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm,bias,res,prefetch,norm_block", [(*f, pf, None) for f in _FOLDS for pf in (0, 1)]
+                         + [(True, False, False, 1, 128)])
+def test_gemv_equals_torch(dtype, norm, bias, res, prefetch, norm_block, monkeypatch):
+    """With and without the next block's weights loaded ahead; the norm's sum of squares in one pass over x or in
+    blocks (NORM_BLOCK_MAX below K)."""
+    from draftsmith.decode import kernels as K
+
+    if norm_block:
+        monkeypatch.setattr(K, "NORM_BLOCK_MAX", norm_block)
+    g = torch.Generator().manual_seed(0)
+    K, N = 600, 203  # neither a multiple of the blocks
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype) if norm else None
+    b = torch.randn(N, generator=g).to(DEV, dtype) if bias else None
+    r = torch.randn(1, N, generator=g).to(DEV, dtype) if res else None
+    y = gemv(x, w, nw, 1e-5, bias=b, residual=r, block_k=256, prefetch=prefetch)
+    ref = F.linear(hf_rms_norm(x, nw, 1e-5) if norm else x, w, b)
+    if res:
+        ref = r + ref
+    assert y.shape == (1, N) and y.dtype == dtype
+    # fp32: summation order only; bf16: the same plus at most one rounding step of the output
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_act_mul_equals_silu_times_up(dtype, prefetch):
+    """down(silu(gate) * up) + residual with the activation folded into the gemv's prologue."""
+    g = torch.Generator().manual_seed(3)
+    K, N = 300, 70
+    gu = torch.randn(1, 2 * K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
+    r = torch.randn(1, N, generator=g).to(DEV, dtype)
+    y = gemv(gu, w, residual=r, act_mul=True, block_k=128, prefetch=prefetch)
+    gate, up = gu.chunk(2, -1)
+    ref = r + F.linear(F.silu(gate) * up, w)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="act_mul"):
+        gemv(gu[:, :K], w, act_mul=True)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_glu_equals_silu_gate_times_up(dtype, prefetch):
+    """silu(gate) * up in the gate/up gemv's epilogue (RMSNorm prologue and bias on): each program takes the same
+    rows of W_gate and W_up from the fused cat(gate, up) weight."""
+    g = torch.Generator().manual_seed(4)
+    K, I = 300, 70  # I not a multiple of the row block
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * I, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    b = torch.randn(2 * I, generator=g).to(DEV, dtype)
+    y = gemv(x, w, nw, 1e-5, bias=b, glu=True, block_n=16, block_k=128, prefetch=prefetch)
+    gate, up = F.linear(hf_rms_norm(x, nw, 1e-5), w, b).chunk(2, -1)
+    if dtype == torch.bfloat16 and K_interpreted():
+        # the interpreter truncates each of the epilogue's three bf16 roundings (the GPU rounds to nearest), which
+        # compounds to ~5 ulp on values ~4: the projections come from the plain gemv (tested against F.linear
+        # above), so what is compared is the epilogue
+        gate, up = gemv(x, w, nw, 1e-5, bias=b, block_k=128).chunk(2, -1)
+    ref = F.silu(gate) * up
+    assert y.shape == (1, I) and y.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="even"):
+        gemv(x, w[1:], glu=True)
+
+
+def _rope_reference(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, eps):
+    T, d = qkv.shape[0], cos.shape[1]
+    x = qkv.view(1, T, nh + 2 * nkv, d)
+    qk, v = x[:, :, :nh + nkv], x[:, :, nh + nkv:]
+    if qkn is not None:
+        qk = hf_rms_norm(qk, qkn, eps)
+    qk = qk * cos[pos][None, :, None] + _rotate_half(qk) * sin[pos][None, :, None]
+    kc.index_copy_(2, slots, qk[:, :, nh:].transpose(1, 2))
+    vc.index_copy_(2, slots, v.transpose(1, 2))
+    return qk[0, :, :nh]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
+def test_rope_and_cache_equals_torch(dtype, qk_norm):
+    """q returned and k/v written at their slots (other slots untouched) as the torch ops of the compact forward."""
+    g = torch.Generator().manual_seed(4)
+    nh, nkv, d, T, M = 6, 2, 32, 3, 40
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g).to(DEV, dtype)
+    cos = torch.randn(M, d, generator=g).to(DEV, dtype)
+    sin = torch.randn(M, d, generator=g).to(DEV, dtype)
+    pos = torch.tensor([5, 7, 39], device=DEV)
+    slots = torch.tensor([1, 30, 2], device=DEV)
+    qkn = (torch.rand(nh + nkv, d, generator=g) + 0.5).to(DEV, dtype) if qk_norm else None
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    kr, vr = kc.clone(), vc.clone()
+    q = rope_and_cache(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, 1e-6)
+    qr = _rope_reference(qkv, pos, slots, cos, sin, kr, vr, nh, nkv, qkn, 1e-6)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=0.13, rtol=2e-2)
+    assert q.shape == (T, nh, d)
+    torch.testing.assert_close(q.float(), qr.float(), **tol)
+    torch.testing.assert_close(kc.float(), kr.float(), **tol)
+    assert torch.equal(vc, vr)  # v is copied, not computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,nkv,d,S,M,split,bs", [(4, 2, 16, 37, 64, None, None), (8, 2, 32, 200, 256, 64, None),
+                                                   (4, 4, 16, 130, 160, None, None), (3, 1, 64, 600, 640, None, None),
+                                                   (3, 1, 64, 600, 640, 128, None), (32, 8, 128, 208, 208, None, None),
+                                                   (4, 2, 32, 1100, 1152, 32, 32)],
+                         ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads", "35-chunks"])
+def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
+    """One query token over the first S cache slots with a random mask, one program per KV head or the keys split
+    over programs (a chunk with every key masked included), against the compact forward's attention in fp32."""
+    g = torch.Generator().manual_seed(S + nh)
+    q = torch.randn(nh, d, generator=g).to(DEV, dtype)
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    mask = (torch.rand(S, generator=g) < 0.5).to(DEV)
+    mask[-1] = True
+    if split:
+        mask[:split] = False  # the whole first chunk masked: its weight must be 0, not NaN
+    o = decode_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs)
+    ref = grouped_attention(q.view(1, nh, 1, d).float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask[None],
+                            d ** -0.5, "bmm").reshape(1, nh * d)
+    assert o.shape == (1, nh * d) and o.dtype == dtype
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), ref, **tol)
+
+
+def test_decode_attention_uses_the_tuned_plan(monkeypatch):
+    """A plan kept for this shape is what decode_attention launches (split_len not a multiple of the default key
+    block: the call fails if the plan is ignored); without one, the default rule's chunks stay within
+    ATTN_TARGET_CHUNKS."""
+    from draftsmith.decode import kernels as K
+
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, d, S = 4, 2, 16, 200
+    q = torch.randn(nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, S, d, generator=g).to(DEV), torch.randn(1, nkv, S, d, generator=g).to(DEV)
+    mask = torch.rand(S, generator=g).to(DEV) < 0.7
+    ref = decode_attention(q, kc, vc, mask, 0.25)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, kc, vc, mask, 0.25, split_len=80)
+    monkeypatch.setitem(K._TUNED_ATTN, K._attn_key(S, nkv, nh // nkv, d, q.dtype), (80, 16, 2))
+    assert K._attn_plan(S, nkv, nh // nkv, d, q.dtype, q.device, None, None, None) == (80, 16, 2)
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), ref, atol=2e-6, rtol=2e-6)
+    for S_ in (208, 2128, 8192):
+        sl, bs, _ = K._attn_plan(S_, 8, 4, 128, torch.bfloat16, q.device, None, None, None)
+        assert sl % bs == 0 and -(-S_ // sl) <= K.ATTN_TARGET_CHUNKS and (sl == bs or -(-S_ // (sl // 2)) >
+                                                                          K.ATTN_TARGET_CHUNKS)
+
+
+def test_decode_attention_skips_unmasked_tail():
+    """Slots past the last visible one are never read: garbage (NaN) there changes nothing."""
+    g = torch.Generator().manual_seed(9)
+    nh, nkv, d, M = 4, 2, 16, 256
+    q = torch.randn(nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV), torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    mask = torch.arange(M, device=DEV) <= 70
+    want = decode_attention(q, kc, vc, mask, 0.25)
+    kc[:, :, 128:], vc[:, :, 128:] = float("nan"), float("nan")
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
+
+
+def _tree_mask(T: int, S: int, ctx: int, g: torch.Generator) -> torch.Tensor:
+    """`testing.tree_mask` of a random tree of T nodes."""
+    return tree_mask([-1] + [int(torch.randint(-1, t, (1,), generator=g)) for t in range(1, T)], S, ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,nh,nkv,d,ctx,M,split,bs,br", [
+    (7, 4, 2, 16, 30, 64, None, None, None), (49, 8, 2, 32, 150, 256, None, None, None),
+    (5, 3, 1, 64, 40, 64, 32, 16, 16), (33, 4, 4, 16, 200, 256, 64, 32, 32), (2, 32, 8, 128, 60, 128, None, None, None),
+    (1, 4, 2, 16, 20, 32, None, None, None)],
+    ids=["gqa2", "verify-49", "mqa-split-rows", "mha-row-blocks", "8b-heads", "one-token"])
+def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs, br):
+    """T query tokens with a tree mask each (rows of several tiles, keys split over programs, chunks that some or
+    all rows of a tile cannot see), q a strided view as the compact forward passes it, against the compact forward's
+    attention in fp32."""
+    g = torch.Generator().manual_seed(T * 7 + nh)
+    S = ctx + T + 3  # the mask covers 3 tail slots nobody sees
+    qkv = torch.randn(T, nh + 2 * nkv, d, generator=g).to(DEV, dtype)
+    q = qkv[:, :nh]  # strides (nh + 2 nkv) d, d, 1
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
+    mask = _tree_mask(T, S, ctx, g).to(DEV)
+    if split:
+        mask[: T // 2, :split] = False  # a chunk that half the rows (in the same tile as the rest) do not see
+    o = rows_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs, block_r=br)
+    # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing
+    o_slots = rows_attention(q, kc, vc, mask, d ** -0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split,
+                             block_s=bs, block_r=br)
+    torch.testing.assert_close(o_slots, o, atol=0, rtol=0)
+    ref = grouped_attention(q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask,
+                            d ** -0.5, "bmm").transpose(1, 2).reshape(T, nh * d)
+    assert o.shape == (T, nh * d) and o.dtype == dtype
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), ref, **tol)
+    if split is None:  # the default plan through the torch operator gives the same
+        torch.testing.assert_close(rows_attention(q, kc, vc, mask, d ** -0.5), o, atol=0, rtol=0)
+
+
+def test_rows_attention_skips_unseen_keys_and_checks_shapes():
+    """Keys no row sees (the unused cache tail, and a block every row's mask excludes) are never read: NaN there
+    changes nothing; with `slots`, keys past the highest slot written are not read either. A mask with the wrong number of rows,
+    slots not one per token, or a non-power-of-two head_dim, is a one-line error."""
+    g = torch.Generator().manual_seed(4)
+    T, nh, nkv, d, M = 6, 4, 2, 16, 256
+    q = torch.randn(T, nh, d, generator=g).to(DEV)
+    kc, vc = torch.randn(1, nkv, M, d, generator=g).to(DEV), torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    mask = _tree_mask(T, 100, 80, g).to(DEV)
+    mask[:, 32:64] = False
+    want = rows_attention(q, kc, vc, mask, 0.25)
+    kc[:, :, 100:], vc[:, :, 100:] = float("nan"), float("nan")
+    kc[:, :, 32:64], vc[:, :, 32:64] = float("nan"), float("nan")
+    torch.testing.assert_close(rows_attention(q, kc, vc, mask, 0.25), want, atol=0, rtol=0)
+    # with the slots written (80..85), keys past slot 85 are not read and count as masked, whatever the mask says;
+    # masked keys below them are read (a cache holds finite values) and weigh nothing
+    slots = torch.arange(80, 86, device=DEV)
+    wide = mask.clone()
+    wide[:, 86:100] = True
+    kc[:, :, 32:64], vc[:, :, 32:64] = 3e4, -3e4
+    kc[:, :, 86:100], vc[:, :, 86:100] = float("nan"), float("nan")
+    torch.testing.assert_close(rows_attention(q, kc, vc, wide, 0.25, slots), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(q, kc, vc, mask, 0.25, slots[:3])
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(q, kc, vc, mask[:5], 0.25)
+    with pytest.raises(ValueError, match="rows_attention"):
+        rows_attention(torch.randn(T, nh, 24, device=DEV), torch.randn(1, nkv, M, 24, device=DEV),
+                       torch.randn(1, nkv, M, 24, device=DEV), mask, 0.25)
+
+
+@pytest.mark.parametrize("R,V,k,dtype", [(1, 50, 3, torch.float32), (8, 5000, 8, torch.float32),
+                                         (8, 200, 8, torch.bfloat16), (3, 2049, 16, torch.float32),
+                                         (2, 16, 16, torch.float32)],
+                         ids=["one-row", "draft-level", "bf16", "block-edge", "k-equals-V"])
+def test_topk_logprobs_equals_torch(R, V, k, dtype):
+    """log-softmax + top-k in two kernels against torch's: the same columns in the same order, the same log-probs;
+    ties go to the lower column (torch leaves their order open, so a tie is checked on its own)."""
+    from draftsmith.decode.kernels import topk_logprobs
+
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(R, V, generator=g) * 3
+    if dtype == torch.bfloat16:  # distinct values a bf16 holds exactly (random bf16 logits tie)
+        x = torch.stack([torch.randperm(V, generator=g) * 0.25 for _ in range(R)])
+    x = x.to(DEV, dtype)
+    v, i = topk_logprobs(x, k)
+    rv, ri = torch.topk(torch.log_softmax(x.float(), -1), k, dim=-1)
+    assert v.dtype == torch.float32 and i.dtype == torch.int64 and v.shape == (R, k)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, atol=2e-5, rtol=1e-5)
+    v1, i1 = topk_logprobs(x[0], k)  # one row, no batch dimension
+    assert v1.shape == (k,) and torch.equal(i1, ri[0])
+    tie = torch.zeros(1, V, device=DEV)
+    tie[0, [7, 3, V - 1]] = 5.0
+    assert topk_logprobs(tie, min(k, 3))[1][0].tolist() == [3, 7, V - 1][: min(k, 3)]
+    with pytest.raises(ValueError, match="topk_logprobs"):
+        topk_logprobs(x, 17)
+
+
+def test_verify_forward_through_rows_attention_equals_torch_path():
+    """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
+    matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
+    ROWS_ATTN_MAX keep torch's attention."""
+    from draftsmith.decode import kernels as K
+
+    model = tiny_qwen3().to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels = "triton"
+    assert kf.triton_ops_for(7) == frozenset({"attn"}) and not kf.triton_step(7) and kf.triton_step(1)
+    assert kf.triton_ops_for(K.ROWS_ATTN_MAX + 1) == frozenset()
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(8)).to(DEV)
+    pos = torch.arange(16, device=DEV)
+    tree = _tree_mask(7, 48, 9, torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        depth = tree[:, 9:16].sum(-1) - 1
+        (lr, ar_), (lk, ak) = (f(ids[9:], 9 + depth, pos[9:], tree) for f in (ref, kf))
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm,bias,res,glu", [(False, False, False, False), (True, True, False, False),
+                                               (False, True, True, False), (True, True, False, True)],
+                         ids=["plain", "norm-bias", "bias-res", "norm-glu"])
+def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
+    """T rows (a verify's tokens) as one tl.dot tile: fp32 against F.linear (+ folds); bf16 against the one-row
+    gemv row by row (the same roundings: gemv is checked against torch above), since the interpreter's
+    truncating fp32 -> bf16 makes a bf16 torch reference differ by a few ulp after three roundings."""
+    from draftsmith.decode.kernels import gemm_rows
+
+    g = torch.Generator().manual_seed(T)
+    K, N = 300, 70
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype) if norm else None
+    b = torch.randn(2 * N, generator=g).to(DEV, dtype) if bias else None
+    n_out = N if glu else 2 * N
+    r = torch.randn(T, n_out, generator=g).to(DEV, dtype) if res else None
+    y = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu)
+    assert y.shape == (T, n_out) and y.dtype == dtype
+    if dtype == torch.float32:
+        ref = F.linear(hf_rms_norm(x, nw, 1e-5) if norm else x, w, b)
+        if glu:
+            gate, up = ref.chunk(2, -1)
+            ref = F.silu(gate) * up
+        if res:
+            ref = r + ref
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    else:
+        rows = [gemv(x[t:t + 1], w, nw, 1e-5, bias=b, residual=None if r is None else r[t:t + 1], glu=glu)
+                for t in range(T)]
+        torch.testing.assert_close(y.float(), torch.cat(rows).float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="gemm_rows"):
+        gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
+
+
+def test_verify_forward_through_row_kernels_equals_torch_path():
+    """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows on: gemm_rows for the
+    matmuls, rope_and_cache per token, rows_attention — logits, aux and both caches equal the torch path's."""
+    model = tiny_qwen3().to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels, kf.triton_max_rows = "triton", 64
+    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn"})
+    assert kf.triton_ops_for(257) == frozenset() and kf.triton_step(7) and not kf.triton_step(65)
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
+    pos = torch.arange(16, device=DEV)
+    ar = torch.arange(48, device=DEV)
+    node = torch.arange(7, device=DEV)
+    # tree: every node sees the context (0..8) and the even-offset nodes before it
+    tree = (ar[None, :] < 9) | ((ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) &
+                                ((node[:, None] - (ar[None, :] - 9)) % 2 == 0))
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        rows = torch.tensor([0, 3, 6], device=DEV)
+        (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_rejects_a_mismatched_weight():
+    with pytest.raises(ValueError, match="gemv"):
+        gemv(torch.randn(1, 8, device=DEV), torch.randn(4, 9, device=DEV))
+
+
+@pytest.mark.parametrize("name,model", [("qwen3", tiny_qwen3()), ("qwen2-bias", tiny_llama(vocab_size=50,
+                                                                                           model_type="qwen2"))],
+                         ids=["qwen3", "qwen2-bias"])
+def test_one_token_step_equals_torch_path(name, model):
+    """A decode step (T=1) with kernels="triton" gives the torch path's logits, aux states and cache rows."""
+    model = model.to(DEV)
+    n = model.config.num_hidden_layers
+    ref_fwd = LlamaFamilyForward.from_hf(model, [0, n - 1], 64)
+    k_fwd = LlamaFamilyForward.from_hf(model, [0, n - 1], 64)
+    k_fwd.kernels = "triton"
+    ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(9, device=DEV)
+    with torch.no_grad():
+        for f in (ref_fwd, k_fwd):  # the same prefill up to the attention kernel (rows_attention in k_fwd)
+            f(ids[:8], pos[:8], pos[:8], _lower_bound_mask(64, pos[:8], DEV))
+        outs = [f(ids[8:], pos[8:], pos[8:], _lower_bound_mask(64, pos[8:], DEV)) for f in (ref_fwd, k_fwd)]
+    (lr, ar), (lk, ak) = outs
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k_fwd.k_cache, ref_fwd.k_cache, atol=1e-5, rtol=1e-5)
+
+
+def _gelu_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, hidden_act="gelu", max_position_embeddings=128, initializer_range=0.3,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("leave_out", [None, *TRITON_OPS])
+@pytest.mark.parametrize("name", ["qwen3", "llama-gelu-mqa"])
+def test_one_token_step_routes_each_op(name, leave_out):
+    """Every mix of Triton and torch ops (each op left to torch in turn) gives the torch path's step: logits, aux
+    and both caches. Covers q/k norm (Qwen3), GQA and MQA, and a non-silu MLP (the activation stays a torch op)."""
+    model = (tiny_qwen3() if name == "qwen3" else _gelu_llama()).to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
+    kf.kernels = "triton"
+    kf.triton_ops = set(TRITON_OPS) - {leave_out}
+    assert kf.triton_ops_for(1) == frozenset(kf.triton_ops)
+    assert kf.triton_ops_for(2) == (frozenset({"attn"}) if leave_out != "attn" else frozenset())
+    ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(DEV)
+    pos = torch.arange(12, device=DEV)
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+        for t in range(9, 12):  # three one-token steps: each reads the cache rows the previous ones wrote
+            p = pos[t:t + 1]
+            (lr, ar), (lk, ak) = (f(ids[t:t + 1], p, p, _lower_bound_mask(48, p, DEV)) for f in (ref, kf))
+            torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_kernels_argument():
+    """SpeculativeDecoder(kernels=...) sets the runner's path and refuses what it cannot run, in one line."""
+    m = tiny_qwen3().to(DEV)
+    assert SpeculativeDecoder(m, None, max_len=32, kernels="triton").runner.kernels == "triton"
+    assert SpeculativeDecoder(m, None, max_len=32).runner.kernels == "torch"
+    with pytest.raises(ValueError, match="kernels"):
+        SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
+    with pytest.raises(ValueError, match="compact"):
+        SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
+    if DEV == "cpu":  # outside the interpreter, CPU tensors cannot reach a Triton kernel: say so up front
+        from draftsmith.decode import kernels as K
+
+        was, K._INTERPRET = K._INTERPRET, False
+        try:
+            with pytest.raises(ValueError, match="needs a CUDA device"):
+                SpeculativeDecoder(m, None, max_len=32, kernels="triton")
+        finally:
+            K._INTERPRET = was
+
+
+@pytest.mark.parametrize("setup", ["one-token", "rows", "built"])
+def test_greedy_equal_with_triton_kernels(setup):
+    """Decoding through the engine with the kernels on gives, token for token, the plain torch path's greedy output
+    (tiny Qwen3, fp32, peaky logits: no near-ties). one-token: the runner's one-token steps through the kernels
+    (plain, chain); rows: the verify forwards through the T-row matmul kernels too (chain, tree); built: an engine
+    made with kernels="triton" — the drafter's attention through rows_attention and its tree levels' top-k through
+    topk_logprobs as well (chain, tree). All in triton's interpreter on CPU, hence few prompts."""
+    m = tiny_qwen3().to(DEV)
+    d = random_drafter(m, seed=1).to(DEV)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(4)]
+    ref = SpeculativeDecoder(m, d, max_len=64)
+    if setup == "built":
+        eng = SpeculativeDecoder(m, d, max_len=64, kernels="triton")
+        assert eng._d_rows_attn > 0 and eng._topk_max > 0
+        modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=6))
+    else:
+        eng = SpeculativeDecoder(m, d, max_len=64)
+        eng.runner.kernels = "triton"
+        modes = (DecodeMode("plain"), DecodeMode("chain", draft_tokens=2))
+        if setup == "rows":  # the experimental T-row matmuls (off by default): the slowest in the interpreter
+            eng.runner.triton_max_rows = 64
+            modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=4))
+            prompts = prompts[:2]
+    for p in prompts:
+        want = ref.generate(p, 8, mode=DecodeMode("plain")).token_ids
+        for mode in modes:
+            assert eng.generate(p, 8, mode=mode).token_ids == want, (p, mode)
+
+
+def test_triton_kernels_with_compiled_rounds():
+    """kernels='triton' with compile=True: one-token steps run the kernels without dynamo (plain decoding compiles
+    nothing), the rounds' wider forwards run compiled — and the output is the plain torch path's, token for token."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    m = tiny_qwen3().to(DEV)
+    d = random_drafter(m, seed=2).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 8, mode=DecodeMode("plain")).token_ids
+    torch._dynamo.reset()
+    counters.clear()
+    eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", compile=True)
+    assert eng.generate(p, 8, mode=DecodeMode("plain")).token_ids == want
+    assert counters["stats"]["unique_graphs"] == 0  # the Triton step was not traced
+    assert eng.generate(p, 8, mode=DecodeMode("chain", draft_tokens=2)).token_ids == want
+    assert counters["stats"]["unique_graphs"] > 0  # the verify and the drafter were
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU bench runs; triton 3.6's "
+                    "interpreter fails on the tiny CPU shape")
+def test_bench_decode_kernels_triton_smoke(tmp_path):
+    """bench/decode_kernels.py --gemv torch,triton runs the Triton rows and the per-matrix table (tiny shape)."""
+    import json
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[3])
+    # --smoke runs on CPU tensors, also on a GPU machine: the kernels there need the interpreter
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"),
+               TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off",
+                        "--impls", "sdpa", "--gemv", "torch,triton", "--attn-sweep"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert {row["gemv"] for row in res["rows"]} == {"torch", "triton"}
+    assert all("triton us/matrix" in m for m in res["per_matrix"])
+    assert {r["cache S"] for r in res["attn_sweep"]} == {r["cache S"] for r in res["rows"]}  # every plan, each S
+
+
+def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
+    """Every kernel a decode step launches compiles ahead of time for sm_90 (the H200) with the 8B shape's
+    constants, without local memory (register spills), and the gemv and attention read memory with 16-byte vector
+    loads. No GPU needed (bench/kernels_aot.py, in a subprocess: the interpreter mode above replaces the kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = str(Path(__file__).resolve().parents[3])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "aot.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "",
+                        "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    from draftsmith.decode import kernels as K
+
+    n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
+    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 4 + 4 + 3  # each with and without PDL
+    pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
+    assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
+    bad = [row for row in rows if row["error"] or row["local B"] != 0]
+    assert not bad, bad
+    # 16-byte loads: as vector loads into registers, or as the async copies of a pipelined tl.dot loop
+    assert all(row["v4 loads"] > 0 or row["cp.async"] > 0 for row in rows
+               if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention")))
+    assert r.returncode == 0
