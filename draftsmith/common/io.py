@@ -8,12 +8,67 @@ so the rename itself survives a power cut.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+LOCK_FILE_NAME = ".lock"  # what `dir_lock` leaves in a locked directory; emptiness checks should ignore it
+
+
+@contextlib.contextmanager
+def dir_lock(directory: str | os.PathLike, what: str = "job"):
+    """Hold an exclusive lock on `directory` (created if absent) for the duration of the block.
+
+    `with dir_lock(out_dir, what="capture"): ...` -- a second process asking for the same directory fails at
+    once with the one-line DraftsmithError "OUT is in use by another draftsmith <what> (pid N)" instead of
+    waiting or racing. The lock is `fcntl.flock` on DIR/.lock (`LOCK_FILE_NAME`), which holds the owner's pid;
+    the kernel drops it when the process exits however it exits (kill -9 included), so a stale .lock file never
+    blocks anyone and is left in place (deleting it would let two processes lock two different files).
+    Not re-entrant: locking a directory the same process already holds fails like a second process would.
+    On a filesystem without flock support the block runs unlocked.
+    """
+    from draftsmith.common.errors import DraftsmithError
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise DraftsmithError(f"{directory}: exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DraftsmithError(f"{directory}: cannot create directory ({e.strerror or e})") from None
+    lock_path = directory / LOCK_FILE_NAME
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise DraftsmithError(f"{lock_path}: cannot open lock file ({e.strerror or e})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                locked = False  # ENOLCK / EOPNOTSUPP (some network filesystems): no lock to be had
+            else:
+                try:
+                    owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+                except OSError:
+                    owner = "unknown"
+                raise DraftsmithError(f"{directory} is in use by another draftsmith {what} (pid {owner})") from None
+        if locked:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass  # the pid is only informative; the flock is the lock
+        yield directory
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
