@@ -15,43 +15,18 @@ import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from draftsmith import __version__
+from draftsmith.capture.config import CaptureConfig  # re-exported: CaptureConfig lived here
 from draftsmith.common.dist import barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.store import format as fmt
 from draftsmith.target_model.layers import to_hidden_states_ids, validate_aux_layers
 from draftsmith.common.io import atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, read_json
-
-
-@dataclass
-class CaptureConfig:
-    target: str
-    data: str
-    out: str
-    aux_layers: list[int] | None = None  # layer-output ids; None = EAGLE-3 default [1, N//2-1, N-4]
-    max_length: int | None = 2048
-    dtype: str = "bf16"  # store dtype: bf16 | fp8
-    batch_tokens: int = 16384  # padded tokens per forward
-    on_bad: str = "error"
-    shard_tokens: int | None = None  # default: ~shard_mb of payload per shard
-    shard_mb: int = 512
-    writers: int = 3  # shard-writing threads (hash + write + fsync overlap the GPU)
-    device: str = "auto"
-    model_dtype: str = "auto"  # weights: auto = bf16 on GPU, as saved on CPU
-    capture_final: bool = True
-    cuda_graphs: bool = False
-    tp: bool = False
-    glob: str | None = None
-    split_long: bool | None = None
-    add_bos: bool | None = None
-    max_samples: int | None = None  # capture only the first N samples (a quick trial run)
-    progress: bool = True
 
 
 def _crash_point(name: str, index: int) -> None:
