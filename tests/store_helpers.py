@@ -3,6 +3,9 @@ with test-sized settings."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -30,3 +33,30 @@ def capture(tiny, data, out, **kw) -> dict:
     kw.setdefault("progress", False)
     kw.setdefault("model_dtype", "fp32")
     return run_capture(CaptureConfig(target=str(tiny), data=str(data), out=str(out), **kw), log=lambda *a: None)
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size_bytes: int):
+    """A tmpfs of `size_bytes` mounted at `where` (a full disk on demand); skips the test where mounting is not
+    permitted (not root, or a container without CAP_SYS_ADMIN)."""
+    import pytest
+
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip()[:200]})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_disk(root: Path, leave_bytes: int) -> Path:
+    """Fill the filesystem of `root` until about `leave_bytes` are free; returns the filler file (delete it to free
+    the space)."""
+    filler = root / "filler"
+    free = shutil.disk_usage(root).free
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave_bytes))
+    return filler

@@ -90,23 +90,73 @@ def _umask() -> int:
     return mask
 
 
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc` is a full disk (or an exhausted quota)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
+def no_space_error(path: str | os.PathLike):
+    """The one-line user error for a full disk while writing `path` (a DraftsmithError)."""
+    from draftsmith.common.errors import DraftsmithError
+
+    return DraftsmithError(f"no space left on device: {path}")
+
+
+class _FullWriter:
+    """A binary file whose `write` writes everything or raises.
+
+    An unbuffered `write` may write only part of its buffer (on a full disk, the part that fits) and return the
+    count; ignoring it once committed truncated files. Here a short write is retried until the kernel raises the
+    real error (ENOSPC) or takes everything, and a write of 0 bytes is treated as a full disk.
+    """
+
+    def __init__(self, raw):
+        self._raw = raw
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        total, done = len(view), 0
+        while done < total:
+            n = self._raw.write(view[done:])
+            if not n:
+                raise OSError(errno.ENOSPC, "write() wrote nothing", self._raw.name)
+            done += n
+        return total
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike):
-    """Yield an unbuffered binary file; on success it is fsync'ed and renamed to `path`, else removed."""
+    """Yield a binary file; on success it is fsync'ed and renamed to `path`, else removed (nothing is renamed).
+
+    Every `write` writes its whole buffer or raises. A full disk (ENOSPC/EDQUOT, at any write or at the fsync)
+    is raised as the one-line DraftsmithError "no space left on device: PATH" after the temporary file is removed.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb", buffering=0) as f:
-            yield f
+            yield _FullWriter(f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if is_no_space(e):
+            raise no_space_error(path) from None
         raise
     fsync_dir(path.parent)
 
