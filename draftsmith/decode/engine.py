@@ -714,8 +714,13 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  mode: DecodeMode | None = None, seed: int | None = None, stop_strings: Sequence[str] = (),
-                 eos_ids: Sequence[int] | None = None, trace: bool = False, sync_every: int = 8) -> GenerationResult:
-        """Decode up to max_new_tokens new tokens after prompt_ids. Returns new tokens only."""
+                 eos_ids: Sequence[int] | None = None, trace: bool = False, sync_every: int = 8,
+                 on_tokens=None) -> GenerationResult:
+        """Decode up to max_new_tokens new tokens after prompt_ids. Returns new tokens only.
+
+        `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
+        checks), for streaming; returning False ends the generation there with finish_reason "cancelled" (a
+        disconnected client frees the engine within one round)."""
         sp = sampling or SamplingParams()
         mode = mode or (DecodeMode("chain") if self.drafter is not None else DecodeMode("plain"))
         mode.validate()
@@ -746,7 +751,16 @@ class SpeculativeDecoder:
         res = GenerationResult([], None, "length", n, 0, proposed_per_round=mode.max_accept)
         res.trace = [] if trace else None
         L_host = n
-        finished = self._emit(res, [first], eos, stop_strings, max_new_tokens)
+
+        def emit(toks) -> bool:
+            before = len(res.token_ids)
+            done = self._emit(res, toks, eos, stop_strings, max_new_tokens)
+            if on_tokens is not None and on_tokens(res.token_ids[before:]) is False and not done:
+                res.finish_reason = "cancelled"
+                return True
+            return done
+
+        finished = emit([first])
         budget = mode.cache_need + 1
         while not finished:
             if mode.kind != "plain" and L_host + budget <= self.max_len:
@@ -760,7 +774,7 @@ class SpeculativeDecoder:
                     res.trace.append({"L": L_host, "tokens": toks, "draft": self._last_draft.tolist()
                                       if mode.kind == "chain" and not self.cuda_graphs else None})
                 L_host += k
-                finished = self._emit(res, toks, eos, stop_strings, max_new_tokens)
+                finished = emit(toks)
             elif L_host + 1 < self.max_len:
                 # plain steps: several per host sync (over-generation past a stop is discarded)
                 m = max(1, min(sync_every if mode.kind == "plain" else 1, max_new_tokens - len(res.token_ids),
@@ -772,7 +786,7 @@ class SpeculativeDecoder:
                 toks = torch.cat(buf).tolist()
                 res.rounds += m
                 L_host += m
-                finished = self._emit(res, toks, eos, stop_strings, max_new_tokens)
+                finished = emit(toks)
             else:
                 res.finish_reason = "cache"
                 finished = True
