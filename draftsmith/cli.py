@@ -38,6 +38,7 @@ STAGE_CLIS = [
     "draftsmith.train.cli",
     "draftsmith.decode.cli",
     "draftsmith.export.cli",
+    "draftsmith.serve.cli",
 ]
 
 

@@ -1,0 +1,210 @@
+"""`draftsmith serve` (an OpenAI-compatible server on the speculative decoding engine) and `draftsmith
+bench-endpoint` (streamed single-stream tokens/s, TTFT and inter-token latency of any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from draftsmith.common.errors import DraftsmithError
+
+_ATTN_HELP = "Attention of the compact forward and the drafter: auto | sdpa | bmm | split (as for generate)."
+_KERNELS_HELP = "Decode kernels of the compact forward: torch | triton (as for generate)."
+
+
+def _need_server_deps() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise DraftsmithError(f"draftsmith serve needs {e.name}: pip install 'draftsmith[serve]' (or '.[serve]' "
+                              "in a checkout)") from None
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        target: str = typer.Option(..., "--target", help="HF target model directory."),
+        drafter: Optional[str] = typer.Option(None, "--drafter", help="EAGLE-3 drafter (draftsmith/SGLang/EAGLE "
+                                              "layout). Without it: plain decoding."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise; "
+                                 "0.0.0.0 exposes the server to the network)."),
+        port: int = typer.Option(8000, "--port", help="TCP port."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DRAFTSMITH_API_KEY",
+                                              help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)."),
+        max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; one more -> "
+                                      "429."),
+        queue_timeout: float = typer.Option(600.0, "--queue-timeout", help="Seconds a request may wait for the "
+                                            "engine before it is answered 429."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + max_tokens limit in "
+                                                    "tokens (the engine's cache). Default: the target's "
+                                                    "max_position_embeddings, at most 4096."),
+        default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="max_tokens of a request that "
+                                               "gives none (capped by the context left)."),
+        served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name of "
+                                                        "/v1/models and of responses (default: the target "
+                                                        "directory's name)."),
+        chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file for "
+                                                     "targets whose tokenizer has none (or to replace it)."),
+        draft_tokens: int = typer.Option(4, "--draft-tokens", help="Chain: draft tokens per round (K)."),
+        tree: bool = typer.Option(False, "--tree", help="EAGLE-2 dynamic tree instead of a chain."),
+        top_k_draft: int = typer.Option(8, "--top-k-draft", help="Tree: frontier width / children per node."),
+        depth: int = typer.Option(5, "--depth", help="Tree: max draft tokens on one path."),
+        tree_tokens: int = typer.Option(32, "--tree-tokens", help="Tree: draft nodes verified per round."),
+        plain: bool = typer.Option(False, "--plain", help="Plain decoding even with a drafter (baseline)."),
+        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto = bf16 on CUDA, fp32 on CPU."),
+        backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
+        cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA "
+                                         "graphs (GPU, compact forward)."),
+        compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
+        attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
+        kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
+        capture_to: Optional[Path] = typer.Option(None, "--capture-to", help="Record every served request (prompt "
+                                                  "+ response tokens, the target's aux and final pre-norm states) "
+                                                  "into this store. Prompts are stored: see README 'Serve'."),
+        capture_max_tokens: Optional[int] = typer.Option(None, "--capture-max-tokens", help="Stop recording once "
+                                                         "the store holds this many tokens."),
+        capture_dtype: str = typer.Option("bf16", "--capture-dtype", help="Store dtype: bf16 | fp8."),
+        capture_shard_tokens: int = typer.Option(65536, "--capture-shard-tokens", help="Tokens per store shard."),
+        capture_flush_s: float = typer.Option(60.0, "--capture-flush-s", help="Write a shard once its oldest "
+                                              "request is this old, even if not full (the store is complete after "
+                                              "every write)."),
+        log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+    ) -> None:
+        """Serve the target (+ drafter) over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (SSE or
+        JSON), /v1/models, /health, /metrics. One sequence at a time on the engine; a bounded queue in front."""
+        _need_server_deps()
+        import uvicorn
+
+        from draftsmith.serve.app import ServeSettings, create_app
+        from draftsmith.serve.metrics import ServeMetrics
+        from draftsmith.serve.worker import EngineWorker
+
+        if max_queue < 1:
+            raise DraftsmithError("--max-queue must be >= 1")
+        if queue_timeout <= 0:
+            raise DraftsmithError("--queue-timeout must be > 0")
+        if not Path(target).is_dir():
+            raise DraftsmithError(f"{target}: target not found (expected a Hugging Face model directory)")
+        template = None
+        if chat_template is not None:
+            try:
+                template = chat_template.read_text()
+            except OSError as e:
+                raise DraftsmithError(f"--chat-template: {chat_template}: {e.strerror}") from None
+        logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        log = logging.getLogger("draftsmith.serve")
+        built: dict = {}
+
+        def build():
+            from draftsmith.decode.cli import _engine, _load, _max_positions, _mode
+            from draftsmith.decode.engine import DecodeMode
+            from draftsmith.decode.sampling import SamplingParams
+
+            t, d = _load(target, drafter, device, dtype)
+            if template is not None:
+                t.tokenizer.chat_template = template
+            mode = _mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
+            try:
+                mode.validate()
+            except ValueError as e:
+                raise DraftsmithError(str(e)) from None
+            limit = min(_max_positions(t), 4096) if max_model_len is None else max_model_len
+            if limit < 2:
+                raise DraftsmithError(f"--max-model-len {limit}: must be >= 2")
+            eng = _engine(t, d, limit + mode.cache_need + 2, backend, cuda_graphs, compile, attn_impl, kernels)
+            greedy = SamplingParams()
+            eng.warmup(mode, greedy)
+            if mode.kind != "plain":
+                eng.warmup(DecodeMode("plain"), greedy)  # generate's fallback near the end of the cache
+            built.update(target=t, limit=limit, mode=mode)
+            return eng, mode
+
+        recorder_factory = None
+        if capture_to is not None:
+            from draftsmith.serve.recorder import ServeRecorder
+
+            def recorder_factory(eng):
+                return ServeRecorder(capture_to, built["target"], eng.aux_layers, dtype=capture_dtype,
+                                     max_tokens=capture_max_tokens, shard_tokens=capture_shard_tokens,
+                                     flush_s=capture_flush_s)
+
+        worker = EngineWorker(build, max_queue=max_queue, recorder_factory=recorder_factory)
+        log.info("loading %s%s", target, f" + drafter {drafter}" if drafter else "")
+        worker.start()
+        from draftsmith.target_model.load import load_tokenizer
+
+        t = built["target"]
+        http_tokenizer = load_tokenizer(target)  # the event loop's own (fast tokenizers are not thread-safe)
+        if template is not None:
+            http_tokenizer.chat_template = template
+        name = served_model_name or Path(target).resolve().name
+        eng = worker.engine
+        settings = ServeSettings(model_name=name, max_model_len=built["limit"], vocab_size=int(t.vocab_size),
+                                 eos_ids=set(eng.eos_ids), api_key=api_key, queue_timeout=queue_timeout,
+                                 default_max_tokens=default_max_tokens, aliases=(target,))
+        metrics = ServeMetrics()
+        http_app = create_app(worker, http_tokenizer, settings, metrics)
+        config = uvicorn.Config(http_app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                                timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        mode = built["mode"]
+        log.info("engine ready: %s, %s decoding, backend %s, cuda graphs %s, context %d tokens%s", eng.device,
+                 mode.kind, eng.backend, eng.cuda_graphs, built["limit"],
+                 f", recording into {capture_to}" if capture_to else "")
+        print(f"draftsmith serve: http://{host}:{port}/v1 (model {name!r})", file=sys.stderr, flush=True)
+        try:
+            server.run()
+        finally:
+            worker.stop()
+            if worker.recorder is not None:
+                r = worker.recorder
+                log.info("capture: %d requests recorded into %s (states forward %.2f s in all)", r.recorded,
+                         capture_to, r.forward_s)
+
+    @app.command("bench-endpoint")
+    def bench_endpoint(
+        url: str = typer.Option(..., "--url", help="Base URL of an OpenAI-compatible server, e.g. "
+                                "http://127.0.0.1:8000 (with or without /v1)."),
+        prompts: Path = typer.Option(..., "--prompts", help="JSONL with prompt/text/messages/turns records, or a "
+                                     "text file with one prompt per line."),
+        model: Optional[str] = typer.Option(None, "--model", help="Model name (default: the first of /v1/models)."),
+        max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of every request."),
+        concurrency: int = typer.Option(1, "--concurrency", help="Requests in flight at once (1 = single stream)."),
+        requests: Optional[int] = typer.Option(None, "--requests", help="Requests to send in all (prompts repeat "
+                                               "as needed); default: one per prompt. Never more are sent."),
+        label: Optional[str] = typer.Option(None, "--label", help="Row name in the table (default: the URL)."),
+        out: Path = typer.Option(Path("bench_endpoint"), "--out", help="Directory of results.jsonl and "
+                                 "results.png."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key."),
+        temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature of every request."),
+        chat: bool = typer.Option(False, "--chat", help="Send text prompts to /v1/chat/completions as one user "
+                                  "message (records with messages always go there)."),
+        timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take."),
+        json_out: bool = typer.Option(False, "--json", help="Also print this run's row as JSON."),
+    ) -> None:
+        """Benchmark an OpenAI-compatible endpoint: streamed single-stream tokens/s, TTFT, inter-token latency
+        p50/p99, errors. Appends a row to OUT/results.jsonl, prints every row as one table, writes a bar chart."""
+        from draftsmith.serve.bench_endpoint import run_bench
+
+        if concurrency < 1:
+            raise DraftsmithError("--concurrency must be >= 1")
+        if requests is not None and requests < 1:
+            raise DraftsmithError("--requests must be >= 1")
+        if max_tokens < 1:
+            raise DraftsmithError("--max-tokens must be >= 1")
+        row = run_bench(url=url, prompts_path=prompts, model=model, max_tokens=max_tokens, concurrency=concurrency,
+                        num_requests=requests, label=label, out=out, api_key=api_key, temperature=temperature,
+                        chat=chat, timeout=timeout, progress=os.environ.get("DRAFTSMITH_NO_PROGRESS") is None)
+        if json_out:
+            import json
+
+            sys.stdout.write(json.dumps(row) + "\n")
