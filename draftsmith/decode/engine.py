@@ -96,6 +96,8 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     trace: list[dict] | None = None
+    # with engine.record_margins: per new token, (top-1 minus top-2 logit, top-1 logit) of the row that chose it
+    margins: list[tuple[float, float]] | None = None
 
     @property
     def tau(self) -> float:
@@ -128,6 +130,12 @@ def _round_up(n: int, m: int) -> int:
 def _lower_bound_mask(S: int, limit: torch.Tensor, device) -> torch.Tensor:
     """mask [T, S]: slot s visible to row t iff s <= limit[t]."""
     return torch.arange(S, device=device)[None, :] <= limit[:, None]
+
+
+def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [R, V]: (top-1 minus top-2 logit, top-1 logit), fp32."""
+    v = torch.topk(logits.float(), 2, dim=-1).values
+    return v[..., 0] - v[..., 1], v[..., 0]
 
 
 def _region_mask(S: int, L: torch.Tensor, region: torch.Tensor, device) -> torch.Tensor:
@@ -252,6 +260,12 @@ class SpeculativeDecoder:
         self.root = torch.zeros((), dtype=torch.long, device=dev)
         self.n_emit = torch.zeros((), dtype=torch.long, device=dev)
         self.out = torch.zeros(256, dtype=torch.long, device=dev)
+        # record_margins (greedy certificate, `draftsmith.decode.certificate`): per emitted token, the top-1 minus
+        # top-2 logit of the row that chose it (a plain step's, or the verify row's) and the top-1 logit itself
+        self.record_margins = False
+        self.out_gap = torch.zeros(256, dtype=torch.float32, device=dev)
+        self.out_top = torch.zeros(256, dtype=torch.float32, device=dev)
+        self.prefill_margin: tuple[float, float] | None = None
         if drafter is not None:
             dc = drafter.config
             self.d_layers = int(getattr(dc, "num_hidden_layers", 1))
@@ -448,6 +462,9 @@ class SpeculativeDecoder:
         mask = self._mask(pos)
         logits, aux = self._target(ids, pos, pos, mask, logits_rows=pos[-1:], want_aux=draft, eager=True)
         root = choose(logits[0], sp)
+        if self.record_margins:
+            gap, top = _top2(logits[:1])
+            self.prefill_margin = (float(gap[0]), float(top[0]))
         self.root.copy_(root)
         self.L.fill_(n)
         if draft:
@@ -462,10 +479,17 @@ class SpeculativeDecoder:
         mask = self._mask(L)
         logits, _ = self._target(self.root.view(1), L, L, mask, want_aux=False)
         nxt = choose(logits[0], sp)
+        if self.record_margins:
+            self._record(logits)
         self.out[0] = nxt
         self.n_emit.fill_(1)
         self.root.copy_(nxt)
         self.L.add_(1)
+
+    def _record(self, rows: torch.Tensor) -> None:
+        gap, top = _top2(rows)
+        self.out_gap[: rows.shape[0]] = gap
+        self.out_top[: rows.shape[0]] = top
 
     def _handoff(self, tokens, aux_rows, n_acc):
         """Drafter re-prefill of the accepted tokens: tokens [M] (accepted drafts + bonus, padded),
@@ -508,6 +532,8 @@ class SpeculativeDecoder:
         else:
             a, bonus = chain_accept(draft, warp(logits, sp), torch.stack(qs), None)
         out = torch.cat([draft, draft[:1]]).index_copy(0, a.view(1), bonus.view(1))
+        if self.record_margins:  # emitted token i was chosen by verify row i
+            self._record(logits)
         self._handoff(out, aux, a)
         self.out[: K + 1] = out
         self.n_emit.copy_(a + 1)
@@ -625,6 +651,8 @@ class SpeculativeDecoder:
         path_t = order.gather(0, torch.minimum(c["ar_D1"], a))  # [D+1]
         bonus = choice.index_select(0, cur.view(1))[0]
         out = torch.cat([node_tok[path_t[1:]], node_tok[:1]]).index_copy(0, a.view(1), bonus.view(1))
+        if self.record_margins:  # the token at depth i+1 (and the bonus after depth a) was chosen by path row i
+            self._record(logits.index_select(0, path_t))
         # compact the target cache to root + accepted path (entries past a are junk, never attended)
         self.runner.compact(L + path_t, L + c["ar_D1"])
         self._handoff(out, aux.index_select(0, path_t), a)
@@ -649,7 +677,7 @@ class SpeculativeDecoder:
         fn = self._step_fn(mode, sp)
         if not self.cuda_graphs:
             return fn
-        key = (mode.key(), sp)
+        key = (mode.key(), sp, self.record_margins)
         if key in self._graphs:
             return self._graphs[key]
         try:
@@ -751,6 +779,9 @@ class SpeculativeDecoder:
         res = GenerationResult([], None, "length", n, 0, proposed_per_round=mode.max_accept)
         res.trace = [] if trace else None
         L_host = n
+        rec = self.record_margins
+        if rec:
+            res.margins = [self.prefill_margin]
 
         def emit(toks) -> bool:
             before = len(res.token_ids)
@@ -768,6 +799,8 @@ class SpeculativeDecoder:
                 vals = torch.cat([self.n_emit.view(1), self.out[: mode.max_accept + 1]]).tolist()
                 k = vals[0]
                 toks = vals[1:1 + k]
+                if rec:
+                    res.margins += list(zip(self.out_gap[:k].tolist(), self.out_top[:k].tolist()))
                 res.accepted.append(k - 1)
                 res.rounds += 1
                 if trace:
@@ -780,10 +813,15 @@ class SpeculativeDecoder:
                 m = max(1, min(sync_every if mode.kind == "plain" else 1, max_new_tokens - len(res.token_ids),
                                self.max_len - 1 - L_host))
                 buf = []
+                gaps = []
                 for _ in range(m):
                     plain()
                     buf.append(self.out[:1].clone())
+                    if rec:
+                        gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
                 toks = torch.cat(buf).tolist()
+                if rec:
+                    res.margins += [tuple(g) for g in torch.stack(gaps).tolist()]
                 res.rounds += m
                 L_host += m
                 finished = emit(toks)

@@ -7,6 +7,9 @@ Definitions (also written into the JSON):
   chain of K = depth.
 - per-position acceptance: `p_at_least[i]` = share of rounds that accepted >= i draft tokens (i = 1..K);
   `conditional[i]` = p_at_least[i] ÷ p_at_least[i-1] (EAGLE's α_i).
+- greedy_divergences (T=0): prompts whose speculative output equals plain decoding, and those that differ at a
+  near tie (the plain step's top-2 logit gap at the first differing token <= epsilon, a few bf16 units in the last
+  place of the logits' magnitude: rounding) or at a real margin (a bug); see draftsmith.decode.certificate.
 - tokens/s: new tokens ÷ wall time (prefill included) summed over prompts; speculative and plain decoding
   run in the same engine (same forward, same CUDA-graph policy), so the ratio is an honest speedup.
 """
@@ -107,12 +110,14 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
                 warm.add(len(p))
         spec, plain = [], []
         mismatches = 0
+        differing = []
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             rp = engine.generate(p, max_new_tokens, sampling=sp, mode=DecodeMode("plain"), seed=seed + i)
             rs = engine.generate(p, max_new_tokens, sampling=sp, mode=mode, seed=seed + i)
             if sp.greedy and rs.token_ids != rp.token_ids:
                 mismatches += 1
+                differing.append(i)
             spec.append(rs)
             plain.append(rp)
             if progress:
@@ -127,8 +132,26 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
         }
         if sp.greedy:
             entry["greedy_mismatches"] = mismatches
+            entry["greedy_divergences"], entry["greedy_divergence_details"] = _certify_all(
+                engine, prompts, mode, max_new_tokens, differing)
         out["temperatures"][f"{float(temp):g}"] = entry
     return out
+
+
+def _certify_all(engine, prompts, mode, max_new_tokens: int, differing: Sequence[int]) -> tuple[dict, list]:
+    """The greedy certificate (`draftsmith.decode.certificate`) of one temperature-0 result: every differing prompt
+    rerun with margins recorded (untimed); prompt 0 too, for the logits' magnitude when none differs."""
+    from draftsmith.decode.certificate import certify, summarize
+
+    divs, top = [], 0.0
+    for i in sorted(set(differing) | ({0} if prompts else set())):
+        d, t = certify(engine, prompts[i], mode, max_new_tokens, prompt_index=i)
+        top = max(top, t)
+        if d is not None:
+            divs.append(d)
+    # a prompt that differed in the timed run but not in the rerun (or the reverse) would make the counts disagree
+    # with greedy_mismatches: the rerun is what the margins describe, so its count is the one reported
+    return summarize(len(prompts), divs, top, engine.dtype), [d.to_json() for d in divs]
 
 
 def print_table(report: dict, console=None) -> None:
@@ -147,6 +170,9 @@ def print_table(report: dict, console=None) -> None:
         per = " ".join(f"{x:.2f}" for x in s["p_at_least"])
         ok = "" if "greedy_mismatches" not in e else ("yes" if e["greedy_mismatches"] == 0 else
                                                        f"{e['greedy_mismatches']} differ")
+        gd = e.get("greedy_divergences")
+        if gd and (gd["near_tie"] or gd["real"]):
+            ok += f" ({gd['near_tie']} near-tie, {gd['real']} real; ε={gd['epsilon']:.3g})"
         f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
         t.add_row(temp, f(s["tau"]), f(s["acceptance_rate"]), per, f(s["tokens_per_s"], 1),
                   f(e["plain"]["tokens_per_s"], 1), f(e["speedup"]) + "×", ok)

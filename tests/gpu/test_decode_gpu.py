@@ -149,3 +149,41 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
     rel = float((outs[0] - outs[1]).abs().max() / outs[0].abs().max())
     assert rel < 2e-2, rel
     assert int(outs[0].argmax()) == int(outs[1].argmax())
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_bf16_greedy_certificate_no_real_divergence(kernels):
+    """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
+    (draftsmith.decode.certificate); one at a real margin is a bug."""
+    import copy
+
+    from decode_helpers import overfit_drafter_ttt
+    from draftsmith.decode.evaluate import run_eval
+    from draftsmith.drafter import Drafter
+    from draftsmith.target_model import load_target
+
+    if PYCODE_TINY is None:
+        pytest.skip("pycode-tiny not available")
+    if kernels == "triton":
+        from draftsmith.decode import kernels as K
+
+        if not K.available():
+            pytest.skip("triton not available")
+    t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
+    prompts = _prompts(t32.tokenizer, 16)
+    torch.manual_seed(0)
+    d = Drafter.from_target(t32).to("cuda")
+    eng32 = SpeculativeDecoder(t32, d, max_len=160)
+    seqs = [p + eng32.generate(p, 48, mode=DecodeMode("plain")).token_ids for p in prompts]
+    overfit_drafter_ttt(eng32, d, seqs, steps=60, ttt_steps=4)
+    t = load_target(PYCODE_TINY, dtype="bf16", device="cuda")
+    d16 = copy.deepcopy(d).to(torch.bfloat16).eval()
+    d16.set_embedding(t.model.get_input_embeddings().weight)
+    d16.requires_grad_(False)
+    eng = SpeculativeDecoder(t, d16, max_len=160, kernels=kernels)
+    for mode in MODES[1:]:
+        rep = run_eval(eng, prompts, mode, temperatures=[0.0], max_new_tokens=48)
+        e = rep["temperatures"]["0"]
+        gd = e["greedy_divergences"]
+        assert gd["equal"] + gd["near_tie"] + gd["real"] == len(prompts)
+        assert gd["real"] == 0, f"{mode}: greedy divergence at a real margin: {e['greedy_divergence_details']}"
