@@ -179,13 +179,32 @@ def _encode_safe(tokenizer, texts, wheres, on_error, pool: _TextPool | None = No
         return ids, (offs if kw.get("offsets") else None)
 
 
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer's own encoding (add_special_tokens=True, as `generate` and transformers feed a prompt)
+    starts a text with its BOS token. Many tokenizers name a bos_token they never add (GPT-2 style code models,
+    SmolLM2's `<|im_start|>`): text samples must not get one then."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    try:
+        with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+        plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode a probe adds nothing we can see
+        return False
+    return len(with_special) > len(plain) and with_special[0] == bos and (not plain or plain[0] != bos)
+
+
 def _bos_id(tokenizer, add_bos) -> int | None:
+    """The BOS to prepend to text samples: None = the tokenizer's own rule (`tokenizer_adds_bos`); True = always
+    (an error without a BOS token); False = never."""
     if add_bos is False:
         return None
     bos = getattr(tokenizer, "bos_token_id", None)
-    if add_bos is True and bos is None:
-        raise DraftsmithError("add_bos=True, but the tokenizer has no BOS token")
-    return bos
+    if add_bos is True:
+        if bos is None:
+            raise DraftsmithError("add_bos=True, but the tokenizer has no BOS token")
+        return bos
+    return bos if tokenizer_adds_bos(tokenizer) else None
 
 
 class _Loader:
@@ -386,20 +405,32 @@ def _file_items(files: list[tuple[Path, str]], rep: DataReport, mode: str):
         yield name, thunk
 
 
-def _list_dir(root: Path, pattern: str) -> list[tuple[Path, str]]:
-    out = []
+def _list_dir(root: Path, pattern: str, follow_symlinks: bool = False) -> tuple[list[tuple[Path, str]], int]:
+    """The files under `root` matching `pattern`, sorted by relative path, and how many were left out because a
+    symlink (to the file or to a directory above it) leads outside `root` (read only with follow_symlinks)."""
+    out, outside = [], 0
+    root_real = os.path.realpath(root)
     for p in root.glob(pattern):
         try:
-            if p.is_file():
-                out.append((p, p.relative_to(root).as_posix()))
-        except OSError:
+            if not p.is_file():
+                continue
+            if not follow_symlinks:
+                real = os.path.realpath(p)
+                if os.path.commonpath([real, root_real]) != root_real:
+                    outside += 1
+                    continue
+            out.append((p, p.relative_to(root).as_posix()))
+        except (OSError, ValueError):
             continue
     out.sort(key=lambda x: x[1])
-    return [(p, str(root / rel)) for p, rel in out]
+    return [(p, str(root / rel)) for p, rel in out], outside
+
+
+SYMLINK_OUTSIDE = "symlink outside the data directory"
 
 
 def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", add_bos=None,
-                 split_long=None, glob=None, chat_template_kwargs=None):
+                 split_long=None, glob=None, chat_template_kwargs=None, follow_symlinks=False):
     """Read user data and return (list[Sample], DataReport).
 
     path: a JSONL file (.jsonl/.json/.ndjson; one record per line; a .json file may instead hold one JSON
@@ -414,9 +445,10 @@ def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", 
       and trained on in full; mode='chat': text records are bad records.
     Tokenizers without a chat template: conversation records are bad records ('no chat template') unless
       mode='text'; 'turns' prompts become raw text.
-    add_bos: None = prepend the tokenizer's BOS to text samples that do not start with it (chat samples
-      keep what the template renders); True = also for chat samples; False = never. The BOS is never a
-      loss target (mask 0). Special-token strings inside text (e.g. '<|endoftext|>' in a source file) are
+    add_bos: None = follow the tokenizer: prepend its BOS to text samples (that do not start with it) only
+      when the tokenizer's own encoding adds one (`tokenizer_adds_bos`; chat samples keep what the template
+      renders); True = prepend it to text and chat samples; False = never. The BOS is never a loss target
+      (mask 0). Special-token strings inside text (e.g. '<|endoftext|>' in a source file) are
       tokenized as plain text.
     max_length: longer samples are truncated (report.truncated) or, with split_long (default True for
       directories of source files, False for JSONL), cut into consecutive windows of at most max_length
@@ -425,6 +457,8 @@ def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", 
       reason in report.skipped (total == kept + sum(skipped)). Empty (whitespace-only) source files are
       always skipped, counted as 'empty file', never an error.
     chat_template_kwargs: extra variables for the chat template (e.g. {"enable_thinking": False}).
+    follow_symlinks: in a directory, files reached through a symlink that leads outside it are skipped (counted in
+      report.skipped as 'symlink outside the data directory') unless this is True.
     Sample.source is 'FILE:LINE' for JSONL, 'FILE[INDEX]' for a .json file holding one JSON array (the
     original ShareGPT layout), FILE for a source file (every window of a split file).
     """
@@ -433,11 +467,16 @@ def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", 
         raise DraftsmithError(f"{path}: no such file or directory")
     ld = _Loader(tokenizer, max_length, on_bad, mode, add_bos, split_long, chat_template_kwargs)
     if p.is_dir():
-        files = _list_dir(p, glob or "**/*.py")
+        files, outside = _list_dir(p, glob or "**/*.py", follow_symlinks)
         if not files and glob is None:
-            files = _list_dir(p, "**/*.jsonl")
+            files, more_outside = _list_dir(p, "**/*.jsonl", follow_symlinks)
+            outside += more_outside
+        if outside:
+            ld.report.skipped[SYMLINK_OUTSIDE] = outside
+            ld.report.total += outside
         if not files:
-            raise DraftsmithError(f"{path}: no files match {glob or '**/*.py'!r} (and no *.jsonl files)")
+            more = f" ({outside} symlinked file(s) outside it skipped)" if outside else ""
+            raise DraftsmithError(f"{path}: no files match {glob or '**/*.py'!r} (and no *.jsonl files){more}")
         all_jsonl = all(f[0].name.lower().endswith(JSONL_SUFFIXES) for f in files)
         ld.run(_file_items(files, ld.report, mode), split_default=not all_jsonl)
     elif p.name.lower().endswith(JSONL_SUFFIXES):

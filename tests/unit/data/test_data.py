@@ -33,7 +33,20 @@ def _load_tok():
 
 @pytest.fixture(scope="module")
 def tok():
+    """The demo tokenizer: it names a bos_token (<|endoftext|>, id 0) but its encoding never adds it."""
     return _load_tok()
+
+
+@pytest.fixture(scope="module")
+def tok_bos():
+    """The demo tokenizer with a post-processor that adds its BOS (as Llama's does): text samples start with it."""
+    from tokenizers.processors import TemplateProcessing
+
+    t = _load_tok()
+    t.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)])
+    assert t("a")["input_ids"][0] == 0
+    return t
 
 LLAMA3 = (  # Llama-3.1 style (system header with dates, trimmed content)
     "{%- set loop_messages = messages %}"
@@ -185,7 +198,8 @@ def check_sample(s: Sample):
 
 
 # --------------------------------------------------------------------------------------------- text
-def test_text_records_full_mask_and_bos(tok, tmp_path):
+def test_text_records_full_mask_and_bos(tok_bos, tmp_path):
+    tok = tok_bos
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": "def f():\n    return 1\n"}, "", {"text": "x = 2"}])
     samples, rep = load_samples(f, tok)
     assert [s.source for s in samples] == [f"{f}:1", f"{f}:3"]  # blank line 2 is not a record
@@ -201,7 +215,8 @@ def test_text_records_full_mask_and_bos(tok, tmp_path):
     assert isinstance(rep, DataReport) and rep.to_dict()["kept"] == 2
 
 
-def test_bos_rule(tok, tmp_path):
+def test_bos_rule(tok_bos, tmp_path):
+    tok = tok_bos
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": "<|endoftext|>import os"}])
     # the special-token string inside text stays text: BOS is still prepended, and no id-0 in the body
     (s,), _ = load_samples(f, tok)
@@ -219,7 +234,8 @@ def test_bos_rule(tok, tmp_path):
         load_samples(f, nobos, add_bos=True)
 
 
-def test_max_length_truncation(tok, tmp_path):
+def test_max_length_truncation(tok_bos, tmp_path):
+    tok = tok_bos
     long = "def f(x):\n" + "".join(f"    y{i} = x + {i}\n" for i in range(200))
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": long}, {"text": "x = 1"}])
     (full, short), _ = load_samples(f, tok)
@@ -248,7 +264,8 @@ def _make_tree(root: Path):
     return root
 
 
-def test_directory_mode_sorted_split_deterministic(tok, tmp_path):
+def test_directory_mode_sorted_split_deterministic(tok_bos, tmp_path):
+    tok = tok_bos
     root = _make_tree(tmp_path / "src")
     samples, rep = load_samples(root, tok, max_length=50)
     assert rep.total == 4 and rep.kept == 3 and rep.skipped == {"empty file": 1} and rep.files == 4
@@ -301,7 +318,8 @@ def test_batched_tokenization(tok, tmp_path, monkeypatch):
     orig = type(tok).__call__
 
     def counting(self, *a, **k):
-        calls.append(1)
+        if a and isinstance(a[0], list):  # batch calls (not the one-text probe of the tokenizer's BOS rule)
+            calls.append(1)
         return orig(self, *a, **k)
 
     monkeypatch.setattr(type(tok), "__call__", counting)
@@ -505,8 +523,8 @@ def test_chat_record_without_template(tok, tmp_path):
     with pytest.raises(BadRecordError, match=r"c\.jsonl:1: no chat template: .*mode='text'"):
         load_samples(f, tok)
     (s,), rep = load_samples(f, tok, mode="text")
-    assert tok.decode(s.input_ids[1:].tolist()) == "What is 2+2?\n\n4\n\nAnd 3+3?\n\n6\n\nthanks"
-    assert s.loss_mask[1:].all() and s.input_ids[0] == 0
+    assert tok.decode(s.input_ids.tolist()) == "What is 2+2?\n\n4\n\nAnd 3+3?\n\n6\n\nthanks"
+    assert s.loss_mask.all() and s.input_ids[0] != 0  # the demo tokenizer adds no BOS: none is prepended
 
 
 def test_mode_chat_rejects_text(llama3, tmp_path):
@@ -548,7 +566,7 @@ def test_turns_records_are_prompts(tok, llama3, tmp_path):
     assert llama3.decode(samples[1].input_ids.tolist()).endswith(
         "Tell me a joke.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     samples, rep = load_samples(f, tok)  # no template: the first turn as raw text
-    assert tok.decode(samples[1].input_ids.tolist()) == "<|endoftext|>Tell me a joke."
+    assert tok.decode(samples[1].input_ids.tolist()) == "Tell me a joke."
 
 
 def test_load_prompts(tok, llama3, tmp_path):
@@ -556,8 +574,8 @@ def test_load_prompts(tok, llama3, tmp_path):
     texts = load_prompts(f, tok, return_text=True)  # no chat template -> raw
     assert texts == ['def add(a, b):\n    """Add."""\n', "Tell me a joke.", "What is 2+2?", "x = "]
     ids = load_prompts(f, tok)
-    assert len(ids) == 4 and all(a.dtype == np.int32 and a[0] == 0 for a in ids)
-    assert tok.decode(ids[0][1:].tolist()) == texts[0]
+    assert len(ids) == 4 and all(a.dtype == np.int32 and a[0] != 0 for a in ids)  # no BOS the tokenizer never adds
+    assert tok.decode(ids[0].tolist()) == texts[0]
     chat = load_prompts(f, llama3, return_text=True)
     assert chat[2].endswith("What is 2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     assert "Complete the code" in chat[0]  # a chat model gets the instruction
@@ -575,7 +593,7 @@ def test_load_prompts_real_eval_sets(tok):
     assert len(he) == 80 and not any(t.startswith("Complete the code") for t in he)
     assert all(t.lstrip().startswith(("def ", "from ", "import ")) for t in he)
     mt = load_prompts(d / "mt_bench.jsonl", tok)
-    assert len(mt) == 80 and all(a[0] == 0 for a in mt)
+    assert len(mt) == 80 and all(a[0] != 0 for a in mt)
 
 
 def test_worker_pool_tokenization_equals_serial(tok, tmp_path, monkeypatch):
@@ -603,3 +621,55 @@ def test_worker_pool_tokenization_equals_serial(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_TOKENIZE_WORKERS", "lots")
     with pytest.raises(DraftsmithError, match="DRAFTSMITH_TOKENIZE_WORKERS"):
         load_samples(tmp_path, tok, max_length=256, on_bad="skip")
+
+
+# --------------------------------------------------------------------------------------- BOS follows the tokenizer
+def test_bos_follows_the_tokenizer(tok, tok_bos, tmp_path):
+    """Text samples and raw prompts get a BOS exactly when the tokenizer's own encoding adds one (issue #14 item 15):
+    the demo tokenizer names <|endoftext|> as bos_token but never adds it, so nothing is prepended."""
+    from draftsmith.data.loader import tokenizer_adds_bos
+
+    assert tok.bos_token_id == 0 and not tokenizer_adds_bos(tok) and tokenizer_adds_bos(tok_bos)
+    text = "The capital of France is Paris."
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": text}])
+    for t in (tok, tok_bos):
+        want = t(text, add_special_tokens=True)["input_ids"]  # what `generate` and transformers feed
+        (s,), _ = load_samples(f, t)
+        assert s.input_ids.tolist() == want
+        added = t is tok_bos
+        assert s.loss_mask.tolist() == [not added] + [True] * (len(want) - 1)  # a prepended BOS is no target
+        (p,) = load_prompts(f, t, raw=True)
+        assert p.tolist() == want
+    (s,), _ = load_samples(f, tok, add_bos=True)  # asked for explicitly: still possible
+    assert s.input_ids[0] == 0 and not s.loss_mask[0]
+
+
+# ------------------------------------------------------------------------------------------ symlinks in --data
+def test_symlinks_out_of_the_data_directory_are_skipped(tok, tmp_path):
+    """A link in a --data directory that leads outside it is not read (issue #14 item 10) unless asked for."""
+    outside = tmp_path / "outside"
+    (outside / "pkg").mkdir(parents=True)
+    (outside / "secret.py").write_text("password = 'hunter2'\n")
+    (outside / "pkg" / "leak.py").write_text("token = 'abc'\n")
+    root = tmp_path / "data"
+    (root / "inner").mkdir(parents=True)
+    (root / "a.py").write_text("x = 1\n")
+    (root / "inner" / "b.py").write_text("y = 2\n")
+    (root / "link_in.py").symlink_to(root / "inner" / "b.py")  # stays inside: read
+    (root / "link_out.py").symlink_to(outside / "secret.py")  # a file outside
+    (root / "dir_out").symlink_to(outside / "pkg", target_is_directory=True)  # a directory outside
+    samples, rep = load_samples(root, tok)
+    names = sorted(os.path.relpath(s.source, root) for s in samples)
+    assert names == ["a.py", "inner/b.py", "link_in.py"]
+    assert "hunter2" not in "".join(tok.decode(s.input_ids.tolist()) for s in samples)
+    skipped = rep.skipped.get("symlink outside the data directory", 0)
+    assert skipped in (1, 2)  # the linked directory is walked only where glob('**') follows directory links
+    assert rep.total == rep.kept + sum(rep.skipped.values())
+    assert "symlink outside the data directory" in rep.summary()
+    samples, rep = load_samples(root, tok, follow_symlinks=True)
+    assert "link_out.py" in [os.path.relpath(s.source, root) for s in samples] and not rep.skipped
+    only_links = tmp_path / "only_links"
+    only_links.mkdir()
+    (only_links / "x.py").symlink_to(outside / "secret.py")
+    with pytest.raises(DraftsmithError, match=r"no files match .*1 symlinked file\(s\) outside it skipped"):
+        load_samples(only_links, tok)
