@@ -456,17 +456,18 @@ def command_for(schema: type, run: Callable[..., None], *, stage: str, doc: str,
                 adjust: Callable[[dict[str, Any], dict[str, Any]], None] | None = None) -> Callable[..., None]:
     """A typer command whose options are the schema's settings plus `--config` and `extra`.
 
-    It loads `--config`, lays the flags over it, lets `adjust(values, extras)` map stage-specific extra options
-    into settings, builds the config and calls `run(cfg)`."""
+    It loads `--config`, lets `adjust(flag_values, extras)` map stage-specific extra options into settings given
+    by flags, lays those over the file's, builds the config and calls `run(cfg)`."""
     extra_names = [p.name for p in extra]
 
     def command(**kw: Any) -> None:
         extras = {n: kw.pop(n) for n in extra_names}
         config = kw.pop("config")
         values = load_yaml(schema, config) if config else {}
-        values.update(values_from_flags(schema, kw))
+        flags = values_from_flags(schema, kw)
         if adjust is not None:
-            adjust(values, extras)
+            adjust(flags, extras)
+        values.update(flags)
         run(build(schema, values))
 
     command.__signature__ = inspect.Signature([config_parameter(stage), *cli_parameters(schema), *extra])

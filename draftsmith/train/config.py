@@ -83,10 +83,10 @@ class TrainConfig:
     grad_clip: float = setting(0.5, group="optim", checks=(NON_NEGATIVE,), help="Gradient-norm clip (0 = off).")
     grad_accum: int = setting(1, group="optim", checks=(AT_LEAST_ONE,),
                               help="Micro-batches per optimizer step and rank.")
-    max_time: float | None = setting(None, group="optim", checks=(POSITIVE,),
-                                     help="Wall-clock seconds: stop after the step that crosses it, saving a "
-                                          "checkpoint and final/ (the LR schedule stays that of --steps; --resume "
-                                          "continues it).")
+    max_time: float | None = setting(None, group="optim", checks=(NON_NEGATIVE,),
+                                     help="Wall-clock seconds (0: one step): stop after the step that crosses it, "
+                                          "saving a checkpoint and final/ (the LR schedule stays that of --steps; "
+                                          "--resume continues it).")
     # -- ttt
     ttt_steps: int = setting(7, group="ttt", checks=(AT_LEAST_ONE,), flags=("--ttt-steps", "-K"), aliases=("ttt",),
                              help="Training-time-test unroll depth K.")

@@ -21,6 +21,7 @@ def test_help_lists_stages():
     "cmd,flags",
     [
         (["capture"], ["--target", "--data", "--out", "--aux-layers", "--max-length", "--dtype", "--batch-tokens", "--on-bad"]),
+        (["train"], ["--target", "--store", "--out", "--steps", "--ttt-steps", "-K", "--config", "--online", "--lr"]),
         (["store", "export"], ["--format", "--out"]),
         (["export"], ["--format", "--out"]),
     ],
