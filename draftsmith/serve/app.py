@@ -372,9 +372,18 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
         try:
             if chat:
                 yield chunk("", None, role=True)
+            held = None
             while True:
-                kind, payload = await job.events.get()
+                kind, payload = held or await job.events.get()
+                held = None
                 if kind == "tokens":
+                    # rounds that finished while this loop was busy go out as one chunk (less work per token)
+                    while held is None and not job.events.empty():
+                        event = job.events.get_nowait()
+                        if event[0] == "tokens":
+                            payload = payload + event[1]
+                        else:
+                            held = event
                     if first:
                         metrics.ttft.observe(time.perf_counter() - t_arrival)
                         first = False
@@ -395,7 +404,7 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
                     res = payload
                     text = final_text(tokenizer, res.token_ids, settings.eos_ids, job.stop)
                     if len(text) > len(sent):
-                        yield chunk(text[len(sent):] if text.startswith(sent) else text[len(sent):], None)
+                        yield chunk(text[len(sent):], None)
                     metrics.latency.observe(time.perf_counter() - t_arrival)
                     metrics.observe_result(res)
                     yield chunk(None if chat else "", _FINISH.get(res.finish_reason, "stop"))

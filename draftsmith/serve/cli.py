@@ -167,8 +167,9 @@ def register(app: typer.Typer) -> None:
             worker.stop()
             if worker.recorder is not None:
                 r = worker.recorder
-                log.info("capture: %d requests recorded into %s (states forward %.2f s in all)", r.recorded,
-                         capture_to, r.forward_s)
+                # (print: uvicorn's logging setup has replaced the handlers by now)
+                print(f"draftsmith serve: capture: {r.recorded} requests recorded into {capture_to} (states forward "
+                      f"{r.forward_s:.3f} s in all)", file=sys.stderr, flush=True)
 
     @app.command("bench-endpoint")
     def bench_endpoint(
