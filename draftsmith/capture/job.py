@@ -11,8 +11,9 @@ shards one process would.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
-import os
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,16 +27,13 @@ from draftsmith.common.dist import barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.store import format as fmt
 from draftsmith.target_model.layers import to_hidden_states_ids, validate_aux_layers
-from draftsmith.common.io import atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, read_json
+from draftsmith.common.io import (
+    LOCK_FILE_NAME, atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, dir_lock, is_no_space,
+    no_space_error, read_json, sha256_file,
+)
 
 
-def _crash_point(name: str, index: int) -> None:
-    """Fault injection for the resume tests: DRAFTSMITH_CRASH_AT=name:index kills this process (SIGKILL)."""
-    spec = os.environ.get("DRAFTSMITH_CRASH_AT")
-    if spec and spec == f"{name}:{index}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
+SHARD_PLAN_KEY = "plan_sha256"  # shard metadata key: the hash of the capture plan the shard was written under
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -110,13 +108,27 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
 
     `target`: an already loaded `Target` (benchmarks and tests build random models in memory); `stats`: a
     dict that receives timings (capture seconds, writer seconds, bytes written); `samples`: already
-    tokenized samples (skips reading `cfg.data`).
+    tokenized samples (skips reading `cfg.data`). The out directory is locked for the whole job (a second
+    capture into it fails at once); a full disk is the one-line error "no space left on device: PATH".
     """
-    from draftsmith.data import load_samples
-    from draftsmith.capture import AuxCapture
-    from draftsmith.target_model import load_target
-    from draftsmith.target_model.load import load_tokenizer
+    _check_options(cfg)
+    rank = dist_info()[0]
+    # Rank 0 holds the lock for the whole torchrun job (the other ranks are the same capture).
+    lock = dir_lock(cfg.out, what="capture") if rank == 0 else contextlib.nullcontext()
+    try:
+        with lock:
+            job = _CaptureJob(cfg, log, target, samples)
+            if job.complete is not None:
+                return job.complete
+            job.capture(stats)
+            return job.finish()
+    except OSError as e:
+        if is_no_space(e):  # a write outside atomic_file (a directory, a pinned buffer's swap) ran out of space
+            raise no_space_error(getattr(e, "filename", None) or cfg.out) from None
+        raise
 
+
+def _check_options(cfg: CaptureConfig) -> None:
     if cfg.dtype not in fmt.STORE_DTYPES:
         raise DraftsmithError(f"--dtype: {cfg.dtype!r} is not a store dtype (choose bf16 or fp8)")
     if cfg.on_bad not in ("error", "skip"):
@@ -125,160 +137,225 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
         raise DraftsmithError("--batch-tokens must be >= 1")
     if cfg.max_length is not None and cfg.max_length < 1:
         raise DraftsmithError("--max-length must be >= 1")
-
-    rank, world, local_rank = dist_info()
-    device = resolve_device(cfg.device, local_rank)
-    if world > 1:
-        init_dist(world, "nccl" if device.type == "cuda" else "gloo")
-    is_main = rank == 0
-    say = log if is_main else (lambda *a, **k: None)
-    # With tensor parallelism every rank runs every batch (the model is split, not the data).
-    data_world, data_rank = (1, 0) if cfg.tp else (world, rank)
-    writer = (rank == 0) if cfg.tp else True
-
-    if target is None and not Path(cfg.target).is_dir():
-        raise DraftsmithError(f"{cfg.target}: target not found (expected a Hugging Face model directory)")
-    if not cfg.progress:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
-    # Data first: a bad record fails in a second, not after loading a large model.
-    tokenizer = target.tokenizer if target is not None else load_tokenizer(cfg.target)
-    t0 = time.time()
-    if samples is None:
-        samples, report = load_samples(
-            cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
-            glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
-        )
-        say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
-    else:
-        from draftsmith.data import DataReport
-
-        report = DataReport(total=len(samples), kept=len(samples), samples=len(samples))
-    if not samples:
-        raise DraftsmithError(f"{cfg.data}: no usable samples")
-    if cfg.max_samples is not None:
-        samples = samples[: cfg.max_samples]
-
-    model_dtype = cfg.model_dtype
-    if model_dtype == "auto":
-        model_dtype = "bf16" if device.type == "cuda" else "auto"
-    if target is None:
-        target = load_target(cfg.target, dtype=model_dtype, device=device, tp_plan="auto" if cfg.tp else None,
-                             tokenizer=tokenizer)
-    aux_layers = validate_aux_layers(cfg.aux_layers or target.default_aux_layers, target.num_layers)
-    H, k = target.hidden_size, len(aux_layers)
-
-    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
-    bpt = fmt.bytes_per_token(H, k, cfg.dtype, cfg.capture_final)
-    shard_tokens = cfg.shard_tokens or max(1024, int(cfg.shard_mb * 2**20 // bpt))
-    shards = plan_shards(lengths, shard_tokens)
-
     out = Path(cfg.out)
-    plan = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "target": target.identity(),
-        "data": {"path": str(cfg.data), "fingerprint": data_fingerprint(samples), "num_samples": len(samples)},
-        "aux_layers": aux_layers,
-        "capture_final": cfg.capture_final,
-        "dtype": cfg.dtype,
-        "max_length": cfg.max_length,
-        "batch_tokens": cfg.batch_tokens,
-        "shard_tokens": shard_tokens,
-        "cuda_graphs": cfg.cuda_graphs,
-        "shards": [list(s) for s in shards],
-    }
-    _check_or_write_plan(out, plan, is_main, world)
-    if (out / fmt.MANIFEST).is_file():
-        say(f"{out}: already complete ({len(samples)} samples); nothing to do")
-        return read_json(out / fmt.MANIFEST)
+    if out.exists() and not out.is_dir():
+        raise DraftsmithError(f"{out}: exists and is not a directory; choose another --out")
 
-    mine = [si for si in range(len(shards)) if si % data_world == data_rank]
-    todo = [si for si in mine if not _shard_done(out, si)]
-    if len(todo) < len(mine):
-        log(f"resuming: {len(mine) - len(todo)} of rank {rank}'s {len(mine)} shard(s) already committed")
 
-    cap = AuxCapture(target, aux_layers, capture_final=cfg.capture_final)
-    graphs: dict = {}
-    pin = device.type == "cuda"
-    pad_id = target.tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = 0
-    from tqdm.auto import tqdm
+def plan_sha256(plan: dict) -> str:
+    """The hash of a capture plan, stamped into every shard's metadata: a shard is reused only by the same plan."""
+    return hashlib.sha256(json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    bar = tqdm(
-        total=int(sum(shards[si][2] for si in todo)), unit="tok", unit_scale=True, desc=f"capture[{rank}]",
-        disable=not (cfg.progress and (is_main or not cfg.tp)), dynamic_ncols=True, file=sys.stderr,
-    )
-    # Shards are written by `writers` threads while the GPU fills the next shard's buffers; writers+1 sets
-    # of host buffers rotate, so memory stays bounded and pinned buffers are allocated once.
-    n_sets = cfg.writers + 1
-    pool = cf.ThreadPoolExecutor(max_workers=cfg.writers)
-    writes: list[cf.Future] = []
-    buffers: list = []
-    slot_future: list[cf.Future | None] = [None] * n_sets
-    n_done = 0
-    max_tok = max((shards[j][2] for j in todo), default=0)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t_start = time.time()
-    captured_tokens = 0
-    alloc_s = 0.0  # pinned shard buffers, allocated on first use (fixed cost: n_sets allocations per run)
-    with torch.no_grad():
-        for si in todo:
-            first, n, ntok = shards[si]
-            shard_samples = samples[first : first + n]
-            slen = [len(s.input_ids) for s in shard_samples]
-            offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(slen, out=offsets[1:])
-            slot = n_done % n_sets
-            if slot_future[slot] is not None:
-                slot_future[slot].result()  # that buffer set's shard is on disk: reuse it
-            if slot == len(buffers):
-                ta = time.time()
-                buffers.append(_ShardBuffers(max_tok, k * H, H, k, cfg.dtype, cfg.capture_final, pin))
-                alloc_s += time.time() - ta
-            buf = buffers[slot].view(ntok)
-            n_done += 1
-            pending = None
-            for batch in plan_batches(slen, cfg.batch_tokens):
-                res = _run_batch(target, cap, graphs, cfg, batch, shard_samples, slen, offsets, pad_id, device, H)
-                if pending is not None:
-                    _land(buf, pending, cfg.dtype)
-                pending = res
-                bar.update(int(sum(slen[j] for j in batch)))
-            if pending is not None:
-                _land(buf, pending, cfg.dtype)
-            if writer:
-                slot_future[slot] = pool.submit(_write_shard, out, si, first, shard_samples, offsets, buf, cfg)
-                writes.append(slot_future[slot])
-            captured_tokens += ntok
-        t_drain = time.time()  # the last shards' writes, no longer overlapped by GPU work (fixed cost)
-        for f in writes:
-            f.result()
-        drain_s = time.time() - t_drain
-    pool.shutdown()
-    bar.close()
-    elapsed = time.time() - t_start
-    if stats is not None:
-        stats.update(
-            capture_s=elapsed, alloc_s=alloc_s, drain_s=drain_s, tokens=captured_tokens,
-            write_s=sum(f.result()[0] for f in writes),
-            bytes_written=sum(f.result()[1] for f in writes), shards=len(writes), graphs=len(graphs),
+
+class _CaptureJob:
+    """One capture: setup (data, target, plan) in __init__, `capture` (a loop of `_capture_shard`), `finish`."""
+
+    def __init__(self, cfg: CaptureConfig, log, target, samples):
+        self.cfg = cfg
+        self.rank, self.world, local_rank = dist_info()
+        self.device = resolve_device(cfg.device, local_rank)
+        if self.world > 1:
+            init_dist(self.world, "nccl" if self.device.type == "cuda" else "gloo")
+        self.is_main = self.rank == 0
+        self.log = log
+        self.say = log if self.is_main else (lambda *a, **k: None)
+        # With tensor parallelism every rank runs every batch (the model is split, not the data).
+        self.data_world, self.data_rank = (1, 0) if cfg.tp else (self.world, self.rank)
+        self.writer = (self.rank == 0) if cfg.tp else True
+        self.out = Path(cfg.out)
+        self.samples, self.report, self.target = self._load(target, samples)
+        self.aux_layers = validate_aux_layers(cfg.aux_layers or self.target.default_aux_layers,
+                                              self.target.num_layers)
+        self.plan = self._make_plan()
+        self.plan_sha = plan_sha256(self.plan)
+        self.shards = [tuple(s) for s in self.plan["shards"]]
+        _check_or_write_plan(self.out, self.plan, self.is_main, self.world)
+        self.complete = None
+        if (self.out / fmt.MANIFEST).is_file():
+            self.say(f"{self.out}: already complete ({len(self.samples)} samples); nothing to do")
+            self.complete = read_json(self.out / fmt.MANIFEST)
+
+    def _load(self, target, samples):
+        """Data first: a bad record fails in a second, not after loading a large model."""
+        from draftsmith.data import DataReport, load_samples
+        from draftsmith.target_model import load_target
+        from draftsmith.target_model.load import load_tokenizer
+
+        cfg = self.cfg
+        if target is None and not Path(cfg.target).is_dir():
+            raise DraftsmithError(f"{cfg.target}: target not found (expected a Hugging Face model directory)")
+        if not cfg.progress:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
+        tokenizer = target.tokenizer if target is not None else load_tokenizer(cfg.target)
+        t0 = time.time()
+        if samples is None:
+            samples, report = load_samples(
+                cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
+                glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
+                follow_symlinks=getattr(cfg, "follow_symlinks", False),
+            )
+            self.say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
+        else:
+            report = DataReport(total=len(samples), kept=len(samples), samples=len(samples))
+        if not samples:
+            raise DraftsmithError(f"{cfg.data}: no usable samples")
+        if cfg.max_samples is not None:
+            samples = samples[: cfg.max_samples]
+        if target is None:
+            model_dtype = cfg.model_dtype
+            if model_dtype == "auto":
+                model_dtype = "bf16" if self.device.type == "cuda" else "auto"
+            target = load_target(cfg.target, dtype=model_dtype, device=self.device,
+                                 tp_plan="auto" if cfg.tp else None, tokenizer=tokenizer)
+        return samples, report, target
+
+    def _make_plan(self) -> dict:
+        cfg, target = self.cfg, self.target
+        lengths = np.array([len(s.input_ids) for s in self.samples], dtype=np.int64)
+        bpt = fmt.bytes_per_token(target.hidden_size, len(self.aux_layers), cfg.dtype, cfg.capture_final)
+        shard_tokens = cfg.shard_tokens or max(1024, int(cfg.shard_mb * 2**20 // bpt))
+        # Settings first, data and the shard plan last: a rerun that changes a setting (--max-length changes the
+        # samples too) is refused naming the setting, not 'data'.
+        return {
+            "format": fmt.FORMAT_NAME,
+            "format_version": fmt.FORMAT_VERSION,
+            "target": target.identity(),
+            "aux_layers": self.aux_layers,
+            "capture_final": cfg.capture_final,
+            "dtype": cfg.dtype,
+            "max_length": cfg.max_length,
+            "batch_tokens": cfg.batch_tokens,
+            "shard_tokens": shard_tokens,
+            "cuda_graphs": cfg.cuda_graphs,
+            "data": {"path": str(cfg.data), "fingerprint": data_fingerprint(self.samples),
+                     "num_samples": len(self.samples)},
+            "shards": [list(s) for s in plan_shards(lengths, shard_tokens)],
+        }
+
+    # -- the shards ----------------------------------------------------------------------------------
+    def capture(self, stats: dict | None) -> None:
+        """Capture every shard of this rank that is not committed yet (checked: size, sha256, plan)."""
+        from draftsmith.capture import AuxCapture
+
+        mine = [si for si in range(len(self.shards)) if si % self.data_world == self.data_rank]
+        todo = [si for si in mine if not _reuse_committed_shard(self.out, si, self.plan_sha, self.log)]
+        if len(todo) < len(mine):
+            self.log(f"resuming: {len(mine) - len(todo)} of rank {self.rank}'s {len(mine)} shard(s) already committed")
+        self.cap = AuxCapture(self.target, self.aux_layers, capture_final=self.cfg.capture_final)
+        self.graphs: dict = {}
+        pad_id = self.target.tokenizer.pad_token_id
+        self.pad_id = 0 if pad_id is None else pad_id
+        bar = self._progress_bar(todo)
+        slots = _WriteSlots(self.cfg, max((self.shards[j][2] for j in todo), default=0),
+                            len(self.aux_layers), self.target.hidden_size, pin=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_start = time.time()
+        with torch.no_grad():
+            for si in todo:
+                self._capture_shard(si, slots, bar)
+            drain_s = slots.drain()
+        bar.close()
+        elapsed = time.time() - t_start
+        captured = int(sum(self.shards[si][2] for si in todo))
+        if stats is not None:
+            stats.update(capture_s=elapsed, alloc_s=slots.alloc_s, drain_s=drain_s, tokens=captured,
+                         graphs=len(self.graphs), **slots.write_stats())
+        if captured:
+            self.say(f"captured {captured} tokens in {elapsed:.1f}s ({captured / max(elapsed, 1e-9):,.0f} tok/s on "
+                     f"rank {self.rank})")
+
+    def _progress_bar(self, todo: list[int]):
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=int(sum(self.shards[si][2] for si in todo)), unit="tok", unit_scale=True, desc=f"capture[{self.rank}]",
+            disable=not (self.cfg.progress and (self.is_main or not self.cfg.tp)), dynamic_ncols=True, file=sys.stderr,
         )
-    if captured_tokens:
-        say(f"captured {captured_tokens} tokens in {elapsed:.1f}s ({captured_tokens / max(elapsed, 1e-9):,.0f} tok/s on rank {rank})")
 
-    barrier(world)
-    manifest = None
-    if is_main:
-        manifest = _finalize(out, plan, samples, report, target, aux_layers, shards, cfg)
-        say(f"wrote {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, {len(shards)} shard(s)")
-    barrier(world)
-    if manifest is None:
-        manifest = read_json(out / fmt.MANIFEST)
-    return manifest
+    def _capture_shard(self, si: int, slots: "_WriteSlots", bar) -> None:
+        """Run shard `si`'s batches into a free host buffer set, then hand it to a writer thread."""
+        cfg = self.cfg
+        first, n, ntok = self.shards[si]
+        shard_samples = self.samples[first : first + n]
+        slen = [len(s.input_ids) for s in shard_samples]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(slen, out=offsets[1:])
+        slot, buf = slots.acquire(ntok)
+        pending = None
+        for batch in plan_batches(slen, cfg.batch_tokens):
+            res = _run_batch(self.target, self.cap, self.graphs, cfg, batch, shard_samples, slen, offsets,
+                             self.pad_id, self.device, self.target.hidden_size)
+            if pending is not None:
+                _land(buf, pending, cfg.dtype)  # the previous batch's copy, overlapped by this batch's forward
+            pending = res
+            bar.update(int(sum(slen[j] for j in batch)))
+        if pending is not None:
+            _land(buf, pending, cfg.dtype)
+        if self.writer:
+            slots.submit(slot, _write_shard, self.out, si, first, shard_samples, offsets, buf, self.plan_sha)
+
+    # -- the manifest --------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        barrier(self.world)
+        manifest = None
+        if self.is_main:
+            manifest = _finalize(self.out, self.plan, self.plan_sha, self.samples, self.report, self.target,
+                                 self.aux_layers, self.shards, self.cfg)
+            self.say(f"wrote {self.out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+                     f"{len(self.shards)} shard(s)")
+        barrier(self.world)
+        if manifest is None:
+            manifest = read_json(self.out / fmt.MANIFEST)
+        return manifest
+
+
+class _WriteSlots:
+    """Shards are written by `cfg.writers` threads while the device fills the next shard's buffers; writers+1 sets
+    of host buffers rotate, so memory stays bounded and pinned buffers (slow to allocate) are allocated once."""
+
+    def __init__(self, cfg: CaptureConfig, max_tokens: int, k: int, hidden: int, pin: bool):
+        self.cfg, self.max_tokens, self.k, self.hidden, self.pin = cfg, max_tokens, k, hidden, pin
+        self.n_sets = cfg.writers + 1
+        self.pool = cf.ThreadPoolExecutor(max_workers=cfg.writers)
+        self.buffers: list[_ShardBuffers] = []
+        self.slot_future: list[cf.Future | None] = [None] * self.n_sets
+        self.writes: list[cf.Future] = []
+        self.n_used = 0
+        self.alloc_s = 0.0  # pinned shard buffers, allocated on first use (fixed cost: n_sets allocations per run)
+
+    def acquire(self, num_tokens: int) -> tuple[int, _ShardBuffers]:
+        slot = self.n_used % self.n_sets
+        if self.slot_future[slot] is not None:
+            self.slot_future[slot].result()  # that buffer set's shard is on disk: reuse it
+        if slot == len(self.buffers):
+            t0 = time.time()
+            c = self.cfg
+            self.buffers.append(_ShardBuffers(self.max_tokens, self.k * self.hidden, self.hidden, self.k, c.dtype,
+                                              c.capture_final, self.pin))
+            self.alloc_s += time.time() - t0
+        self.n_used += 1
+        return slot, self.buffers[slot].view(num_tokens)
+
+    def submit(self, slot: int, fn, *args) -> None:
+        self.slot_future[slot] = self.pool.submit(fn, *args)
+        self.writes.append(self.slot_future[slot])
+
+    def drain(self) -> float:
+        """Wait for the last shards' writes (no longer overlapped by device work); returns the seconds waited."""
+        t0 = time.time()
+        try:
+            for f in self.writes:
+                f.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        return time.time() - t0
+
+    def write_stats(self) -> dict:
+        done = [f.result() for f in self.writes]
+        return {"write_s": sum(d[0] for d in done), "bytes_written": sum(d[1] for d in done), "shards": len(done)}
 
 
 def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> None:
@@ -287,6 +364,8 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
 
     def check() -> None:
         old = read_json(ppath, "capture plan")
+        if not isinstance(old, dict):
+            raise DraftsmithError(f"{ppath}: not a capture plan (a JSON object); delete {out} to start over")
         for key in plan:
             if old.get(key) != plan[key]:
                 raise DraftsmithError(
@@ -294,8 +373,9 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
                     f"settings or data; use a new --out (or delete {out} to start over)"
                 )
 
-    def is_leftover(p: Path) -> bool:
-        return p.name.startswith(".") and p.name.endswith(".tmp")
+    def is_ours(p: Path) -> bool:  # what a capture leaves before its plan exists (dirs, lock, killed writes)
+        return p.name in (fmt.SHARD_DIR, fmt.PROGRESS_DIR, LOCK_FILE_NAME) or (
+            p.name.startswith(".") and p.name.endswith(".tmp"))
 
     if is_main:
         if ppath.is_file():
@@ -304,9 +384,7 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
                 for tmp in (out / d).glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
         else:
-            if out.exists() and any(
-                p.name not in (fmt.SHARD_DIR, fmt.PROGRESS_DIR) and not is_leftover(p) for p in out.iterdir()
-            ):
+            if out.exists() and not all(is_ours(p) for p in out.iterdir()):
                 raise DraftsmithError(f"{out}: exists and is not a draftsmith store in progress; choose another --out")
             (out / fmt.SHARD_DIR).mkdir(parents=True, exist_ok=True)
             (out / fmt.PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
@@ -318,8 +396,51 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
         check()
 
 
-def _shard_done(out: Path, si: int) -> bool:
-    return (out / fmt.progress_name(si)).is_file() and (out / fmt.shard_name(si)).is_file()
+def shard_plan_sha256(path: Path) -> str | None:
+    """The plan hash a shard was written with (its safetensors metadata), or None (unreadable, or no stamp)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get(SHARD_PLAN_KEY)
+    except Exception:  # noqa: BLE001 - any damage means "not reusable"
+        return None
+
+
+def _reuse_committed_shard(out: Path, si: int, plan_sha: str, log) -> bool:
+    """Whether shard `si` is committed and intact: its progress record, then its size, plan stamp and sha256.
+
+    A shard stamped by another plan is refused (with plan.json gone, a rerun with other settings must not adopt
+    it); a damaged one is redone (its progress record is removed first).
+    """
+    prog, shard = out / fmt.progress_name(si), out / fmt.shard_name(si)
+    if not prog.is_file():
+        return False
+    try:
+        rec = read_json(prog, "shard progress record")
+    except DraftsmithError:
+        rec = None
+    problem = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
+        problem = "its progress record is unreadable"
+    elif not shard.is_file():
+        problem = "the shard file is missing"
+    elif shard.stat().st_size != rec.get("bytes"):
+        problem = f"size {shard.stat().st_size} != {rec.get('bytes')} recorded"
+    else:
+        stamp = shard_plan_sha256(shard)
+        if stamp != plan_sha:
+            raise DraftsmithError(
+                f"{shard}: captured with other settings or data (plan {str(stamp)[:12]}, this command's "
+                f"{plan_sha[:12]}); use a new --out (or delete {out} to start over)"
+            )
+        if sha256_file(shard) != rec["sha256"]:
+            problem = "sha256 differs from its progress record (corrupted)"
+    if problem is None:
+        return True
+    log(f"{shard}: {problem}; capturing it again")
+    prog.unlink(missing_ok=True)
+    return False
 
 
 def _run_batch(target, cap, graphs, cfg, batch, shard_samples, slen, offsets, pad_id, device, H):
@@ -401,7 +522,9 @@ def _land(buf: _ShardBuffers, pending, dtype: str) -> None:
             dest.index_copy_(0, dst, rows)
 
 
-def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _ShardBuffers, cfg) -> None:
+def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _ShardBuffers,
+                 plan_sha: str) -> tuple[float, int]:
+    """Commit shard `si`: the shard file (atomic rename), then its progress record. Returns (seconds, bytes)."""
     n = len(shard_samples)
     ids = np.concatenate([s.input_ids for s in shard_samples]).astype(np.int32)
     spans = [fmt.mask_to_spans(s.loss_mask) for s in shard_samples]
@@ -423,11 +546,10 @@ def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _S
         tensors["final_scale"] = buf.final_scale
     t0 = time.perf_counter()
     path = out / fmt.shard_name(si)
-    _crash_point("before_shard", si)
+    # The plan hash in the shard itself: a resume (even without plan.json) reuses only shards of the same plan.
     digest, nbytes = atomic_save_safetensors_streaming(
-        tensors, path, metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"}
+        tensors, path, metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}", SHARD_PLAN_KEY: plan_sha}
     )
-    _crash_point("after_shard", si)
     record = {
         "file": fmt.shard_name(si),
         "sha256": digest,
@@ -438,11 +560,10 @@ def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _S
         "num_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in shard_samples)),
     }
     atomic_write_json(out / fmt.progress_name(si), record)
-    _crash_point("after_progress", si)
     return time.perf_counter() - t0, record["bytes"]
 
 
-def _finalize(out: Path, plan, samples, report, target, aux_layers, shards, cfg) -> dict:
+def _finalize(out: Path, plan, plan_sha: str, samples, report, target, aux_layers, shards, cfg) -> dict:
     records = []
     for si in range(len(shards)):
         p = out / fmt.progress_name(si)
@@ -454,7 +575,6 @@ def _finalize(out: Path, plan, samples, report, target, aux_layers, shards, cfg)
         ids = torch.from_numpy(np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)])
         if ids.numel():
             counts.index_add_(0, ids.clamp(0, target.vocab_size - 1), torch.ones_like(ids))
-    _crash_point("before_finalize", 0)
     counts_sha = atomic_save_file({"token_counts": counts}, out / fmt.TOKEN_COUNTS)
     num_tokens = int(sum(r["num_tokens"] for r in records))
     manifest = {
@@ -480,6 +600,7 @@ def _finalize(out: Path, plan, samples, report, target, aux_layers, shards, cfg)
         "bytes_per_token": round(sum(r["bytes"] for r in records) / max(num_tokens, 1), 3),
         "data": {**plan["data"], "report": report.to_dict()},
         "token_counts": {"file": fmt.TOKEN_COUNTS, "sha256": counts_sha},
+        "plan_sha256": plan_sha,
         "shards": records,
     }
     atomic_write_json(out / fmt.MANIFEST, manifest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import torch
 
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 from draftsmith.store import format as fmt
-from draftsmith.common.io import read_json
+from draftsmith.common.io import read_json, sha256_file
+from draftsmith.store.manifest import validate_manifest
 
 
 class HiddenStateStore:
@@ -23,22 +25,33 @@ class HiddenStateStore:
     that sample's rows.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: dict, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, path: str | os.PathLike, manifest: dict, dtype: torch.dtype = torch.bfloat16,
+                 check_sha256: bool | None = None):
         self.path = Path(path)
         self.manifest = manifest
         self.compute_dtype = dtype
         # fp8 stores only: hand out the raw fp8 rows plus their `aux_scale`/`final_scale` instead of dequantizing
         # here, so a trainer can dequantize on the GPU (half the bytes to copy, no host float work per row)
         self.defer_dequantize = False
+        # Each shard's sha256 is checked against the manifest the first time the shard is opened (a corrupted
+        # shard would otherwise train to NaN); off: DRAFTSMITH_STORE_CHECKSUMS=off or check_sha256=False.
+        if check_sha256 is None:
+            check_sha256 = os.environ.get("DRAFTSMITH_STORE_CHECKSUMS", "on").strip().lower() not in ("off", "0", "no")
+        self.check_sha256 = bool(check_sha256)
         self.shards: list[dict] = manifest["shards"]
         # first global sample index of each shard (shards hold consecutive ranges)
         self._firsts = [s["first_sample"] for s in self.shards]
         self._handles: dict[int, Any] = {}
         self._index: dict[int, dict[str, np.ndarray]] = {}
+        self._open_lock = threading.Lock()  # a trainer's prefetch thread and the main thread may both open shards
 
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> "HiddenStateStore":
+    def open(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+             check_sha256: bool | None = None) -> "HiddenStateStore":
+        """Open a complete store after checking its manifest (`draftsmith.store.manifest`: schema, paths inside
+        the store, counts bounded by sizes, every shard's size equal to the manifest's). `check_sha256`: hash
+        each shard on first use and refuse a mismatch (default on; DRAFTSMITH_STORE_CHECKSUMS=off turns it off)."""
         p = Path(path)
         if not p.is_dir():
             raise DraftsmithError(f"{p}: store not found")
@@ -49,18 +62,8 @@ class HiddenStateStore:
                     f"{mpath}: missing — the capture into {p} did not finish; rerun the same capture command to resume"
                 )
             raise DraftsmithError(f"{mpath}: missing — {p} is not a draftsmith hidden-state store")
-        manifest = read_json(mpath, "store manifest")
-        if manifest.get("format") != fmt.FORMAT_NAME:
-            raise DraftsmithError(f"{mpath}: field 'format' is {manifest.get('format')!r}, expected {fmt.FORMAT_NAME!r}")
-        if int(manifest.get("format_version", -1)) > fmt.FORMAT_VERSION:
-            raise DraftsmithError(
-                f"{mpath}: format_version {manifest['format_version']} is newer than this draftsmith reads "
-                f"({fmt.FORMAT_VERSION}); upgrade draftsmith"
-            )
-        for key in ("shards", "aux_layers", "hidden_size", "num_samples", "dtype"):
-            if key not in manifest:
-                raise DraftsmithError(f"{mpath}: missing field {key!r}")
-        return cls(p, manifest, dtype)
+        manifest = validate_manifest(read_json(mpath, "store manifest"), p, check_sizes=True)
+        return cls(p, manifest, dtype, check_sha256=check_sha256)
 
     # -- metadata ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -94,9 +97,13 @@ class HiddenStateStore:
     def token_counts(self) -> torch.Tensor:
         from safetensors.torch import load_file
 
-        p = self.path / fmt.TOKEN_COUNTS
+        entry = self.manifest.get("token_counts") or {}
+        p = self.path / entry.get("file", fmt.TOKEN_COUNTS)
         if not p.is_file():
             raise DraftsmithError(f"{p}: missing (token frequency statistics of the store)")
+        if self.check_sha256 and entry.get("sha256") and sha256_file(p) != entry["sha256"]:
+            raise DraftsmithError(f"{p}: sha256 does not match the manifest (corrupted; run "
+                                  f"`draftsmith store verify {self.path}`)")
         return load_file(str(p))["token_counts"]
 
     def check_target(self, target) -> None:
@@ -116,14 +123,63 @@ class HiddenStateStore:
     def _handle(self, si: int):
         h = self._handles.get(si)
         if h is None:
-            from safetensors import safe_open
-
-            f = self.path / self.shards[si]["file"]
-            if not f.is_file():
-                raise DraftsmithError(f"{f}: shard missing (run `draftsmith store verify {self.path}`)")
-            h = safe_open(str(f), framework="pt")
-            self._handles[si] = h
+            with self._open_lock:
+                h = self._handles.get(si)
+                if h is None:
+                    h = self._open_shard(si)
+                    self._handles[si] = h
         return h
+
+    def _open_shard(self, si: int):
+        from safetensors import safe_open
+
+        sh = self.shards[si]
+        f = self.path / sh["file"]
+        if not f.is_file():
+            raise DraftsmithError(f"{f}: shard missing (run `draftsmith store verify {self.path}`)")
+        if "bytes" in sh and f.stat().st_size != sh["bytes"]:
+            raise DraftsmithError(f"{f}: size {f.stat().st_size} != {sh['bytes']} in the manifest (truncated or "
+                                  f"replaced; run `draftsmith store verify {self.path}`)")
+        if self.check_sha256 and "sha256" in sh and sha256_file(f) != sh["sha256"]:
+            raise DraftsmithError(f"{f}: sha256 does not match the manifest (corrupted; run "
+                                  f"`draftsmith store verify {self.path}`)")
+        try:
+            h = safe_open(str(f), framework="pt")
+            self._check_shard_layout(si, h, f)
+        except DraftsmithError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged header or tensor table, in whatever form it fails
+            raise DraftsmithError(f"{f}: not a readable store shard ({' '.join(str(e).split())[:200]})") from None
+        return h
+
+    def _check_shard_layout(self, si: int, h, f: Path) -> None:
+        """The shard's tensors agree with the manifest (shapes, offsets): its contents bound every later index."""
+        sh, m = self.shards[si], self.manifest
+        n, T = int(sh["num_samples"]), int(sh.get("num_tokens", -1))
+        k, H = len(m["aux_layers"]), int(m["hidden_size"])
+
+        def shape(name: str):
+            if name not in h.keys():
+                raise DraftsmithError(f"{f}: tensor {name!r} missing from the shard")
+            return tuple(h.get_slice(name).get_shape())
+
+        rows = shape("input_ids")[0] if shape("input_ids") else -1
+        want = {"input_ids": (rows,), "sample_offsets": (n + 1,), "span_offsets": (n + 1,),
+                "aux_hidden_states": (rows, k * H)}
+        if self.has_final:
+            want["final_hidden_states"] = (rows, H)
+        for name, expect in want.items():
+            if shape(name) != expect:
+                raise DraftsmithError(f"{f}: tensor {name!r} has shape {list(shape(name))}, expected {list(expect)} "
+                                      f"from the manifest ({n} samples, {k} aux layers, hidden size {H})")
+        if T >= 0 and rows != T:
+            raise DraftsmithError(f"{f}: holds {rows} tokens, the manifest says {T}")
+        offs = h.get_tensor("sample_offsets").numpy()
+        span_offs = h.get_tensor("span_offsets").numpy()
+        spans = shape("loss_spans")
+        if (offs[0] != 0 or offs[-1] != rows or (np.diff(offs) < 0).any() or span_offs[0] != 0
+                or (np.diff(span_offs) < 0).any() or span_offs[-1] != (spans[0] if spans else 0)):
+            raise DraftsmithError(f"{f}: sample_offsets/span_offsets are not consistent with its {rows} tokens")
 
     def _shard_index(self, si: int) -> dict[str, np.ndarray]:
         idx = self._index.get(si)

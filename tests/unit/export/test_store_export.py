@@ -270,6 +270,7 @@ def _write_real_store(path: Path, dtype: str) -> None:
     """A tiny store in draftsmith's format (draftsmith/store/format.py), two shards, bf16 or fp8."""
     from safetensors.torch import save_file
 
+    from draftsmith.common.io import sha256_file
     from draftsmith.store import format as fmt
 
     g = torch.Generator().manual_seed(1)
@@ -306,7 +307,9 @@ def _write_real_store(path: Path, dtype: str) -> None:
         else:
             t["aux_hidden_states"], t["final_hidden_states"] = aux.bfloat16(), final.bfloat16()
         save_file({a: b.contiguous() for a, b in t.items()}, str(path / fmt.shard_name(si)))
-        shards.append({"file": fmt.shard_name(si), "first_sample": first, "num_samples": n})
+        f = path / fmt.shard_name(si)  # the manifest's schema (draftsmith/store/manifest.py) wants size and sha256
+        shards.append({"file": fmt.shard_name(si), "first_sample": first, "num_samples": n,
+                       "num_tokens": int(offsets[-1]), "bytes": f.stat().st_size, "sha256": sha256_file(f)})
     counts = torch.zeros(50, dtype=torch.int64)
     for ids, mask, _, _ in samples:
         m = ids[torch.from_numpy(mask)]

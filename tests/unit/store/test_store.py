@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
+from draftsmith.common.io import LOCK_FILE_NAME
 from draftsmith.store import HiddenStateStore
 from draftsmith.store import format as fmt
 from draftsmith.capture.job import CaptureConfig, plan_batches, plan_shards, run_capture
@@ -185,7 +186,16 @@ def _cli(args, env=None, check=True):
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file of a store but the directory lock (it holds the pid of the last capture)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE_NAME}
+
+
+def _cli_crashing_at(point: str, args):
+    """The CLI run by tests/capture_crash.py, which SIGKILLs it at one commit point (test-only fault injection)."""
+    e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / "tests" / "capture_crash.py"), point, *args], cwd=REPO, env=e,
+                          capture_output=True, text=True)
 
 
 @pytest.mark.slow
@@ -198,7 +208,7 @@ def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, co
     points = ["before_shard:0", "after_shard:1", "after_progress:0", "before_shard:2", "before_finalize:0"]
     for point in points:
         out = tmp_path / point.replace(":", "_")
-        r = _cli([*args, "--out", str(out)], env={"DRAFTSMITH_CRASH_AT": point}, check=False)
+        r = _cli_crashing_at(point, [*args, "--out", str(out)])
         assert r.returncode == -9, (point, r.stderr[-2000:])
         assert not (out / "manifest.json").exists()
         r = _cli([*args, "--out", str(out)], check=False)  # the same command resumes
