@@ -41,7 +41,7 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # None -> vocab_size
     num_hidden_layers: int = 1
     # aux layers of the target, layer-output ids; None = unknown (an imported checkpoint that does not
-    # say: the engine's default [1, N//2-1, N-4] is assumed once the target's N is known)
+    # say: the engines' default [1, N//2-1, N-4] is assumed once the target's N is known, with a warning)
     aux_layer_ids: list[int] | None = None
     num_aux: int | None = None  # fc takes num_aux * target_hidden_size inputs; None -> len(aux_layer_ids) or 3
     # provenance of the target
@@ -124,7 +124,9 @@ class DrafterConfig:
     @property
     def aux_hidden_states_ids(self) -> list[int] | None:
         """The aux layers in hidden_states ids (vLLM / speculators / EAGLE convention) = layer-output + 1."""
-        return None if self.aux_layer_ids is None else [i + 1 for i in self.aux_layer_ids]
+        from draftsmith.target_model.layers import to_hidden_states_ids
+
+        return None if self.aux_layer_ids is None else to_hidden_states_ids(self.aux_layer_ids)
 
     @property
     def fc_in_features(self) -> int:

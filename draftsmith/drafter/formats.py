@@ -12,6 +12,10 @@ weight names; writing: `save_native` here, the engines' layouts in `draftsmith.e
 | speculators  | Eagle3DraftModel, speculators_model_type eagle3, transformer_layer_config | fc, layers.N.*, norm, lm_head, d2t, t2d | `eagle_aux_hidden_state_layer_ids`, hidden_states ids |
 | eagle        | LlamaForCausalLMEagle3 without any aux ids; pytorch_model.bin (weights_only) or safetensors | as sglang | none: engine default [2, N//2, N-3] hidden_states ids |
 
+draftsmith's own exports write BOTH aux fields in every layout (so each engine reads its own), and a marker file
+`draftsmith_export.json` naming the layout; sglang and vllm exports then differ only in what was refused, and the
+marker tells them apart (without it: the sglang layout unless the drafter is one SGLang cannot run).
+
 The token embedding is never written; one found in a checkpoint (speculators writes its copy) is ignored:
 the target's own embedding is attached instead.
 """
@@ -26,17 +30,20 @@ import torch
 
 from draftsmith.drafter.config import NATIVE_ARCH, NATIVE_MODEL_TYPE, DrafterConfig
 from draftsmith.drafter.vocab import check_mappings, identity_draft_vocab
+from draftsmith.common.dtypes import dtype_name, torch_dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import read_json
 from draftsmith.target_model.facts import _rope_from_config, target_facts, target_tensors
+from draftsmith.target_model.layers import engine_default_aux_layers, from_hidden_states_ids, to_hidden_states_ids
 
 FORMATS = ("draftsmith", "sglang", "vllm", "speculators", "eagle")
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHS = ("Eagle3DraftModel", "Eagle3Speculator")
 _IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: Written with every drafter export (`draftsmith.export`): what was exported, in which layout, for which target.
+EXPORT_MARKER = "draftsmith_export.json"
+_DTYPE_NAMES = torch_dtypes()  # config dtype name -> torch dtype (draftsmith.common.dtypes)
 
 
 # ============================================================================================ reading
@@ -44,24 +51,37 @@ def _read_json(p: Path) -> dict:
     return read_json(p, f"drafter file (is {p.parent} a drafter directory?)")
 
 
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors' load_file with a one-line error naming the file (truncated, corrupted, missing)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: weights file not found") from None
+    except Exception as e:  # noqa: BLE001 - SafetensorError / OSError: a damaged file, said in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DraftsmithError(f"{path}: unreadable safetensors file, truncated or corrupted ({first})") from None
+
+
 def read_weights(root: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors of a checkpoint dir: model.safetensors, sharded safetensors, or pytorch_model.bin
     (read with torch.load(weights_only=True) only: no code runs)."""
-    from safetensors.torch import load_file
+    load_file = _load_safetensors
 
     single = root / "model.safetensors"
     if single.is_file():
-        return load_file(str(single)), single.name
+        return load_file(single), single.name
     index = root / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
         out: dict[str, torch.Tensor] = {}
         for s in shards:
-            out.update(load_file(str(root / s)))
+            out.update(load_file(root / s))
         return out, index.name
     others = sorted(root.glob("*.safetensors"))
     if len(others) == 1:
-        return load_file(str(others[0])), others[0].name
+        return load_file(others[0]), others[0].name
     binf = root / "pytorch_model.bin"
     if binf.is_file():
         try:
@@ -78,8 +98,22 @@ def read_weights(root: Path) -> tuple[dict[str, torch.Tensor], str]:
                           "pytorch_model.bin)")
 
 
-def detect_format(config: dict, keys: list[str] | None = None, weights_file: str | None = None) -> str:
-    """One of FORMATS, from a config.json dict (and the weight names, when known)."""
+def read_export_marker(root: str | os.PathLike) -> dict:
+    """The `draftsmith_export.json` of a drafter export ({} when absent or unreadable: it is only a hint)."""
+    p = Path(root) / EXPORT_MARKER
+    if not p.is_file():
+        return {}
+    try:
+        d = read_json(p, "export marker")
+    except DraftsmithError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def detect_format(config: dict, keys: list[str] | None = None, weights_file: str | None = None,
+                  marker: dict | None = None) -> str:
+    """One of FORMATS, from a config.json dict (and the weight names, when known; `marker`: the directory's
+    draftsmith_export.json, which names the layout of our own exports)."""
     archs = config.get("architectures") or []
     if NATIVE_ARCH in archs or config.get("model_type") == NATIVE_MODEL_TYPE:
         return "draftsmith"
@@ -87,10 +121,19 @@ def detect_format(config: dict, keys: list[str] | None = None, weights_file: str
         return "speculators"
     if any(a in EAGLE3_ARCHS for a in archs) or (keys and any(k.split(".")[0] in ("midlayer", "model") for k in keys)
                                                   and any(k.endswith("fc.weight") for k in keys)):
-        if config.get("eagle_aux_hidden_state_layer_ids") is not None:
-            return "vllm"
+        top = config.get("eagle_aux_hidden_state_layer_ids") is not None
         eagle_cfg = config.get("eagle_config") or {}
-        if eagle_cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+        nested = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") is not None
+        if top and nested:
+            # Both fields: our own exports since both engines read this one config. The layout read is the same;
+            # the name comes from the marker, else from whether SGLang could run the drafter.
+            if (marker or {}).get("format") in ("sglang", "vllm"):
+                return marker["format"]
+            sglang_runs = int(config.get("num_hidden_layers", 1)) == 1 and not config.get("norm_before_residual")
+            return "sglang" if sglang_runs else "vllm"
+        if top:
+            return "vllm"
+        if nested:
             return "sglang"
         if weights_file == "pytorch_model.bin" or not eagle_cfg:
             return "eagle"
@@ -155,9 +198,7 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
             raise DraftsmithError(f"{where}: field 'transformer_layer_config' is missing")
         f = _llama_fields(tl, f"{where} transformer_layer_config")
         vocab = int(tl.get("vocab_size", 0))
-        hs_ids = d.get("eagle_aux_hidden_state_layer_ids")
-        notes["aux_ids_as_written"] = {"eagle_aux_hidden_state_layer_ids (hidden_states ids)": hs_ids}
-        aux = None if hs_ids is None else _from_hs(hs_ids, where, "eagle_aux_hidden_state_layer_ids")
+        aux, notes["aux_ids_as_written"] = _aux_from_fields(d, where)
         verifier = ((d.get("speculators_config") or {}).get("verifier") or {})
         f.update(vocab_size=vocab, draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
                  target_hidden_size=d.get("target_hidden_size") or f["hidden_size"],
@@ -170,18 +211,7 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
     else:  # sglang / vllm / eagle: a Llama config
         f = _llama_fields(d, where)
         vocab = int(d.get("vocab_size", 0))
-        nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        top = d.get("eagle_aux_hidden_state_layer_ids")
-        notes["aux_ids_as_written"] = {"eagle_config.eagle_aux_hidden_state_layer_ids (layer-output ids)": nested,
-                                       "eagle_aux_hidden_state_layer_ids (hidden_states ids)": top}
-        aux = [int(i) for i in nested] if nested is not None else None
-        if top is not None:
-            top_lo = _from_hs(top, where, "eagle_aux_hidden_state_layer_ids")
-            if aux is not None and aux != top_lo:
-                raise DraftsmithError(
-                    f"{where}: fields 'eagle_config.eagle_aux_hidden_state_layer_ids' {nested} (layer-output ids) and "
-                    f"'eagle_aux_hidden_state_layer_ids' {top} (hidden_states ids) name different layers")
-            aux = top_lo
+        aux, notes["aux_ids_as_written"] = _aux_from_fields(d, where)
         f.update(vocab_size=vocab, draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
                  target_hidden_size=int(d.get("target_hidden_size") or f["hidden_size"]),
                  norm_before_residual=bool(d.get("norm_before_residual", False)), aux_layer_ids=aux,
@@ -214,11 +244,28 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
     return DrafterConfig(**f), notes
 
 
-def _from_hs(ids: Any, where: str, fld: str) -> list[int]:
-    ids = [int(i) for i in ids]
-    if any(i < 1 for i in ids):
-        raise DraftsmithError(f"{where}: field '{fld}' {ids}: hidden_states id 0 is the embedding output, not a layer")
-    return [i - 1 for i in ids]
+def _aux_from_fields(d: dict, where: str) -> tuple[list[int] | None, dict]:
+    """The aux layers (layer-output ids) from a config's nested `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (layer-output ids, SGLang) and/or top-level `eagle_aux_hidden_state_layer_ids` (hidden_states ids, vLLM and
+    speculators); when both are present they must name the same layers. Also returns the fields as written."""
+    nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    as_written = {"eagle_config.eagle_aux_hidden_state_layer_ids (layer-output ids)": nested,
+                  "eagle_aux_hidden_state_layer_ids (hidden_states ids)": top}
+    try:
+        aux = [int(i) for i in nested] if nested is not None else None
+        top_ids = [int(i) for i in top] if top is not None else None
+    except (TypeError, ValueError):
+        raise DraftsmithError(f"{where}: fields 'eagle_aux_hidden_state_layer_ids': expected lists of integers, "
+                              f"got {nested!r} / {top!r}") from None
+    if top_ids is not None:
+        top_lo = from_hidden_states_ids(top_ids, f"{where}: field 'eagle_aux_hidden_state_layer_ids'")
+        if aux is not None and aux != top_lo:
+            raise DraftsmithError(
+                f"{where}: fields 'eagle_config.eagle_aux_hidden_state_layer_ids' {nested} (layer-output ids) and "
+                f"'eagle_aux_hidden_state_layer_ids' {top} (hidden_states ids) name different layers")
+        aux = top_lo
+    return aux, as_written
 
 
 def read_checkpoint(path: str | os.PathLike, format: str | None = None):
@@ -228,8 +275,11 @@ def read_checkpoint(path: str | os.PathLike, format: str | None = None):
         raise DraftsmithError(f"{root}: not a directory (a drafter is a directory with config.json and weights)")
     cfg_path = root / "config.json"
     d = _read_json(cfg_path)
+    if not isinstance(d, dict):
+        raise DraftsmithError(f"{cfg_path}: expected a JSON object")
     raw, wfile = read_weights(root)
-    fmt = format or detect_format(d, list(raw), wfile)
+    marker = read_export_marker(root)
+    fmt = format or detect_format(d, list(raw), wfile, marker)
     if fmt not in FORMATS:
         raise DraftsmithError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     where = str(cfg_path)
@@ -240,6 +290,7 @@ def read_checkpoint(path: str | os.PathLike, format: str | None = None):
     else:
         cfg, notes = config_from_external(fmt, d, sd, where)
     notes["weights_file"] = wfile
+    notes["export_marker"] = marker
     # A drafter narrower than its target (hidden_size != target_hidden_size) cannot use the target's embedding;
     # EAGLE trains and ships its own in that case (cnets.py loads the target's only without target_hidden_size).
     own = next((v for k, v in raw.items() if k in ("embed_tokens.weight", "model.embed_tokens.weight")), None)
@@ -256,10 +307,8 @@ def load_drafter(cls, path, target=None, dtype=None, format=None):
     facts = None
     if target is not None:
         facts = target_facts(target)
-        if cfg.aux_layer_ids is None:  # imported without aux ids: the engines' default for this target
-            from draftsmith.target_model.layers import default_aux_layers
-
-            cfg.aux_layer_ids = default_aux_layers(facts["num_layers"]) if cfg.num_aux == 3 else None
+        if cfg.aux_layer_ids is None and cfg.num_aux == 3:  # imported without aux ids: the engines' default
+            cfg.aux_layer_ids = assume_engine_default_aux(path, facts["num_layers"])
         if cfg.target_num_layers is None:
             cfg.target_num_layers = facts["num_layers"]
         if cfg.target_model_type is None:
@@ -281,6 +330,40 @@ def load_drafter(cls, path, target=None, dtype=None, format=None):
     return model
 
 
+def assume_engine_default_aux(path: Any, num_layers: int) -> list[int]:
+    """The engines' default aux layers for a drafter config that names none, with a warning saying so (in both
+    id conventions): a drafter trained on other layers would run without error and accept few tokens."""
+    import warnings
+
+    aux = engine_default_aux_layers(num_layers)
+    warnings.warn(f"{path}: the drafter config names no aux layers (no 'aux_layer_ids' / "
+                  f"'eagle_aux_hidden_state_layer_ids'); assuming the engines' default for a {num_layers}-layer "
+                  f"target: layer-output ids {aux} = hidden_states ids {to_hidden_states_ids(aux)}",
+                  UserWarning, stacklevel=3)
+    return aux
+
+
+def state_problems(cfg: DrafterConfig, sd: dict[str, torch.Tensor]) -> list[str]:
+    """Where a (normalized) state dict contradicts the drafter config: missing/unexpected weights, shapes,
+    d2t/t2d lengths. Built on the meta device: no memory for the weights."""
+    from draftsmith.drafter.model import Drafter
+
+    with torch.device("meta"):
+        own = Drafter(cfg).state_dict()
+    problems = []
+    optional = {"d2t", "t2d"}  # rebuilt when absent (identity vocab / from d2t)
+    missing = sorted(set(own) - set(sd) - optional)
+    unexpected = sorted(set(sd) - set(own))
+    if missing:
+        problems.append(f"missing weights {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+    if unexpected:
+        problems.append(f"unexpected weights {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+    for k, v in own.items():
+        if k in sd and tuple(v.shape) != tuple(sd[k].shape):
+            problems.append(f"weight '{k}' has shape {list(sd[k].shape)}, the config implies {list(v.shape)}")
+    return problems
+
+
 def _load_state(model, sd: dict[str, torch.Tensor], where: str) -> None:
     cfg = model.config
     sd = dict(sd)
@@ -296,20 +379,10 @@ def _load_state(model, sd: dict[str, torch.Tensor], where: str) -> None:
         sd["t2d"] = t2d
     sd["d2t"], sd["t2d"] = sd["d2t"].to(torch.int64), sd["t2d"].to(torch.bool)
     check_mappings(sd["d2t"], sd["t2d"], cfg.vocab_size, where)
+    problems = state_problems(cfg, sd)
+    if problems:
+        raise DraftsmithError(f"{where}: " + "; ".join(problems))
     own = model.state_dict()
-    missing = sorted(set(own) - set(sd))
-    unexpected = sorted(set(sd) - set(own))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing weights {missing[:6]}{' ...' if len(missing) > 6 else ''}")
-        if unexpected:
-            parts.append(f"unexpected weights {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
-        raise DraftsmithError(f"{where}: " + "; ".join(parts))
-    for k, v in own.items():
-        if tuple(v.shape) != tuple(sd[k].shape):
-            raise DraftsmithError(f"{where}: weight '{k}' has shape {list(sd[k].shape)}, the config implies "
-                                  f"{list(v.shape)}")
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(sd[k].to(v.dtype))
@@ -332,7 +405,7 @@ def _cpu_tensors(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
 
 
 def _dtype_name(sd: dict[str, torch.Tensor]) -> str:
-    return str(sd["fc.weight"].dtype).replace("torch.", "")
+    return dtype_name(sd["fc.weight"].dtype)
 
 
 def save_native(model, path, dtype: torch.dtype | None = None) -> Path:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.target_model.load import read_target_config
+from draftsmith.target_model.load import hf_load_error, read_target_config, trust_remote_code
+
+
 def _is_path(x: Any) -> bool:
     return isinstance(x, (str, os.PathLike))
 
@@ -47,6 +49,16 @@ def _rope_from_config(d: dict) -> tuple[float, dict | None]:
     return theta, None
 
 
+def _config_dtype(d: dict) -> str | None:
+    """The dtype a config names (`dtype`, transformers 5; `torch_dtype`, older), as "bfloat16"/"float32"/...;
+    None when it names none ("auto" included)."""
+    v = d.get("dtype") or d.get("torch_dtype")
+    if v is None:
+        return None
+    name = str(v).replace("torch.", "")
+    return None if name == "auto" else name
+
+
 def target_facts(target: Any) -> dict[str, Any]:
     """The numbers of a target (path, draftsmith Target, HF model or config) that size and check a drafter."""
     d, name = _target_config_dict(target)
@@ -62,6 +74,7 @@ def target_facts(target: Any) -> dict[str, Any]:
             hidden_act=d.get("hidden_act", "silu"), vocab_size=int(d["vocab_size"]),
             num_layers=int(d["num_hidden_layers"]), model_type=d.get("model_type"), name_or_path=name,
             architectures=d.get("architectures") or [], tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            dtype=_config_dtype(d),
         )
     except KeyError as e:
         raise DraftsmithError(f"target config ({name or 'in memory'}): field {e} is missing") from None
@@ -88,9 +101,12 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
     emb_key = head_key = None
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118
-                where[k] = f
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118
+                    where[k] = f
+        except Exception as e:  # noqa: BLE001 - SafetensorError/OSError: a damaged file, in one line
+            raise hf_load_error(f, "target weights", e) from None
     for k in where:
         if k.endswith("embed_tokens.weight") and (emb_key is None or k.count(".") < emb_key.count(".")):
             emb_key = k
@@ -100,8 +116,11 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return _target_tensors_via_hf(root)
 
     def get(k: str) -> torch.Tensor:
-        with safe_open(str(where[k]), framework="pt") as sf:
-            return sf.get_tensor(k)
+        try:
+            with safe_open(str(where[k]), framework="pt") as sf:
+                return sf.get_tensor(k)
+        except Exception as e:  # noqa: BLE001 - the header parsed but the data is cut short
+            raise hf_load_error(where[k], f"target weight '{k}'", e) from None
 
     emb = get(emb_key)
     return emb, (get(head_key) if head_key else emb)
@@ -110,6 +129,36 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def _target_tensors_via_hf(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(root))
+    try:
+        m = AutoModelForCausalLM.from_pretrained(str(root), trust_remote_code=trust_remote_code())
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - missing/truncated/pickled weights, refused remote code: one line
+        raise hf_load_error(root, "target weights", e) from None
     out = m.get_output_embeddings()
     return m.get_input_embeddings().weight.detach(), (out if out is not None else m.get_input_embeddings()).weight.detach()
+
+
+def target_weight_problems(target: Any) -> list[str]:
+    """Where a target directory's safetensors contradict its config.json (embedding / lm_head shapes), read from
+    the files' headers only; [] when they agree or there is nothing to check (not a path, no safetensors)."""
+    if not _is_path(target):
+        return []
+    from safetensors import safe_open
+
+    facts = target_facts(target)
+    want = [facts["vocab_size"], facts["hidden_size"]]
+    problems = []
+    for f in sorted(Path(target).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118
+                    if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight"):
+                        shape = list(sf.get_slice(k).get_shape())
+                        if shape != want:
+                            problems.append(f"{f.name}: weight '{k}' is {shape}, config.json says "
+                                            f"[vocab_size={want[0]}, hidden_size={want[1]}]")
+        except Exception as e:  # noqa: BLE001 - a damaged file is a problem to report, not a traceback
+            problems.append(str(hf_load_error(f, "target weights", e)))
+    return problems
+

@@ -7,12 +7,14 @@ from pathlib import Path
 
 from draftsmith.common.hf import text_config
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.target_model.facts import target_weight_problems
 from draftsmith.target_model.layers import default_aux_layers, to_hidden_states_ids
-from draftsmith.target_model.load import config_hash, tokenizer_hash
+from draftsmith.target_model.load import config_hash, hf_load_error, tokenizer_hash, trust_remote_code
 
 
-def inspect_target(path: str | Path) -> dict:
-    """Read config.json only (no weights loaded): fast even for a 1T-parameter target."""
+def inspect_target(path: str | Path, trust_remote_code_flag: bool | None = None) -> dict:
+    """Read config.json only (no weights loaded): fast even for a 1T-parameter target. The weights' header is
+    checked against the config's sizes when they are safetensors (`weights_problems`)."""
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
@@ -20,9 +22,10 @@ def inspect_target(path: str | Path) -> dict:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(p))
-    except (ValueError, KeyError, OSError) as e:
-        raise DraftsmithError(f"{cfg_path}: cannot load config ({str(e).splitlines()[0]})") from None
+        # never runs code from the directory (auto_map) unless opted in; transformers then never asks on stdin
+        config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code(trust_remote_code_flag))
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise hf_load_error(cfg_path, "config", e) from None
     text = text_config(config)
     n = int(text.num_hidden_layers)
     aux = default_aux_layers(n)
@@ -44,6 +47,7 @@ def inspect_target(path: str | Path) -> dict:
         "chat_template": bool(chat),
         "default_aux_layers": {"layer-output ids": aux, "hidden_states ids": to_hidden_states_ids(aux)},
         "distinct_aux_layers": len(set(aux)) == len(aux),
+        "weights_problems": target_weight_problems(p),
         "config_hash": config_hash(p),
         "tokenizer_hash": tokenizer_hash(p),
     }
@@ -67,6 +71,9 @@ def format_target_info(info: dict) -> str:
         f"  layer-output ids   {aux['layer-output ids']}   (SGLang eagle_config, SpecForge, draftsmith --aux-layers)",
         f"  hidden_states ids  {aux['hidden_states ids']}   (vLLM top-level, speculators --target-layer-ids, HF output_hidden_states)",
     ]
+    for problem in info.get("weights_problems") or []:
+        lines.append(f"WEIGHTS DISAGREE WITH CONFIG: {problem}")
     if not info["distinct_aux_layers"]:
-        lines.append("  note: with this few layers the defaults collide; pass --aux-layers for distinct ones")
+        lines.append("  note: with this few layers three distinct aux layers do not exist; such a drafter trains and "
+                     "decodes in draftsmith but cannot be exported (engines need distinct ids)")
     return "\n".join(lines)

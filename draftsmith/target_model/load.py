@@ -3,10 +3,17 @@
 We never edit model source: the target is the stock HF module, and everything draftsmith needs
 (decoder layers for hooks, final norm and lm_head for the teacher, the embedding for the drafter) is
 located on it generically.
+
+Remote code: every transformers loader here (config, tokenizer, model) is called with
+`trust_remote_code=False` unless the user opts in, so a model directory whose config names Python files in
+`auto_map` never runs them (and transformers never stops to ask on stdin). Opt in with the
+`--trust-remote-code` flag of `inspect`/`export`, or `DRAFTSMITH_TRUST_REMOTE_CODE=1` for every command
+(capture, train, generate, eval load targets too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,19 +23,13 @@ from typing import Any
 
 import torch
 
+from draftsmith.common import dtypes
+from draftsmith.common.dtypes import torch_dtypes
 from draftsmith.common.hf import text_config
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.target_model.layers import default_aux_layers
 
-DTYPES = {
-    "auto": "auto",
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
+DTYPES = {"auto": "auto", **torch_dtypes()}  # the names --dtype/--model-dtype take (draftsmith.common.dtypes)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,13 +43,59 @@ TOKENIZER_FILES = (
 )
 
 
-def parse_dtype(name: str | torch.dtype) -> Any:
-    if isinstance(name, torch.dtype):
-        return name
+TRUST_REMOTE_CODE_ENV = "DRAFTSMITH_TRUST_REMOTE_CODE"
+_trust_remote_code_override: list[bool] = []
+
+
+def trust_remote_code(explicit: bool | None = None) -> bool:
+    """Whether transformers may run code from a model directory: `explicit` if given, else the innermost
+    `trust_remote_code_scope`, else DRAFTSMITH_TRUST_REMOTE_CODE=1. Off by default."""
+    if explicit is not None:
+        return bool(explicit)
+    if _trust_remote_code_override:
+        return _trust_remote_code_override[-1]
+    return os.environ.get(TRUST_REMOTE_CODE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+@contextlib.contextmanager
+def trust_remote_code_scope(allow: bool):
+    """Within the scope, loaders trust remote code iff `allow` or the environment variable says so (a CLI's
+    --trust-remote-code flag)."""
+    _trust_remote_code_override.append(bool(allow) or trust_remote_code())
     try:
-        return DTYPES[str(name).lower()]
-    except KeyError:
-        raise DraftsmithError(f"--dtype: unknown dtype {name!r} (choose from {', '.join(DTYPES)})") from None
+        yield
+    finally:
+        _trust_remote_code_override.pop()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def hf_load_error(path: str | os.PathLike, what: str, e: BaseException) -> DraftsmithError:
+    """A transformers loading failure as one line naming the directory: remote code refused, pickle refused,
+    missing / truncated / corrupted weights."""
+    msg = _first_line(e)
+    low = str(e).lower()
+    if "trust_remote_code" in low or "custom code" in low:
+        return DraftsmithError(f"{path}: {what} needs the Python code shipped in the directory (config auto_map); "
+                               f"refused by default — pass --trust-remote-code (or {TRUST_REMOTE_CODE_ENV}=1) "
+                               "if you trust it")
+    if isinstance(e, OSError) and ("no file named" in low or "does not appear to have" in low):
+        return DraftsmithError(f"{path}: {what}: no weights found (model.safetensors, sharded safetensors or "
+                               "pytorch_model.bin)")
+    if "weights_only" in low or "unpickl" in low:
+        return DraftsmithError(f"{path}: {what}: a pickle weights file (.bin) holds more than tensors and was "
+                               "refused (only plain tensors are loaded, with weights_only=True); convert it to "
+                               "safetensors")
+    if "safetensor" in low or "header" in low or "incomplete" in low or "deserializ" in low:
+        return DraftsmithError(f"{path}: {what}: a safetensors file is truncated or corrupted ({msg})")
+    return DraftsmithError(f"{path}: cannot load {what} ({type(e).__name__}: {msg})")
+
+
+def parse_dtype(name: str | torch.dtype) -> Any:
+    return dtypes.parse_dtype(name, "--dtype")
 
 
 def _canonical_config(config_dict: dict) -> dict:
@@ -177,14 +224,18 @@ class Target:
         }
 
 
-def load_tokenizer(path: str | os.PathLike):
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool | None = None):
     """The target's tokenizer alone (cheap: lets a job validate its data before loading weights)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError) as e:
-        raise DraftsmithError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=_trust(trust_remote_code))
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise hf_load_error(path, "tokenizer", e) from None
+
+
+def _trust(explicit: bool | None) -> bool:
+    return trust_remote_code(explicit)
 
 
 _load_tokenizer = load_tokenizer  # (load_target's flag of the same name shadows it)
@@ -198,19 +249,22 @@ def load_target(
     attn_implementation: str | None = None,
     load_tokenizer: bool = True,
     tokenizer=None,
+    trust_remote_code: bool | None = None,
 ) -> Target:
-    """Load an HF causal LM directory. `tp_plan="auto"` (under torchrun) shards it with tensor parallelism."""
+    """Load an HF causal LM directory. `tp_plan="auto"` (under torchrun) shards it with tensor parallelism.
+    `trust_remote_code`: None = off unless opted in (see the module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = str(path)
     if not Path(path).is_dir():
         raise DraftsmithError(f"{path}: target not found (expected a Hugging Face model directory)")
     chash = config_hash(path)
+    trust = _trust(trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as e:
-        raise DraftsmithError(f"{path}/config.json: cannot load config ({str(e).splitlines()[0]})") from None
-    kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype)}
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise hf_load_error(f"{path}/config.json", "config", e) from None
+    kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype), "trust_remote_code": trust}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if tp_plan:
@@ -232,15 +286,17 @@ def load_target(
     try:
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    except (ValueError, KeyError) as e:
-        raise DraftsmithError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - missing/truncated/corrupted/pickled weights: one line, not a traceback
+        raise hf_load_error(path, "target weights", e) from None
     if not tp_plan:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
     tok = tokenizer
     if tok is None and load_tokenizer:
-        tok = _load_tokenizer(path)
+        tok = _load_tokenizer(path, trust_remote_code=trust)
     text_cfg = text_config(config)
     layers = _find_decoder_layers(model, int(text_cfg.num_hidden_layers))
     return Target(

@@ -38,7 +38,7 @@ def test_contract_flags(cmd, flags):
 def test_inspect_target_and_drafter(tiny_path, tmp_path):
     r = runner.invoke(app, ["inspect", str(tiny_path)])
     assert r.exit_code == 0
-    assert "[1, 2, 2]" in r.output and "[2, 3, 3]" in r.output
+    assert "[1, 2, 3]" in r.output and "[2, 3, 4]" in r.output
     from draftsmith.drafter import Drafter
 
     Drafter.from_target(str(tiny_path), aux_layer_ids=[0, 2, 4], draft_vocab_size=512).save_pretrained(tmp_path / "d")

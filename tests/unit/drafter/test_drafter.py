@@ -371,7 +371,7 @@ def test_from_target_pycode_tiny(tmp_path):
     assert (c.hidden_size, c.target_hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
         192, 192, 3, 1, 64)
     assert (c.intermediate_size, c.vocab_size, c.draft_vocab_size, c.target_num_layers) == (512, 16384, 500, 6)
-    assert c.aux_layer_ids == [1, 2, 2]  # [1, N//2-1, N-4] for N=6 (layer-output ids; collide on this target)
+    assert c.aux_layer_ids == [1, 2, 3]  # distinct: EAGLE-3 [1, N//2-1, N-4] collides for N=6 (layer-output ids)
     assert c.rope_theta == 10000.0 and c.rms_norm_eps == 1e-5 and c.target_model_type == "llama"
     w = load_file(str(TINY / "model.safetensors"))
     emb = w["model.embed_tokens.weight"].float()

@@ -78,7 +78,11 @@ def test_round_trip_identical_logits(tmp_path, fmt, variant):
     d = make_drafter(**variant)
     ids, aux, pos = sample(d)
     ref = logits(d, ids, aux, pos)
-    info = export(d, tmp_path / fmt, fmt, target=TINY)
+    info = export(d, tmp_path / fmt, fmt, target=TINY, dtype="fp32")
+    c = json.loads((tmp_path / fmt / "config.json").read_text())
+    # every layout names the aux layers in both conventions (issue #14 item 11)
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # layer-output ids (SGLang)
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # hidden_states ids (vLLM, speculators)
     d2 = Drafter.from_pretrained(tmp_path / fmt, target=TINY)
     assert d2.config.extra.get("source_format") == fmt
     assert d2.config.aux_layer_ids == [0, 2, 4]
@@ -88,7 +92,7 @@ def test_round_trip_identical_logits(tmp_path, fmt, variant):
     assert torch.equal(logits(d2, ids, aux, pos), ref)
     assert str(tmp_path / fmt) in info["serve_command"]
     # and back again: re-export of the re-import gives the same files
-    export(d2, tmp_path / "again", fmt, target=TINY)
+    export(d2, tmp_path / "again", fmt, target=TINY, dtype="fp32")
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
         (tmp_path / fmt / "config.json").read_text())
 
@@ -100,10 +104,10 @@ def test_sglang_and_vllm_layout(tmp_path):
     s = json.loads((tmp_path / "s" / "config.json").read_text())
     v = json.loads((tmp_path / "v" / "config.json").read_text())
     assert s["architectures"] == ["LlamaForCausalLMEagle3"] and s["model_type"] == "llama"
-    assert s["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], "use_aux_hidden_state": True}
-    assert "eagle_aux_hidden_state_layer_ids" not in s
-    assert v["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # layer-output ids (SGLang)
-    assert v["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # hidden_states ids (vLLM reads this one)
+    for c in (s, v):  # one config serves both engines: each reads its own field
+        assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], "use_aux_hidden_state": True}
+        assert c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # hidden_states ids (vLLM reads this one)
+        assert c["torch_dtype"] == c["dtype"] == "bfloat16"  # the target's dtype (issue #14 item 13)
     for c in (s, v):
         assert (c["vocab_size"], c["draft_vocab_size"], c["num_hidden_layers"], c["hidden_size"]) == (16384, 700, 1, 192)
         assert c["tie_word_embeddings"] is False and "target_hidden_size" not in c  # H == H_t
@@ -112,7 +116,13 @@ def test_sglang_and_vllm_layout(tmp_path):
     assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
             "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= k
     assert not any("embed" in x or x.startswith("layers.") or x.startswith("model.") for x in k)
-    assert detect_format(s) == "sglang" and detect_format(v) == "vllm"
+    # the marker names the layout; without it, a drafter SGLang can run reads as sglang (the same reader)
+    assert detect_format(s, marker={"format": "sglang"}) == "sglang" == detect_format(s)
+    assert detect_format(v, marker={"format": "vllm"}) == "vllm"
+    assert detect_format({**v, "norm_before_residual": True}) == "vllm"
+    assert Drafter.from_pretrained(tmp_path / "v").config.extra["source_format"] == "vllm"
+    sd = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
     # SGLang and vLLM parse it with transformers' LlamaConfig first
     from transformers import AutoConfig
 
@@ -154,7 +164,7 @@ def test_export_refusals(tmp_path):
 # ------------------------------------------------------------------------------------- imports
 def test_import_sglang_with_model_prefix(tmp_path):
     d = make_drafter()
-    export(d, tmp_path / "s", "sglang", target=TINY)
+    export(d, tmp_path / "s", "sglang", target=TINY, dtype="fp32")
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     (tmp_path / "p").mkdir()
     save_file({("model." + k if k not in ("lm_head.weight", "d2t", "t2d") else k): v for k, v in sd.items()},
@@ -167,9 +177,10 @@ def test_import_sglang_with_model_prefix(tmp_path):
 
 def _official_eagle(tmp_path: Path, d: Drafter) -> Path:
     """The official EAGLE-3 release layout: pytorch_model.bin, no aux ids, no t2d (some releases)."""
-    export(d, tmp_path / "s", "sglang", target=TINY)
+    export(d, tmp_path / "s", "sglang", target=TINY, dtype="fp32")
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     cfg.pop("eagle_config")
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     sd.pop("t2d")
     sd["embed_tokens.weight"] = torch.zeros(16384, 192)  # some releases ship one: ignored
@@ -183,7 +194,10 @@ def _official_eagle(tmp_path: Path, d: Drafter) -> Path:
 def test_import_official_eagle_release(tmp_path):
     d = make_drafter(aux_layer_ids=None)  # default aux layers for the target
     path = _official_eagle(tmp_path, d)
-    d2 = Drafter.from_pretrained(path, target=TINY)
+    # a config without aux ids takes the engines' default, and says so in both conventions (issue #14)
+    with pytest.warns(UserWarning, match=r"names no aux layers.*layer-output ids \[1, 2, 2\] = hidden_states ids "
+                                         r"\[2, 3, 3\]"):
+        d2 = Drafter.from_pretrained(path, target=TINY)
     assert d2.config.extra["source_format"] == "eagle"
     assert d2.config.aux_layer_ids == [1, 2, 2]  # engine default [2, N//2, N-3] hidden_states ids for N=6
     assert torch.equal(d2.t2d, d.t2d)  # rebuilt from d2t
@@ -333,7 +347,7 @@ def test_speculators_loads_our_export(tmp_path, variant):
         Eagle3DraftModel = _speculators().Eagle3DraftModel
 
         d = make_drafter(aux_layer_ids=[0, 2, 4], **variant)
-        export(d, tmp_path, "speculators", target=TINY)
+        export(d, tmp_path, "speculators", target=TINY, dtype="fp32")
         m = Eagle3DraftModel.from_pretrained(str(tmp_path)).eval()
         assert m.config.eagle_aux_hidden_state_layer_ids == [1, 3, 5]
         ids, aux, pos = sample(d, t=12)
@@ -349,7 +363,7 @@ def test_speculators_convert_of_our_sglang_export(tmp_path):
         from speculators.convert import convert_model
 
         d = make_drafter(aux_layer_ids=[0, 2, 4])
-        info = export(d, tmp_path / "sglang", "sglang", target=TINY)
+        info = export(d, tmp_path / "sglang", "sglang", target=TINY, dtype="fp32")
         # what `speculators convert` runs (the printed command passes the hidden_states ids the same way)
         assert '"eagle_aux_hidden_state_layer_ids": [1, 3, 5]' in info["speculators_convert_command"]
         convert_model(model=str(tmp_path / "sglang"), verifier=str(TINY), output_path=str(tmp_path / "conv"),

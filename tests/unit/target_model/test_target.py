@@ -11,6 +11,8 @@ from draftsmith.target_model import load_target, target_from_model
 from draftsmith.target_model.layers import (
     default_aux_hidden_states_ids,
     default_aux_layers,
+    engine_default_aux_layers,
+    repeated_aux_problem,
     from_hidden_states_ids,
     parse_layer_list,
     to_hidden_states_ids,
@@ -26,8 +28,25 @@ def test_default_layers_match_peers():
     assert default_aux_hidden_states_ids(32) == [2, 16, 29]
     assert default_aux_layers(61) == [1, 29, 57]
     assert from_hidden_states_ids(to_hidden_states_ids([1, 15, 28])) == [1, 15, 28]
-    assert default_aux_layers(6) == [1, 2, 2]  # pycode-tiny: the defaults collide (documented)
-    assert default_aux_layers(2) == [1, 0, 0]
+    assert default_aux_layers(6) == [1, 2, 3]  # pycode-tiny: EAGLE-3's [1, 2, 2] collides; distinct instead
+    assert engine_default_aux_layers(6) == [1, 2, 2]  # what engines assume for a checkpoint naming none
+
+
+def test_default_aux_layers_distinct_wherever_possible():
+    """Issue #14 item 12: repeated ids cannot be served (SGLang captures by membership, vLLM de-duplicates), and
+    SGLang cannot capture the last layer's output; the defaults avoid both wherever the target has the layers."""
+    assert {n: default_aux_layers(n) for n in range(1, 8)} == {
+        1: [0, 0, 0], 2: [0, 1, 1], 3: [0, 1, 2], 4: [0, 1, 2], 5: [1, 2, 3], 6: [1, 2, 3], 7: [1, 2, 3]}
+    for n in range(3, 200):
+        ids = default_aux_layers(n)
+        assert len(set(ids)) == 3 and ids == sorted(ids) and 0 <= ids[0] and ids[-1] <= n - 1, n
+        if n >= 4:
+            assert ids[-1] <= n - 2, n  # never the last layer when there is a choice
+        if n >= 7:
+            assert ids == engine_default_aux_layers(n), n  # = the engines' own default: nothing to configure
+    assert repeated_aux_problem([1, 2, 3]) is None and repeated_aux_problem(None) is None
+    why = repeated_aux_problem([1, 2, 2])
+    assert "membership" in why and "de-duplicates" in why and "\n" not in why
 
 
 def test_layer_validation_errors():
@@ -121,6 +140,125 @@ def test_inspect_target_both_conventions(tiny_path):
 
     info = inspect_target(tiny_path)
     assert info["num_layers"] == 6 and info["hidden_size"] == 192 and info["vocab_size"] == 16384
-    assert info["default_aux_layers"] == {"layer-output ids": [1, 2, 2], "hidden_states ids": [2, 3, 3]}
+    assert info["default_aux_layers"] == {"layer-output ids": [1, 2, 3], "hidden_states ids": [2, 3, 4]}
+    assert info["distinct_aux_layers"] and info["weights_problems"] == []
     text = format_target_info(info)
     assert "layer-output ids" in text and "hidden_states ids" in text
+
+
+# ------------------------------------------------------------------------------------- remote code, damaged weights
+def _target_copy(tmp_path, name, weights=True):
+    import shutil
+
+    from tests.conftest import TINY
+
+    d = tmp_path / name
+    d.mkdir()
+    for f in TINY.iterdir():
+        if f.name != "model.safetensors" or weights:
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def _remote_code_target(tmp_path):
+    """A model dir whose config maps AutoConfig/AutoModel to a .py file that writes a marker when imported."""
+    import json
+
+    d = _target_copy(tmp_path, "remote")
+    marker = tmp_path / "REMOTE_CODE_RAN"
+    c = json.loads((d / "config.json").read_text())
+    c.update(model_type="remote_llama", auto_map={"AutoConfig": "remote_llama.RemoteConfig",
+                                                    "AutoModelForCausalLM": "remote_llama.RemoteModel"})
+    (d / "config.json").write_text(json.dumps(c))
+    (d / "remote_llama.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class RemoteConfig(LlamaConfig):\n    model_type = 'remote_llama'\n"
+        "class RemoteModel(LlamaForCausalLM):\n    config_class = RemoteConfig\n")
+    return d, marker
+
+
+def test_remote_code_never_runs_without_opt_in(tmp_path, monkeypatch):
+    """Issue #14 item 9: `echo y | draftsmith inspect DIR` used to run the directory's code."""
+    import subprocess
+    import sys
+
+    from draftsmith.target_model.inspect import inspect_target
+
+    monkeypatch.delenv("DRAFTSMITH_TRUST_REMOTE_CODE", raising=False)
+    d, marker = _remote_code_target(tmp_path)
+    for load in (lambda: load_target(d), lambda: inspect_target(d)):
+        with pytest.raises(DraftsmithError, match="trust-remote-code"):
+            load()
+    assert not marker.exists()
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    env.pop("DRAFTSMITH_TRUST_REMOTE_CODE", None)
+    cmd = [sys.executable, "-m", "draftsmith", "inspect", str(d)]
+    r = subprocess.run(cmd, input="y\ny\n", capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and not marker.exists(), r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "--trust-remote-code" in r.stderr  # one line, no prompt
+
+
+def test_trust_remote_code_opt_in_reaches_transformers(tmp_path, monkeypatch):
+    """--trust-remote-code (a scope) and DRAFTSMITH_TRUST_REMOTE_CODE=1 pass trust_remote_code=True; default False."""
+    import transformers
+
+    from draftsmith.target_model.inspect import inspect_target
+    from draftsmith.target_model.load import trust_remote_code_scope
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_from_pretrained(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        raise Stop
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake_from_pretrained)
+    monkeypatch.delenv("DRAFTSMITH_TRUST_REMOTE_CODE", raising=False)
+    d = _target_copy(tmp_path, "t", weights=False)
+    for load in (lambda: load_target(d), lambda: inspect_target(d)):
+        with pytest.raises(Stop):
+            load()
+        with trust_remote_code_scope(True), pytest.raises(Stop):
+            load()
+        monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "1")
+        with pytest.raises(Stop):
+            load()
+        monkeypatch.delenv("DRAFTSMITH_TRUST_REMOTE_CODE")
+    assert seen == [False, True, True] * 2
+
+
+def test_damaged_target_weights_are_one_line_errors(tmp_path):
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith.target_model.facts import target_tensors, target_weight_problems
+    from tests.conftest import TINY
+
+    data = (TINY / "model.safetensors").read_bytes()
+    trunc = _target_copy(tmp_path, "trunc", weights=False)
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    missing = _target_copy(tmp_path, "missing", weights=False)
+    pickled = _target_copy(tmp_path, "pickled", weights=False)
+    marker = tmp_path / "PICKLE_RAN"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    sd = load_file(str(TINY / "model.safetensors"))
+    sd["payload"] = Payload()
+    torch.save(sd, pickled / "pytorch_model.bin")
+    cases = [(trunc, "truncated or corrupted"), (missing, "no weights found"), (pickled, "pickle")]
+    for path, why in cases:
+        for load in (load_target, target_tensors):
+            with pytest.raises(DraftsmithError, match=why) as e:
+                load(path)
+            assert "\n" not in str(e.value) and str(path) in str(e.value)
+    assert not marker.exists()
+    assert "truncated or corrupted" in " ".join(target_weight_problems(trunc))
+

@@ -108,7 +108,7 @@ def test_overfit_tiny_store_acc0(tiny, target, tmp_path):
     assert any((out / "tensorboard").iterdir())
     assert (out / "final" / "config.json").is_file()
     d = Drafter.from_pretrained(out / "final")
-    assert d.config.draft_vocab_size == 256 and d.config.aux_layer_ids == [1, 2, 2]
+    assert d.config.draft_vocab_size == 256 and d.config.aux_layer_ids == [1, 2, 3]
 
 
 def test_offline_equals_online(tiny, target, tmp_path):
