@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftsmith.common import dtypes
 from draftsmith.common.schema import AT_LEAST_ONE, NON_NEGATIVE, check_fields, one_of, setting
-
-MODEL_DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -30,7 +29,7 @@ class CaptureConfig:
         None, group="target", checks=(NON_NEGATIVE,), default_help="EAGLE-3's low/mid/high [1, N//2-1, N-4]",
         help="Aux layers as LAYER-OUTPUT ids (0-based decoder layer whose output is captured; the HF "
              "output_hidden_states index is this + 1), e.g. '1,15,28'. Any count >= 1.")
-    model_dtype: str = setting("auto", group="target", checks=(one_of(*MODEL_DTYPES),),
+    model_dtype: str = setting("auto", group="target", checks=(one_of(*dtypes.WITH_AUTO),),
                                metavar="[auto|bf16|fp16|fp32]",
                                help="Target weights dtype: auto (bf16 on GPU, as saved on CPU), bf16, fp16, fp32.")
     capture_final: bool = setting(True, group="output", flags=("--no-final",), negate=True,

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.dtypes import SAFETENSORS_CODES
+
 
 LOCK_FILE_NAME = ".lock"  # what `dir_lock` leaves in a locked directory; emptiness checks should ignore it
 
@@ -209,11 +211,7 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise DraftsmithError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
-_ST_DTYPES = {
-    "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
-    "torch.bool": "BOOL", "torch.float64": "F64",
-}
+_ST_DTYPES = SAFETENSORS_CODES  # torch dtype name -> safetensors header code (draftsmith.common.dtypes)
 
 
 def atomic_save_safetensors_streaming(

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.target_model.load import DTYPES
+from draftsmith.common.dtypes import torch_dtypes
 from draftsmith.common.io import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ EXPORT_INFO = "draftsmith_export.json"
 _INCOMPLETE_MARKER = ".draftsmith-export-incomplete"
 _STAGING_DIR = "_staging"
 
-_DTYPES = {k: v for k, v in DTYPES.items() if k != "auto"}
+_DTYPES = torch_dtypes()  # the names --dtype takes (draftsmith.common.dtypes)
 
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}

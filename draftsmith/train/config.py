@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from draftsmith.common import dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.schema import (
     AT_LEAST_ONE,
@@ -21,8 +22,6 @@ from draftsmith.common.schema import (
     setting,
 )
 
-AUTOCAST_DTYPES = ("auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -110,9 +109,9 @@ class TrainConfig:
     # -- runtime
     device: str = setting("auto", group="runtime",
                           help="auto (GPU if present; cuda:LOCAL_RANK under torchrun), cpu, cuda.")
-    dtype: str = setting("auto", group="runtime", checks=(one_of(*AUTOCAST_DTYPES),), metavar="[auto|fp32|bf16|fp16]",
+    dtype: str = setting("auto", group="runtime", checks=(one_of(*dtypes.WITH_AUTO),), metavar="[auto|fp32|bf16|fp16]",
                          help="Autocast dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.")
-    target_dtype: str = setting("auto", group="runtime", checks=(one_of(*WEIGHT_DTYPES),),
+    target_dtype: str = setting("auto", group="runtime", checks=(one_of(*dtypes.WITH_AUTO),),
                                 metavar="[auto|bf16|fp16|fp32]",
                                 help="Target weights: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
     fsdp: bool = setting(False, group="runtime", help="Under torchrun: FSDP2 (fully_shard) instead of DDP.")
