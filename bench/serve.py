@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="A trained drafter; 'random' = untrained (τ ~ 1).")
     ap.add_argument("--train-drafter-s", type=float, default=0, help="Train a drafter online for this long first.")
     ap.add_argument("--train-data", default=None, help="Directory of .py files for --train-drafter-s.")
+    ap.add_argument("--train-steps", type=int, default=600, help="The LR schedule's length for --train-drafter-s "
+                    "(training stops at --train-drafter-s either way).")
     ap.add_argument("--prompts", default=None, help="HumanEval (EAGLE question JSONL) or JSONL with text/prompt.")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -160,8 +162,8 @@ def main() -> None:
         run = work / "run"
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "draftsmith", "train", "--target", args.target, "--online", "--data",
-                        args.train_data, "--out", str(run), "--steps", "1000000", "--max-time",
-                        str(args.train_drafter_s), "--compile", "off"], check=True, cwd=str(REPO))
+                        args.train_data, "--out", str(run), "--steps", str(args.train_steps), "--lr", "3e-4",
+                        "--max-time", str(args.train_drafter_s), "--compile", "off"], check=True, cwd=str(REPO))
         drafter = str(run / "final")
         drafter_note = f"trained online for {args.train_drafter_s:g} s ({time.time() - t0:.0f} s with loading)"
     elif drafter == "random":
@@ -179,12 +181,20 @@ def main() -> None:
     settings = [("plain", None)] + ([(f"chain {args.draft_tokens}", drafter)] if drafter else [])
     rows, data = [], {"settings": [], "drafter": drafter_note, "prompts": len(prompts), "new_tokens": args.new_tokens}
     for name, d in settings:
-        eng = engine_run(args.target, d, prompts, args, max_model_len)
+        try:
+            eng = engine_run(args.target, d, prompts, args, max_model_len)
+        except Exception as e:  # record what was measured, say what failed
+            data.setdefault("errors", []).append(f"{name}: engine: {type(e).__name__}: {e}")
+            continue
         runs = [("", None)]
         if d and not args.no_capture:
             runs.append((" + capture", work / f"store_{len(rows)}"))
         for suffix, cap in runs:
-            http, wall, log = http_run(args.target, d, prompts, args, max_model_len, capture_to=cap)
+            try:
+                http, wall, log = http_run(args.target, d, prompts, args, max_model_len, capture_to=cap)
+            except Exception as e:
+                data.setdefault("errors", []).append(f"{name}{suffix}: server: {type(e).__name__}: {str(e)[-500:]}")
+                continue
             eng_tps = [len(ids) / s for ids, s, _ in eng]
             http_tps = [r["tokens"] / r["elapsed"] for r in http]
             same_tokens = sum(len(ids) == r["tokens"] for (ids, _, _), r in zip(eng, http))
@@ -206,7 +216,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     base = {r["setting"]: r for r in rows}
     for r in rows:
-        if r["setting"].endswith(" + capture"):
+        if r["setting"].endswith(" + capture") and r["setting"][: -len(" + capture")] in base:
             ref = base[r["setting"][: -len(" + capture")]]
             r["capture_b2b_vs_plain_serve"] = r["b2b_tok_s"] / ref["b2b_tok_s"]
     cols = ["setting", "engine_tok_s", "http_tok_s", "ratio", "b2b_tok_s", "http_ttft_ms", "http_extra_ms_per_req",
@@ -214,7 +224,7 @@ def main() -> None:
     body = (f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
             f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (per request, mean); b2b = "
             "back-to-back throughput of the sequential run; capture: served with --capture-to.\n\n"
-            + markdown_table(rows, cols))
+            + markdown_table(rows, cols) + "".join(f"\n\nfailed: {e}" for e in data.get("errors", [])))
     record("serve", f"serve: HTTP vs engine tokens/s, capture while serving ({Path(args.target).name})", body, data,
            "python bench/serve.py " + " ".join(sys.argv[1:]))
 

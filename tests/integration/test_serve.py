@@ -87,35 +87,35 @@ class Server:
         return float(m.group(1)) if m else 0.0
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory):
+def _save_random_drafter(path: Path) -> None:
     from draftsmith.drafter import Drafter
     from draftsmith.target_model import load_target
 
     t = load_target(str(TINY), dtype="fp32")
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("drafter")
     Drafter.from_target(t, draft_vocab_size=2048).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, drafter_dir):
+def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     (d / "chat.jinja").write_text(CHAT_TEMPLATE)
     store = d / "store"
-    spec = Server(["--drafter", str(drafter_dir), "--draft-tokens", "3", "--chat-template", str(d / "chat.jinja"),
-                   "--max-queue", "4", "--max-model-len", "1024", "--capture-to", str(store),
-                   "--capture-flush-s", "0.2"], d / "spec.log")
-    plain = Server(["--api-key", API_KEY, "--max-model-len", "256"], d / "plain.log")
+    plain = Server(["--api-key", API_KEY, "--max-model-len", "256"], d / "plain.log")  # starts while we build
+    spec = None
     try:
+        _save_random_drafter(d / "drafter")  # untrained: greedy output must not depend on the drafter anyway
+        spec = Server(["--drafter", str(d / "drafter"), "--draft-tokens", "3", "--chat-template",
+                       str(d / "chat.jinja"), "--max-queue", "4", "--max-model-len", "1024", "--capture-to",
+                       str(store), "--capture-flush-s", "0.2"], d / "spec.log")
         deadline = time.time() + 150
         spec.wait_ready(deadline)
         plain.wait_ready(deadline)
         yield {"spec": spec, "plain": plain, "store": store, "dir": d}
     finally:
-        spec.stop()
-        plain.stop()
+        for srv in (spec, plain):
+            if srv is not None:
+                srv.stop()
 
 
 @pytest.fixture(scope="module")
