@@ -12,6 +12,8 @@
     r.token_ids, r.text, r.tau, r.accepted, r.to_json()
     eng.generate(ids, 256, sampling=SamplingParams(temperature=0.7, top_p=0.9), seed=0)   # lossless sampling
     eng.generate(ids, 256, mode=DecodeMode("plain"))      # the honest baseline, same engine
+    best = tune(eng, prompts[:4])                          # the fastest mode on this engine, or plain
+    eng.generate(ids, 256, mode=best.mode)
 
 Guarantees: greedy output == plain greedy decoding of the target, token for token (exact in fp32; in
 bf16 a verify forward over T>1 tokens may round differently from a T=1 step, like any engine);
@@ -23,10 +25,12 @@ Targets: `draftsmith.decode.llama.LlamaFamilyForward` (Llama, Mistral, Qwen2, Qw
 cache, CUDA graphs) or, for any other HF architecture, `draftsmith.decode.hf_generic.HFGenericForward`
 (the stock HF module with a DynamicCache and a 4D mask: eager, one host sync per forward — slower).
 Module map: engine.py (rounds, hand-off, graphs), llama.py (target forward), hf_generic.py (fallback),
-sampling.py (warp, acceptance rules), evaluate.py (`draftsmith eval`), cli.py, testing.py (test helpers).
+sampling.py (warp, acceptance rules), tuning.py (`tune`), certificate.py (bf16 greedy
+certificate), evaluate.py (`draftsmith eval`), cli.py, testing.py (test helpers).
 """
 
 from draftsmith.decode.engine import DecodeMode, GenerationResult, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.tuning import Tuning, tune
 
-__all__ = ["DecodeMode", "GenerationResult", "SamplingParams", "SpeculativeDecoder"]
+__all__ = ["DecodeMode", "GenerationResult", "SamplingParams", "SpeculativeDecoder", "Tuning", "tune"]

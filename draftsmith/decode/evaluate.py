@@ -26,42 +26,82 @@ from draftsmith.decode.sampling import SamplingParams
 from draftsmith.common.errors import DraftsmithError
 
 
-def load_prompt_ids(path: str, tokenizer, raw: bool = False, limit: int | None = None) -> list[list[int]]:
-    """EAGLE question JSONL / JSONL with text|turns|messages (via draftsmith.data.load_prompts), or a plain
-    text file with one prompt per line (a literal backslash-n in a line is a newline)."""
+PROMPT_RULE = ("Prompts go through the tokenizer's chat template (as one user message, generation prompt added) "
+               "when it has one, else they are tokenized as text; --raw always uses the text as is, --chat requires "
+               "a template. The same rule for generate and eval, every prompts-file format.")
+_PROMPT_KEYS = ("conversations", "messages", "turns", "text")
+
+
+def use_chat_template(tokenizer, chat: bool | None, where: str = "--chat") -> bool:
+    """The one chat/raw rule (PROMPT_RULE): chat None = the template when the tokenizer has one."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has:
+        raise DraftsmithError(f"{where}: the tokenizer has no chat template (use --raw, or leave both off)")
+    return has if chat is None else bool(chat)
+
+
+def read_prompts_text(path: str) -> str:
+    """The prompts file as text; a missing, binary or non-UTF-8 file is one DraftsmithError line."""
     p = Path(path)
     if not p.is_file():
         raise DraftsmithError(f"{path}: no such prompts file")
-    first = next((ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()), "")
-    if first.startswith("{"):
-        try:
-            from draftsmith.data import load_prompts
-        except ImportError:  # pragma: no cover - data stage absent
-            load_prompts = None
-        if load_prompts is not None:
-            ids = load_prompts(str(p), tokenizer, raw=raw, limit=limit)
-            return [[int(x) for x in row] for row in ids]
-        out = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            text = obj.get("text") or (obj.get("turns") or [None])[0]
-            if text is None:
-                raise DraftsmithError(f"{path}:{i}: no 'text' or 'turns' field")
-            if text.startswith("Complete the code I provided."):
-                text = text.split("\n", 1)[1] if "\n" in text else ""
-            out.append(tokenizer(text)["input_ids"])
-            if limit and len(out) >= limit:
-                break
-        return out
+    data = p.read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DraftsmithError(f"{path}: not a text prompts file (a NUL byte at offset {nul}: binary data)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DraftsmithError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}): a prompts file is "
+                              "JSONL or one prompt per line") from None
+
+
+def _as_records(text: str, path: str) -> list[str]:
+    """The file's lines as JSONL records load_prompts reads, line for line (blank lines kept, so FILE:LINE in its
+    errors stays right): {"prompt": ...} records (vLLM's and many datasets' format) become {"turns": [...]}; a
+    plain-text file's lines (a literal backslash-n is a newline) become {"text": ...}."""
+    lines = text.splitlines()
+    first = next((ln.strip() for ln in lines if ln.strip()), "")
     out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out.append(tokenizer(line.replace("\\n", "\n"))["input_ids"])
-            if limit and len(out) >= limit:
-                break
-    return out
+    if first.startswith("{"):
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    out.append(line)  # load_prompts reports it with the line number
+                    continue
+                if isinstance(obj, dict) and "prompt" in obj and not any(k in obj for k in _PROMPT_KEYS):
+                    if not isinstance(obj["prompt"], str):
+                        raise DraftsmithError(f"{path}:{i}: field 'prompt': expected a string, got "
+                                              f"{type(obj['prompt']).__name__}")
+                    line = json.dumps({"turns": [obj["prompt"]]})
+            out.append(line)
+        return out
+    return [json.dumps({"text": ln.replace("\\n", "\n")}) if ln.strip() else "" for ln in lines]
+
+
+def load_prompt_ids(path: str, tokenizer, raw: bool = False, limit: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt in `path`: JSONL with turns (EAGLE questions) / text / messages / conversations /
+    prompt records, a JSON array of them, or a text file with one prompt per line. raw=False: the chat template
+    when the tokenizer has one (PROMPT_RULE; draftsmith.data.load_prompts does the rendering for every format)."""
+    import tempfile
+
+    from draftsmith.data import load_prompts
+
+    text = read_prompts_text(path)
+    if path.lower().endswith(".json") and text.lstrip().startswith("["):
+        ids = load_prompts(path, tokenizer, raw=raw, limit=limit)
+        return [[int(x) for x in row] for row in ids]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = str(Path(d) / "prompts.jsonl")
+        Path(tmp).write_text("\n".join(_as_records(text, path)) + "\n", encoding="utf-8")
+        try:
+            ids = load_prompts(tmp, tokenizer, raw=raw, limit=limit)
+        except DraftsmithError as e:
+            raise DraftsmithError(str(e).replace(tmp, path)) from None
+    return [[int(x) for x in row] for row in ids]
 
 
 def _summary(results, K: int) -> dict:
@@ -85,7 +125,7 @@ def _summary(results, K: int) -> dict:
 
 def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode: DecodeMode,
              temperatures: Sequence[float] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
-             top_p: float = 1.0, top_k: int = 0, progress=None) -> dict:
+             top_p: float = 1.0, top_k: int = 0, progress=None, certificate: bool = True) -> dict:
     """Speculative vs plain decoding over prompts, per temperature. Returns a JSON-able dict."""
     mode.validate()
     out = {"mode": mode.__dict__ | {"proposed_per_round": mode.max_accept}, "max_new_tokens": max_new_tokens,
@@ -132,10 +172,31 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
         }
         if sp.greedy:
             entry["greedy_mismatches"] = mismatches
+        if sp.greedy and certificate:
             entry["greedy_divergences"], entry["greedy_divergence_details"] = _certify_all(
                 engine, prompts, mode, max_new_tokens, differing)
         out["temperatures"][f"{float(temp):g}"] = entry
     return out
+
+
+def tuned_entry(engine, prompts, tuned_mode: DecodeMode, report: dict, fixed_mode: DecodeMode, temperature: float,
+                max_new_tokens: int, seed: int = 0, top_p: float = 1.0, top_k: int = 0) -> dict:
+    """eval.json's "tuned" (a contract): {"mode", "tok_s", "plain_tok_s", "speedup"} of the tuned mode over all the
+    eval prompts at `temperature` (the fixed mode's run is reused when the tuner chose it; plain is its own rate)."""
+    from draftsmith.decode.tuning import mode_json
+
+    key = f"{float(temperature):g}"
+    fixed = report["temperatures"][key]
+    if tuned_mode.kind == "plain":
+        pl = fixed["plain"]["tokens_per_s"]
+        return {"mode": mode_json(tuned_mode), "tok_s": pl, "plain_tok_s": pl, "speedup": 1.0}
+    if tuned_mode == fixed_mode:
+        e = fixed
+    else:
+        e = run_eval(engine, prompts, tuned_mode, [temperature], max_new_tokens, seed=seed, top_p=top_p, top_k=top_k,
+                     certificate=False)["temperatures"][key]
+    return {"mode": mode_json(tuned_mode), "tok_s": e["speculative"]["tokens_per_s"],
+            "plain_tok_s": e["plain"]["tokens_per_s"], "speedup": e["speedup"]}
 
 
 def _certify_all(engine, prompts, mode, max_new_tokens: int, differing: Sequence[int]) -> tuple[dict, list]:

@@ -149,11 +149,160 @@ def test_run_eval_warms_each_prompt_length_once_before_timing():
 
     eng = FakeEngine()
     prompts = [[1] * 5, [1] * 7, [2] * 5]
-    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16)
+    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16, certificate=False)
     warm = [c for c in eng.calls if c[1] == 1]
     assert sorted(c[0] for c in warm) == [5, 7]  # one untimed prefill per distinct length
     first_timed = next(i for i, c in enumerate(eng.calls) if c[1] == 16)
     assert all(eng.calls.index(c) < first_timed for c in warm)
     eng.calls.clear()
-    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16)
+    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16, certificate=False)
     assert not [c for c in eng.calls if c[1] == 1]  # already warm
+
+
+def _main_error(argv, capsys) -> str:
+    """Run `draftsmith ARGV` through the real entry point; it must exit 2 with one `error:` line."""
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+BAD_NUMBERS = [(["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
+               (["--temperature", "inf"], "--temperature"), (["--top-p", "0"], "--top-p"),
+               (["--top-p", "1.5"], "--top-p"), (["--top-k", "-3"], "--top-k"),
+               (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-new-tokens", "-5"], "--max-new-tokens"),
+               (["--draft-tokens", "0"], "--draft-tokens")]
+
+
+@pytest.mark.parametrize("extra,flag", BAD_NUMBERS, ids=[" ".join(x) for x, _ in BAD_NUMBERS])
+def test_generate_rejects_bad_numbers_before_loading(extra, flag, capsys):
+    err = _main_error(["generate", "--target", "/nonexistent", "--prompt", "x", *extra], capsys)
+    assert flag in err  # named before the (missing) target is even opened
+
+
+@pytest.mark.parametrize("extra,flag", BAD_NUMBERS[3:] + [(["--temperatures", "0,nan"], "--temperature"),
+                                                          (["--limit", "0"], "--limit")],
+                         ids=[" ".join(x) for x, _ in BAD_NUMBERS[3:]] + ["temperatures nan", "limit 0"])
+def test_eval_rejects_bad_numbers_before_loading(extra, flag, capsys, tmp_path):
+    err = _main_error(["eval", "--target", "/nonexistent", "--drafter", "/nonexistent", "--prompts", "p.txt", *extra,
+                       "--out", str(tmp_path / "o")], capsys)
+    assert flag in err
+
+
+def test_generate_empty_prompt_is_one_line(capsys):
+    err = _main_error(["generate", "--target", PYCODE_TINY, "--prompt", ""], capsys)
+    assert "--prompt" in err
+
+
+def test_eval_binary_prompts_file_is_one_line(drafter_dir, capsys, tmp_path):
+    path, _ = drafter_dir
+    bad = tmp_path / "prompts.bin"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    err = _main_error(["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(bad), "--device", "cpu",
+                       "--out", str(tmp_path / "o")], capsys)
+    assert str(bad) in err and "binary" in err
+    latin = tmp_path / "prompts.txt"
+    latin.write_bytes(b"def f():\n\xe9t\xe9\n")
+    err = _main_error(["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(latin), "--device", "cpu",
+                       "--out", str(tmp_path / "o")], capsys)
+    assert f"{latin}:2" in err and "UTF-8" in err
+
+
+def test_prompt_records_and_one_rule_for_every_format(drafter_dir, tmp_path):
+    """{"prompt": ...} records are read, and every format of the same prompt gives the same ids (one rule)."""
+    from draftsmith.decode.evaluate import load_prompt_ids, use_chat_template
+
+    _, t = drafter_dir
+    tok = t.tokenizer
+    texts = ["def add(a, b):\n", "import os\nx = 1"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": x}) + "\n" for x in texts))
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in texts))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"turns": [x]}) + "\n" for x in texts))
+    (tmp_path / "l.txt").write_text("".join(x.replace("\n", "\\n") + "\n" for x in texts))
+    raw = not use_chat_template(tok, None)  # pycode-tiny has no chat template: text as is
+    assert raw
+    got = [load_prompt_ids(str(tmp_path / f), tok, raw=raw) for f in ("p.jsonl", "t.jsonl", "q.jsonl", "l.txt")]
+    assert len(got[0]) == 2 and all(g == got[0] for g in got)
+    with pytest.raises(Exception, match="chat template"):
+        use_chat_template(tok, True)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n" + json.dumps({"prompt": 3}) + "\n")
+    with pytest.raises(Exception, match="bad.jsonl:2: field 'prompt'"):
+        load_prompt_ids(str(tmp_path / "bad.jsonl"), tok)
+
+
+def test_generate_tune_save_and_reuse(app, drafter_dir, tmp_path):
+    path, _ = drafter_dir
+    f = tmp_path / "tuning.json"
+    base = ["generate", "--target", PYCODE_TINY, "--drafter", path, "--prompt", "def fib(n):\n", "--max-new-tokens",
+            "8", "--json", "--device", "cpu"]
+    r = CliRunner().invoke(app, base + ["--tune", "--save-tuning", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "tuned: " in r.stderr and "calibrate chain K=2" in r.stderr
+    saved = json.loads(f.read_text())
+    assert saved["format"] == "draftsmith-tuning/1" and saved["candidates"][0]["mode"]["kind"] == "plain"
+    assert len(saved["candidates"]) >= 5
+    assert saved["speedup"] >= 1.0  # never slower than plain on the calibration prompts (plain is the fallback)
+    obj = _json_line(r.stdout)
+    assert obj["decode_mode"] == saved["mode"]
+    r2 = CliRunner().invoke(app, base + ["--tuning", str(f)])
+    assert r2.exit_code == 0, r2.output
+    assert f"using {f}" in r2.stderr and _json_line(r2.stdout)["token_ids"] == obj["token_ids"]
+
+
+def test_tuning_file_errors_name_the_field(tmp_path):
+    from draftsmith.common.errors import DraftsmithError
+    from draftsmith.decode.tuning import Tuning
+
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"format": "draftsmith-tuning/1", "mode": {"kind": "chain", "draft_tokens": 0},
+                             "tok_s": 1.0, "plain_tok_s": 1.0}))
+    with pytest.raises(DraftsmithError, match="field 'mode'.*draft-tokens"):
+        Tuning.load(f)
+    f.write_text(json.dumps({"format": "draftsmith-tuning/1", "mode": {"kind": "chain"}, "tok_s": "x",
+                             "plain_tok_s": 1.0}))
+    with pytest.raises(DraftsmithError, match="field 'tok_s'"):
+        Tuning.load(f)
+
+
+def test_tune_falls_back_to_plain_when_nothing_wins():
+    """With rounds that are always slower than a plain step, the tuner picks plain and says so."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode.tuning import tune
+
+    class SlowRounds:
+        max_len, drafter = 4096, object()
+
+        def warmup(self, mode, sp):
+            pass
+
+        def generate(self, p, n, sampling=None, mode=None, seed=0):
+            slow = mode.kind != "plain"
+            return SimpleNamespace(token_ids=[1] * n, accepted=[0] * n if slow else [], rounds=n,
+                                   prefill_s=0.0, decode_s=n * (0.02 if slow else 0.01))
+
+    res = tune(SlowRounds(), [[1, 2, 3]], max_new_tokens=16)
+    assert res.mode.kind == "plain" and res.speedup == 1.0 and "plain decoding" in res.summary()
+    assert len(res.candidates) == 7
+
+
+def test_eval_tune_reports_tuned_and_certificate(app, drafter_dir, tmp_path):
+    path, _ = drafter_dir
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" + json.dumps({"prompt": "import os\n"}) + "\n")
+    out = tmp_path / "ev"
+    r = CliRunner().invoke(app, ["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(prompts),
+                                 "--max-new-tokens", "8", "--draft-tokens", "2", "--temperatures", "0", "--tune",
+                                 "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((out / "eval.json").read_text())
+    assert set(rep["tuned"]) == {"mode", "tok_s", "plain_tok_s", "speedup"}
+    assert rep["tuned"]["mode"]["kind"] in ("plain", "chain", "tree") and rep["tuned"]["tok_s"] > 0
+    assert set(rep["temperatures"]["0"]["greedy_divergences"]) == {"equal", "near_tie", "real", "epsilon"}
+    assert rep["temperatures"]["0"]["greedy_divergences"]["equal"] == 2  # fp32: equal token for token
+    assert rep["raw"] is True and rep["prompt_format"] == "text as is"  # no chat template: true to what ran
