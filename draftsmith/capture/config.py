@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.common import dtypes
-from draftsmith.common.schema import AT_LEAST_ONE, NON_NEGATIVE, check_fields, one_of, setting
+from draftsmith.common.schema import AT_LEAST_ONE, DEVICE, NON_NEGATIVE, check_fields, one_of, setting
 
 
 @dataclass
@@ -63,7 +63,7 @@ class CaptureConfig:
     # -- runtime
     batch_tokens: int = setting(16384, group="runtime", checks=(AT_LEAST_ONE,),
                                 help="Padded tokens per forward pass (batch size x longest sample).")
-    device: str = setting("auto", group="runtime",
+    device: str = setting("auto", group="runtime", checks=(DEVICE,),
                           help="cpu, cuda, cuda:N or auto (GPU if present; under torchrun: cuda:LOCAL_RANK).")
     cuda_graphs: bool = setting(False, group="runtime",
                                 help="Run the target from CUDA graphs (static shapes, hooks copy into static buffers).")

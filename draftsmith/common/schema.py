@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -45,6 +46,8 @@ class Check:
 
     says: str
     holds: Callable[[Any], bool]
+    choices: tuple[str, ...] = ()  # the accepted values, when they are a list (shown as the option's metavar)
+    in_help: bool = True  # append `says` to the option's help line (choices and patterns say it elsewhere)
 
 
 def _num(x: float) -> str:
@@ -74,7 +77,13 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fals
 
 
 def one_of(*choices: str) -> Check:
-    return Check("one of " + ", ".join(choices), lambda v: v in choices)
+    return Check("one of " + ", ".join(choices), lambda v: v in choices, choices=choices, in_help=False)
+
+
+def matches(pattern: str, says: str) -> Check:
+    """The whole text matches the regular expression `pattern`; `says` names the accepted forms."""
+    rx = re.compile(pattern)
+    return Check(says, lambda v: isinstance(v, str) and rx.fullmatch(v) is not None, in_help=False)
 
 
 POSITIVE = above(0)
@@ -87,6 +96,8 @@ TEMPERATURE = (NON_NEGATIVE,)
 TOP_P = (between(0, 1, lo_open=True),)
 TOP_K = (NON_NEGATIVE,)
 MAX_NEW_TOKENS = (AT_LEAST_ONE,)
+# torch.device names the commands run on ("cuda" alone: this rank's GPU); anything else fails deep inside torch.
+DEVICE = matches(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", "auto, cpu, cuda, cuda:N, mps or xpu[:N]")
 
 
 def _show(value: Any) -> str:
@@ -375,7 +386,7 @@ def _help(info: FieldInfo) -> str:
         parts.append(f"default: {info.spec.default_help}")
     elif info.has_default and info.default is not None and info.kind is not bool:
         parts.append(f"default: {_show(info.default) if info.kind is not str else info.default}")
-    rules = [c.says for c in info.spec.checks if not c.says.startswith("one of")]
+    rules = [c.says for c in info.spec.checks if c.in_help]
     if rules:
         parts.append(("each " if info.kind is list else "") + ", ".join(rules))
     return info.spec.help + (f" ({'; '.join(parts)})" if parts else "")
@@ -385,8 +396,8 @@ def _metavar(info: FieldInfo) -> str:
     if info.spec.metavar:
         return info.spec.metavar
     for c in info.spec.checks:
-        if c.says.startswith("one of "):
-            return "[" + c.says[len("one of "):].replace(", ", "|") + "]"
+        if c.choices:
+            return "[" + "|".join(c.choices) + "]"
     return {int: "INTEGER", float: "FLOAT", str: "TEXT", list: "IDS"}[info.kind]
 
 

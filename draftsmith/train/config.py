@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from draftsmith.common import dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.schema import (
+    DEVICE,
     AT_LEAST_ONE,
     NON_NEGATIVE,
     POSITIVE,
@@ -107,7 +108,7 @@ class TrainConfig:
                                 "independent of K), on (= unroll), off. Costs one compile per sequence length, "
                                 "then runs several times the eager tokens/s (BENCHMARKS.md).")
     # -- runtime
-    device: str = setting("auto", group="runtime",
+    device: str = setting("auto", group="runtime", checks=(DEVICE,),
                           help="auto (GPU if present; cuda:LOCAL_RANK under torchrun), cpu, cuda.")
     dtype: str = setting("auto", group="runtime", checks=(one_of(*dtypes.WITH_AUTO),), metavar="[auto|fp32|bf16|fp16]",
                          help="Autocast dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.")
