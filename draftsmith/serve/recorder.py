@@ -116,7 +116,8 @@ class ServeRecorder:
             return False
         if self.max_tokens is not None and self._queued_tokens + len(ids) > self.max_tokens:
             if not self._full_logged:
-                log.warning("capture: --capture-max-tokens %d reached; not recording further requests", self.max_tokens)
+                log.warning("capture: --capture-max-tokens %d reached; not recording further requests",
+                            self.max_tokens)
                 self._full_logged = True
             return False
         t0 = time.perf_counter()
