@@ -240,6 +240,95 @@ class OnlineStates:
         return mb
 
 
+# ----------------------------------------------------------------------------------------------------
+# batch sources: where the trainer's micro-batches come from
+# ----------------------------------------------------------------------------------------------------
+class BatchSource:
+    """The samples of one training run and how a packed row of them becomes a micro-batch on the device.
+
+    The trainer plans its packing from `lengths`, builds the drafter from `token_counts` (loss-masked token
+    frequencies) and `aux_layers` (layer-output ids), and turns a row of sample indices into a micro-batch in two
+    halves: `build(row)` on the host (called from the prefetch thread; thread-safe) and `to_device(mb, device)` on
+    the main thread. `describe(row)` names a row's samples for an error message. Two implementations:
+    `StoreBatches` (offline: the states come from a store) and `OnlineBatches` (the target runs in the loop).
+    `fingerprint()` identifies the data (lengths + token counts), so a resume can tell whether it changed."""
+
+    online = False
+
+    def __init__(self, samples, lengths: np.ndarray, token_counts: torch.Tensor, aux_layers: Sequence[int],
+                 batch_tokens: int, pad_to: int = 1, pin: bool = False, where: str = "data"):
+        self.samples = samples
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.token_counts = token_counts
+        self.aux_layers = list(aux_layers)
+        self.batch_tokens = batch_tokens
+        self.pad_to = pad_to
+        self.pin = pin
+        self.where = where  # the store or data path, for messages
+        self._lock = threading.Lock()  # shard handles / tokenized samples are read from two threads
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def build(self, row: Sequence[int]) -> MicroBatch:
+        with self._lock:
+            mb = build_micro_batch(self.samples, row, self.batch_tokens, with_states=not self.online,
+                                   pad_to=self.pad_to)
+        return mb.pin_memory() if self.pin else mb  # pinned: an asynchronous host->device copy of the states
+
+    def to_device(self, mb: MicroBatch, device) -> MicroBatch:
+        return mb.to(device)
+
+    def describe(self, row: Sequence[int]) -> str:
+        return f"samples {list(row)} of {self.where}"
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256(self.lengths.tobytes())
+        h.update(self.token_counts.to(torch.int64).numpy().tobytes())
+        return h.hexdigest()[:32]
+
+
+class StoreBatches(BatchSource):
+    """Offline: micro-batches with the states a store (or any indexable of sample dicts) holds."""
+
+    def describe(self, row: Sequence[int]) -> str:
+        locate = getattr(self.samples, "locate", None)
+        if locate is None:
+            return super().describe(row)
+        parts = []
+        for i in row:
+            si, j = locate(int(i))
+            parts.append(f"sample {int(i)} ({self.samples.shards[si]['file']} #{j})")
+        return f"{', '.join(parts)} of {self.where}"
+
+
+class OnlineBatches(BatchSource):
+    """Online: tokenized samples; `to_device` runs the target on the row's documents for the states
+    (`OnlineStates`), rounded to bf16 like a bf16 store unless `state_dtype` is "fp32"."""
+
+    online = True
+
+    def __init__(self, samples, lengths, token_counts, aux_layers, batch_tokens, pad_to=1, pin=False,
+                 where="data", target=None, state_dtype: str = "bf16"):
+        super().__init__(samples, lengths, token_counts, aux_layers, batch_tokens, pad_to, pin, where)
+        self.states = OnlineStates(target, self.aux_layers)
+        self.state_dtype = state_dtype
+
+    def to_device(self, mb: MicroBatch, device) -> MicroBatch:
+        mb = self.states.fill(mb.to(device), device)
+        if self.state_dtype == "bf16":
+            mb.aux_hidden, mb.final_hidden = mb.aux_hidden.to(torch.bfloat16), mb.final_hidden.to(torch.bfloat16)
+        return mb
+
+    def describe(self, row: Sequence[int]) -> str:
+        names = [getattr(self.samples[int(i)], "source", None) for i in row]
+        if all(names):
+            return f"samples {list(row)} ({', '.join(dict.fromkeys(names))})"
+        return super().describe(row)
+
+
 class Prefetcher:
     """Builds micro-batches in a background thread (order preserved). `items` yields (key, row)."""
 

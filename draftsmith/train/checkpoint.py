@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.common.io import atomic_write_json, fsync_dir, read_json
+from draftsmith.common.io import atomic_write_json, fsync_dir, is_no_space, no_space_error, read_json
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest.json"
@@ -139,19 +139,13 @@ def save_checkpoint(
     tmp = root / f".tmp-{ckpt_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-    save_file(optim_tensors, str(tmp / "optimizer.safetensors"))
-    rng_t, rng_meta = rng_state()
-    save_file(rng_t, str(tmp / "rng.safetensors"))
-    (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1))
-    state = dict(trainer_state)
-    state["rng"] = rng_meta
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
+    try:
+        _write_checkpoint_files(tmp, model_state, optim_tensors, optim_meta, trainer_state)
+    except OSError as e:  # nothing is renamed into place: the previous checkpoints stay the latest
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(e):
+            raise no_space_error(final) from None
+        raise
     if final.exists():  # a re-save of the same step (e.g. after resume): replace
         old = root / f".old-{ckpt_name(step)}-{os.getpid()}"
         os.rename(final, old)
@@ -170,6 +164,22 @@ def save_checkpoint(
     return final
 
 
+def _write_checkpoint_files(tmp: Path, model_state, optim_tensors, optim_meta, trainer_state) -> None:
+    tmp.mkdir()
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    save_file(optim_tensors, str(tmp / "optimizer.safetensors"))
+    rng_t, rng_meta = rng_state()
+    save_file(rng_t, str(tmp / "rng.safetensors"))
+    (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1))
+    state = dict(trainer_state)
+    state["rng"] = rng_meta
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
@@ -184,14 +194,52 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict:
+    """Every file of a checkpoint; a missing, truncated or unparsable one is a one-line DraftsmithError naming it."""
     path = Path(path)
     for f in ("model.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", STATE_FILE):
         if not (path / f).is_file():
             raise DraftsmithError(f"{path / f}: missing — checkpoint {path} is incomplete")
-    return {
-        "model": load_file(str(path / "model.safetensors")),
-        "optim_tensors": load_file(str(path / "optimizer.safetensors")),
+
+    def tensors(name: str) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(str(path / name))
+        except Exception as e:  # safetensors raises its own error type for a cut or garbled file
+            raise DraftsmithError(f"{path / name}: unreadable ({' '.join(str(e).split())[:160]})") from None
+
+    out = {
+        "model": tensors("model.safetensors"),
+        "optim_tensors": tensors("optimizer.safetensors"),
         "optim_meta": read_json(path / "optimizer.json", "optimizer state"),
-        "rng_tensors": load_file(str(path / "rng.safetensors")),
+        "rng_tensors": tensors("rng.safetensors"),
         "state": read_json(path / STATE_FILE, "trainer state"),
     }
+    if not isinstance(out["state"], dict):
+        raise DraftsmithError(f"{path / STATE_FILE}: not a JSON object")
+    for key in ("step", "data_position", "scheduler"):
+        if key not in out["state"]:
+            raise DraftsmithError(f"{path / STATE_FILE}: field {key!r} missing")
+    return out
+
+
+def load_latest_checkpoint(root: Path, log=None) -> tuple[Path, dict] | None:
+    """(path, contents) of the newest checkpoint under `root` that reads back whole; None when there is none.
+
+    A newer one that does not read back (a file cut short or garbled after it was written) is skipped with a
+    warning through `log`, naming it and the one used instead; if none reads back, the newest one's error is raised.
+    """
+    first_error = None
+    for path in reversed(list_checkpoints(root)):
+        try:
+            ck = load_checkpoint(path)
+        except DraftsmithError as e:
+            first_error = first_error or e
+            if log is not None:
+                log(f"warning: checkpoint {path.name} is unreadable ({e}); trying the previous one")
+            continue
+        if first_error is not None and log is not None:
+            log(f"warning: resuming from the older checkpoint {path.name} (step {ck['state']['step']}): the newer "
+                f"one is unreadable")
+        return path, ck
+    if first_error is not None:
+        raise first_error
+    return None

@@ -1,5 +1,8 @@
 """The training loop: TTT over packed micro-batches, AdamW + warmup/cosine, DDP/FSDP2, checkpoints, resume.
 
+Reading order: `Trainer.run` -> `setup` (device, target, a `BatchSource` -- the store offline, the target in the
+loop online --, drafter, data plan, optimizer, resume) -> `train` (the loop) -> `train_step` (one optimizer step).
+
 One optimizer step consumes `world_size * grad_accum` packed rows ("micro-batches") of the global stream
 (`data.epoch_rows`); rank r takes rows [r*A, (r+1)*A) of each step's slice. Each micro-batch loss is the
 mean over its own valid tokens, and the step's gradient is the mean over all micro-batches — so N
@@ -12,8 +15,8 @@ import contextlib
 import json
 import math
 import os
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,14 +24,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith.common.dist import all_reduce, barrier, dist_info
+from draftsmith.common.compiling import compile_seconds
+from draftsmith.common.dist import all_reduce, barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.io import (
+    LOCK_FILE_NAME,
+    atomic_write_bytes,
+    atomic_write_json,
+    dir_lock,
+    is_no_space,
+    no_space_error,
+)
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.batches import (
+    BatchSource,
     MicroBatch,
-    OnlineStates,
+    OnlineBatches,
     Prefetcher,
-    build_micro_batch,
+    StoreBatches,
     epoch_rows,
     pack_rows,
     source_lengths,
@@ -37,10 +50,11 @@ from draftsmith.train.batches import (
 )
 from draftsmith.train.config import TrainConfig  # re-exported: TrainConfig lived here
 from draftsmith.train.ttt import TTTStats, compute_teacher, ttt_unroll
+from draftsmith.train.warmup import BackgroundCompile, private_copy
 
 
 # ---------------------------------------------------------------------------------------------------
-# distributed helpers
+# the model the optimizer steps: the whole TTT unroll as one forward
 # ---------------------------------------------------------------------------------------------------
 class TTTModel(nn.Module):
     """Wraps the drafter so that one `forward` is the whole K-step unroll (what DDP/FSDP need)."""
@@ -56,12 +70,12 @@ class TTTModel(nn.Module):
         self.compiled = None  # set by `enable_compile`
 
     def enable_compile(self, backend: str = "inductor", granularity: str = "unroll", mode: str | None = None) -> None:
-        """granularity "unroll": the K-step unroll as one graph (measured: 335k tok/s at 8k on an H200, 155 s to
-        compile); "step": one graph per step kind, reused by every step >= 1 (~2.5x less compile time on CPU)."""
+        """granularity "unroll": the K-step unroll as one graph (the fastest steps, the longest compile); "step": one
+        graph per step kind, reused by every step >= 1 (a compile time independent of K). BENCHMARKS.md has both."""
         from draftsmith.train.ttt import CompiledStepUnroll, CompiledUnroll
 
-        # A recompile costs minutes (one at step 2 cost 54 s on the H200 until the drafter's RoPE cache was filled
-        # before compiling, `ttt._warm_drafter_caches`): if another guard ever fails, the log says which.
+        # A recompile costs as much as the first compile (one at step 2 did, until the drafter's RoPE cache was
+        # filled before compiling, `ttt._warm_drafter_caches`): if another guard ever fails, the log says which.
         torch._logging.set_logs(recompiles=True)
         if granularity == "step":
             self.compiled = CompiledStepUnroll(backend=backend)
@@ -126,110 +140,192 @@ def amp_dtype(dtype: str, device: torch.device):
         return torch.float16
     raise DraftsmithError(f"--dtype: unknown {dtype!r} (auto, fp32, bf16, fp16)")
 
+# run-directory entries that mark a previous `draftsmith train` run (what may be resumed or trained over)
+RUN_DIR_MARKERS = ("train_config.json", "checkpoints")
+# settings a resume cannot change: the data plan, the drafter's shape, and what the restored optimizer and
+# scheduler state would silently keep (their lr, betas, eps and weight decay come from the checkpoint)
+RESUME_FIXED = ("ttt_steps", "batch_tokens", "seed", "eval_fraction", "draft_vocab_size", "step_weight", "online",
+                "num_layers", "freeze_lm_head", "aux_layers", "lr", "beta1", "beta2", "adam_eps", "weight_decay")
+
+
+@dataclass
+class DataPlan:
+    """The packing plan of a run: which samples train and evaluate, and how many optimizer steps."""
+
+    train_idx: list[int]
+    eval_rows: list[list[int]]
+    rows_per_epoch: int
+    micro_batches_per_step: int  # world_size * grad_accum
+    total_steps: int
+    warmup: int
+
+
 class Trainer:
+    """`setup()` (device, target, batch source, drafter, data plan, optimizer, resume), then `train()`: a short loop
+    over the batch source that calls `train_step()` once per optimizer step and evaluates, logs and checkpoints.
+    `run()` does both inside the run directory's lock."""
+
     def __init__(self, cfg: TrainConfig, *, target=None, source=None, log: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.rank, self.world, self.local_rank = dist_info()
         self.is_main = self.rank == 0
         self._log = log or (lambda s: print(s, flush=True))
-        self._target = target
-        self._source = source
+        self._given_target = target
+        self._given_source = source
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
+        self.background: BackgroundCompile | None = None
+        self._prefetcher = None
 
     def log(self, msg: str) -> None:
         if self.is_main:
             self._log(msg)
 
-    # ----------------------------------------------------------------------------------------- setup
-    def _setup_dist(self) -> None:
+    # ----------------------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        cfg = self.cfg
+        if cfg.ttt_steps < 1:
+            raise DraftsmithError(f"--ttt-steps: must be >= 1, got {cfg.ttt_steps}")
+        if cfg.steps is not None and cfg.epochs is not None:
+            raise DraftsmithError("--steps and --epochs: give one, not both")
         if self.world > 1:
-            import torch.distributed as dist
+            backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+            init_dist(self.world, backend)
+        self.device = resolve_device(cfg.device, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # small tensors that go through collectives live where the process group's backend wants them
+        self._reduce_device = self.device if self.world > 1 and self.device.type == "cuda" else torch.device("cpu")
+        with contextlib.ExitStack() as held:
+            self._claim_run_dir(held)
+            try:
+                self.setup()
+                return self.train()
+            except OSError as e:
+                if is_no_space(e):
+                    raise no_space_error(e.filename or self.out) from None
+                raise
+            finally:
+                if self._prefetcher is not None and hasattr(self._prefetcher, "close"):
+                    self._prefetcher.close()
 
-            if not dist.is_initialized():
-                backend = "nccl" if torch.cuda.is_available() and self.cfg.device != "cpu" else "gloo"
-                dist.init_process_group(backend=backend)
+    def _claim_run_dir(self, held: contextlib.ExitStack) -> None:
+        """Refuse an --out that holds something other than a run, and lock it (rank 0) for the whole run, so a second
+        `draftsmith train` into it stops at once instead of interleaving its metrics and checkpoints."""
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise DraftsmithError(f"--out {out}: exists and is not a directory")
+        if out.is_dir():
+            entries = [p.name for p in out.iterdir() if p.name != LOCK_FILE_NAME]
+            if entries and not any((out / m).exists() for m in RUN_DIR_MARKERS):
+                shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+                raise DraftsmithError(f"--out {out}: not empty ({shown}) and not a draftsmith run directory (no "
+                                      f"train_config.json or checkpoints/): give a new or an empty directory")
+        error = None
+        if self.is_main:
+            try:
+                held.enter_context(dir_lock(out, what="train"))
+            except DraftsmithError as e:
+                error = e
+        if self.world > 1:  # every rank stops when rank 0 could not lock (no rank left waiting in a collective)
+            failed = all_reduce(torch.tensor([float(error is not None)], device=self._reduce_device), self.world)
+            if error is None and float(failed.item()) > 0:
+                raise DraftsmithError(f"--out {out}: rank 0 could not lock the run directory (see its error)")
+        if error is not None:
+            raise error
 
-    def _resolve_device(self) -> torch.device:
-        d = self.cfg.device
-        if d == "auto":
-            d = "cuda" if torch.cuda.is_available() else "cpu"
-        if d == "cuda":
-            d = f"cuda:{self.local_rank}"
-            torch.cuda.set_device(d)
-        return torch.device(d)
+    # ----------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg, device = self.cfg, self.device
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed % (2**32))
+        resume = self._find_checkpoint()
+        self.target = self._load_target()
+        self.source = self._open_source()
+        counts = self.source.token_counts
+        if int(counts.numel()) != self.target.vocab_size:
+            raise DraftsmithError(f"store token_counts has {counts.numel()} entries, the target vocab has "
+                                  f"{self.target.vocab_size}: the store is of another target")
+        self.drafter = self._build_drafter().to(device)
+        self.plan = self._plan_data()
+        self.model = TTTModel(self.drafter, cfg)
+        self.start_step, self.data_pos = 0, (0, 0)
+        if resume is not None:
+            self._restore_model(*resume)
+        self._choose_step_path()
+        self.wrapped = self._wrap(self.model)
+        self.opt_params = [p for p in (self.wrapped.drafter if cfg.fsdp else self.drafter).parameters()
+                           if p.requires_grad]
+        self.param_names = [n for n, p in self.drafter.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.opt_params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_factory(self.plan.total_steps, self.plan.warmup, cfg.min_lr_ratio))
+        if resume is not None:
+            self._restore_optimizer(*resume)
+        self.step = self.start_step
+        self.amp = amp_dtype(cfg.dtype, device)
+        lm_w = self.target.lm_head.weight
+        self.teacher_head = (lm_w, self.drafter.draft_target_ids.to(lm_w.device), self.drafter.t2d.to(lm_w.device))
+        self.metrics_path = self.out / "metrics.jsonl"
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._truncate_metrics(self.metrics_path, self.start_step)
+            atomic_write_json(self.out / "train_config.json", cfg.to_dict())
+        self._log_setup()
 
-    def _load_target(self, device):
-        if self._target is not None:
-            return self._target
+    def _find_checkpoint(self) -> tuple[Path, dict] | None:
+        if not (self.ckpt_root.is_dir() and ckpt.list_checkpoints(self.ckpt_root)):
+            if self.cfg.resume:
+                self.log(f"--resume: no checkpoint in {self.ckpt_root}; starting from step 0")
+            return None
+        if not self.cfg.resume:
+            raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new --out")
+        return ckpt.load_latest_checkpoint(self.ckpt_root, log=self.log)
+
+    def _load_target(self):
+        if self._given_target is not None:
+            return self._given_target
         from draftsmith.target_model import load_target
 
         if not self.cfg.target:
             raise DraftsmithError("--target: required (the HF model directory the drafter is trained for)")
         dt = self.cfg.target_dtype
         if dt == "auto":
-            dt = "bf16" if device.type == "cuda" else "fp32"
+            dt = "bf16" if self.device.type == "cuda" else "fp32"
         if not self.cfg.progress or not self.is_main:  # -q, and the other ranks: no "Loading weights" bars
             import transformers
 
             transformers.utils.logging.disable_progress_bar()
-        return load_target(self.cfg.target, dtype=dt, device=device)
+        return load_target(self.cfg.target, dtype=dt, device=self.device)
 
-    def _open_source(self, target, device):
-        """Returns (source, lengths, token_counts, aux_layers, is_online)."""
+    def _pad_to(self) -> int:
+        """Rows padded to the token budget (a multiple of flex attention's 128-token blocks) when the flex backend
+        runs: static shapes, one compile of flex attention per TTT step."""
         cfg = self.cfg
-        if cfg.online:
-            if self._source is not None:
-                samples = self._source
-            else:
-                if not cfg.data:
-                    raise DraftsmithError("--online: needs --data FILE_OR_DIR (the training text/conversations)")
-                from draftsmith.data import load_samples
+        backend = cfg.attn_backend if cfg.attn_backend != "auto" else ("flex" if self.device.type == "cuda" else
+                                                                        "chunked")
+        pad = cfg.pad_to_budget if cfg.pad_to_budget is not None else backend == "flex"
+        return (-(-cfg.batch_tokens // 128) * 128) if pad else 1
 
-                if target.tokenizer is None:
-                    raise DraftsmithError(f"{cfg.target}: no tokenizer, needed by --online")
-                # the capture's default cut (2048), never past the target's trained positions: online data must
-                # look like a store captured with default settings (offline == online)
-                max_len = cfg.max_length or min(cfg.batch_tokens, 2048, int(getattr(
-                    target.config, "max_position_embeddings", None) or 2048))
-                t_data = time.time()
-                samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len,
-                                               on_bad=cfg.on_bad, glob=cfg.glob)
-                if hasattr(report, "summary"):
-                    self.log(f"data: {report.summary()} ({time.time() - t_data:.1f}s)")
+    def _open_source(self) -> BatchSource:
+        cfg, target = self.cfg, self.target
+        kw = dict(batch_tokens=cfg.batch_tokens, pad_to=self._pad_to(), pin=self.device.type == "cuda")
+        if cfg.online:
+            samples = self._given_source if self._given_source is not None else self._load_online_samples()
             if len(samples) == 0:
                 raise DraftsmithError(f"{cfg.data}: no samples — nothing to train on")
             aux = list(cfg.aux_layers) if cfg.aux_layers else list(target.default_aux_layers)
             counts = token_counts_from_samples(samples, target.vocab_size)
-            return samples, source_lengths(samples), counts, aux, True
-        if self._source is not None:
-            src = self._source
-        else:
-            if not cfg.store:
-                raise DraftsmithError("--store: required (or --online --data FILE_OR_DIR)")
-            from draftsmith.store import HiddenStateStore
-
-            sdt = torch.float32 if device.type == "cpu" else torch.bfloat16
-            src = HiddenStateStore.open(cfg.store, dtype=sdt)
-            # fp8 rows cross to the GPU as fp8 (half the bytes) and dequantize there: on the host it is float
-            # work per row, single-threaded under torchrun (OMP_NUM_THREADS=1), on the prefetch thread
-            src.defer_dequantize = device.type == "cuda"
+            return OnlineBatches(samples, source_lengths(samples), counts, aux, where=cfg.data or "data",
+                                 target=target, state_dtype=cfg.online_state_dtype, **kw)
+        src = self._given_source if self._given_source is not None else self._open_store()
         man = getattr(src, "manifest", None)
         where = f"{cfg.store}/manifest.json" if cfg.store else "store"
         if len(src) == 0:
             raise DraftsmithError(f"{where}: the store is empty (num_samples 0) — nothing to train on")
         if man is not None:
-            if hasattr(src, "check_target"):
-                src.check_target(target)
-            if int(man.get("hidden_size", target.hidden_size)) != target.hidden_size:
-                raise DraftsmithError(f"{where}: field 'hidden_size' is {man['hidden_size']}, the target "
-                                      f"{cfg.target} has {target.hidden_size}: the store is of another target")
-            if int(man.get("vocab_size", target.vocab_size)) != target.vocab_size:
-                raise DraftsmithError(f"{where}: field 'vocab_size' is {man['vocab_size']}, the target "
-                                      f"{cfg.target} has {target.vocab_size}: the store is of another target")
-            if not man.get("has_final", False):
-                raise DraftsmithError(f"{where}: field 'has_final' is false — the store has no final hidden states, "
-                                      f"which the teacher needs; recapture without --no-final")
+            self._check_store_fits_target(src, man, where)
             aux = list(man["aux_layers"])
             counts = src.token_counts()
         else:
@@ -245,278 +341,397 @@ class Trainer:
         if cfg.aux_layers and list(cfg.aux_layers) != aux:
             raise DraftsmithError(f"--aux-layers {cfg.aux_layers} differ from the store's aux_layers {aux} "
                                   f"(layer-output ids)")
-        return src, source_lengths(src), counts, aux, False
+        return StoreBatches(src, source_lengths(src), counts, aux, where=cfg.store or "the store", **kw)
 
-    def _build_drafter(self, target, counts, aux):
+    def _load_online_samples(self):
+        cfg, target = self.cfg, self.target
+        if not cfg.data:
+            raise DraftsmithError("--online: needs --data FILE_OR_DIR (the training text/conversations)")
+        from draftsmith.data import load_samples
+
+        if target.tokenizer is None:
+            raise DraftsmithError(f"{cfg.target}: no tokenizer, needed by --online")
+        # the capture's default cut (2048), never past the target's trained positions: online data must look like a
+        # store captured with default settings (offline == online)
+        max_len = cfg.max_length or min(cfg.batch_tokens, 2048, int(getattr(
+            target.config, "max_position_embeddings", None) or 2048))
+        t_data = time.time()
+        samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len, on_bad=cfg.on_bad,
+                                       glob=cfg.glob)
+        if hasattr(report, "summary"):
+            self.log(f"data: {report.summary()} ({time.time() - t_data:.1f}s)")
+        return samples
+
+    def _open_store(self):
+        if not self.cfg.store:
+            raise DraftsmithError("--store: required (or --online --data FILE_OR_DIR)")
+        from draftsmith.store import HiddenStateStore
+
+        src = HiddenStateStore.open(self.cfg.store, dtype=torch.float32 if self.device.type == "cpu" else
+                                    torch.bfloat16)
+        # fp8 rows cross to the GPU as fp8 (half the bytes) and dequantize there: on the host it is float work per
+        # row, single-threaded under torchrun (OMP_NUM_THREADS=1), on the prefetch thread
+        src.defer_dequantize = self.device.type == "cuda"
+        return src
+
+    def _check_store_fits_target(self, src, man: dict, where: str) -> None:
+        cfg, target = self.cfg, self.target
+        if hasattr(src, "check_target"):
+            src.check_target(target)
+        if int(man.get("hidden_size", target.hidden_size)) != target.hidden_size:
+            raise DraftsmithError(f"{where}: field 'hidden_size' is {man['hidden_size']}, the target "
+                                  f"{cfg.target} has {target.hidden_size}: the store is of another target")
+        if int(man.get("vocab_size", target.vocab_size)) != target.vocab_size:
+            raise DraftsmithError(f"{where}: field 'vocab_size' is {man['vocab_size']}, the target "
+                                  f"{cfg.target} has {target.vocab_size}: the store is of another target")
+        if not man.get("has_final", False):
+            raise DraftsmithError(f"{where}: field 'has_final' is false — the store has no final hidden states, "
+                                  f"which the teacher needs; recapture without --no-final")
+
+    def _build_drafter(self):
         from draftsmith.drafter import Drafter
 
-        cfg = self.cfg
+        cfg, target, counts = self.cfg, self.target, self.source.token_counts
         V = target.vocab_size
         vd = cfg.draft_vocab_size or min(32000, V)
         if vd > V:
             raise DraftsmithError(f"--draft-vocab-size: {vd} is larger than the target vocab ({V} tokens)")
         if vd <= 0:
             raise DraftsmithError(f"--draft-vocab-size: must be positive, got {vd}")
-        drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32, aux_layer_ids=list(aux),
-                                      draft_vocab_size=vd, num_hidden_layers=cfg.num_layers)
+        distinct = int((counts > 0).sum())
+        if distinct == 0:
+            raise DraftsmithError(f"{self.source.where}: no loss-masked tokens — nothing to train on")
+        if vd > distinct:  # the rest would be filled by token id: columns no training target ever names
+            given = f"--draft-vocab-size {vd}" if cfg.draft_vocab_size else f"the default draft vocab ({vd})"
+            self.log(f"note: {given} is more than the {distinct} distinct loss-masked tokens of "
+                     f"{self.source.where}: the draft vocab is capped at {distinct}")
+            vd = distinct
+        drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32,
+                                      aux_layer_ids=list(self.source.aux_layers), draft_vocab_size=vd,
+                                      num_hidden_layers=cfg.num_layers)
         if cfg.freeze_lm_head:
             drafter.lm_head.weight.requires_grad_(False)
         return drafter
 
-    # ----------------------------------------------------------------------------------------- run
-    def run(self) -> dict:
+    def _plan_data(self) -> DataPlan:
         cfg = self.cfg
-        if cfg.ttt_steps < 1:
-            raise DraftsmithError(f"--ttt-steps: must be >= 1, got {cfg.ttt_steps}")
-        if cfg.steps is not None and cfg.epochs is not None:
-            raise DraftsmithError("--steps and --epochs: give one, not both")
-        self._setup_dist()
-        device = self._resolve_device()
-        self.device = device
-        torch.manual_seed(cfg.seed)
-        np.random.seed(cfg.seed % (2**32))
-
-        resume_from = None
-        if self.ckpt_root.is_dir() and ckpt.list_checkpoints(self.ckpt_root):
-            if not cfg.resume:
-                raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new --out")
-            resume_from = ckpt.latest_checkpoint(self.ckpt_root)
-        elif cfg.resume:
-            self.log(f"--resume: no checkpoint in {self.ckpt_root}; starting from step 0")
-
-        target = self._load_target(device)
-        source, lengths, counts, aux_layers, online = self._open_source(target, device)
-        if int(counts.numel()) != target.vocab_size:
-            raise DraftsmithError(f"store token_counts has {counts.numel()} entries, the target vocab has "
-                                  f"{target.vocab_size}: the store is of another target")
-        drafter = self._build_drafter(target, counts, aux_layers).to(device)
-        self.drafter = drafter
-
-        # data
-        train_idx, eval_idx = split_train_eval(len(source), cfg.eval_fraction, cfg.seed)
+        train_idx, eval_idx = split_train_eval(len(self.source), cfg.eval_fraction, cfg.seed)
         if not train_idx:
             raise DraftsmithError("training split is empty (too few samples for --eval-fraction)")
         G = self.world * cfg.grad_accum
-        rows0 = epoch_rows(train_idx, lengths, cfg.batch_tokens, cfg.seed, 0)
+        rows0 = epoch_rows(train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed, 0)
         if len(rows0) < G:
-            raise DraftsmithError(f"only {len(rows0)} packed micro-batches of {cfg.batch_tokens} tokens per epoch, fewer "
-                                  f"than world_size*grad_accum = {G}: lower --batch-tokens or --grad-accum")
-        steps_per_epoch = len(rows0) // G
+            raise DraftsmithError(f"only {len(rows0)} packed micro-batches of {cfg.batch_tokens} tokens per epoch, "
+                                  f"fewer than world_size*grad_accum = {G}: lower --batch-tokens or --grad-accum")
         if cfg.steps is not None:
-            total_steps = int(cfg.steps)
+            total = int(cfg.steps)
         else:
-            total_steps = max(1, math.ceil((cfg.epochs if cfg.epochs is not None else 1.0) * steps_per_epoch))
-        warmup = int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
-        eval_rows = pack_rows(eval_idx, lengths, cfg.batch_tokens)[: cfg.eval_max_batches] if eval_idx else []
+            total = max(1, math.ceil((cfg.epochs if cfg.epochs is not None else 1.0) * (len(rows0) // G)))
+        warmup = int(cfg.warmup * total) if cfg.warmup < 1 else int(cfg.warmup)
+        eval_rows = pack_rows(eval_idx, self.source.lengths, cfg.batch_tokens)[: cfg.eval_max_batches] \
+            if eval_idx else []
+        return DataPlan(train_idx, eval_rows, len(rows0), G, total, warmup)
 
-        # model + optimizer
-        model = TTTModel(drafter, cfg)
-        names = [n for n, p in drafter.named_parameters() if p.requires_grad]
-        params = [p for n, p in drafter.named_parameters() if p.requires_grad]
-        start_step, data_pos, ck = 0, (0, 0), None
-        if resume_from is not None:
-            ck = ckpt.load_checkpoint(resume_from)
-            st = ck["state"]
-            self._check_resume_config(st.get("config", {}), resume_from)
-            missing = drafter.load_state_dict(ck["model"], strict=False)
-            if missing.unexpected_keys or [k for k in missing.missing_keys if not k.startswith("embed_tokens")]:
-                raise DraftsmithError(f"{resume_from}/model.safetensors: does not match the drafter ({missing})")
-            start_step = int(st["step"])
-            data_pos = tuple(st["data_position"])
-        if self._use_compile(device):
-            model.enable_compile(granularity="step" if cfg.compile == "step" else "unroll")
-        compile_pending = model.compiled is not None  # the first step may still fail to compile: then eager
-        wrapped = self._wrap(model)
-        opt_params = params if not cfg.fsdp else [p for n, p in wrapped.drafter.named_parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(opt_params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                                      weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(total_steps, warmup, cfg.min_lr_ratio))
-        if ck is not None:
-            osd = ckpt.optimizer_from_flat(ck["optim_tensors"], ck["optim_meta"], None if cfg.fsdp else names)
-            if cfg.fsdp:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    def _restore_model(self, path: Path, ck: dict) -> None:
+        st = ck["state"]
+        self._check_resume_config(st, path)
+        missing = self.drafter.load_state_dict(ck["model"], strict=False)
+        if missing.unexpected_keys or [k for k in missing.missing_keys if not k.startswith("embed_tokens")]:
+            raise DraftsmithError(f"{path}/model.safetensors: does not match the drafter ({missing})")
+        self.start_step = int(st["step"])
+        self.data_pos = tuple(st["data_position"])
 
-                osd = _prefix_optim(osd, "drafter.")
-                set_optimizer_state_dict(wrapped, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-            else:
-                optimizer.load_state_dict(osd)
-            scheduler.load_state_dict(ck["state"]["scheduler"])
-            ckpt.set_rng_state(ck["rng_tensors"], ck["state"]["rng"])
-            self.log(f"resumed from {resume_from} at step {start_step} (epoch {data_pos[0]}, row {data_pos[1]})")
-        self.optimizer, self.scheduler, self.wrapped = optimizer, scheduler, wrapped
+    def _restore_optimizer(self, path: Path, ck: dict) -> None:
+        cfg = self.cfg
+        osd = ckpt.optimizer_from_flat(ck["optim_tensors"], ck["optim_meta"], None if cfg.fsdp else self.param_names)
+        if cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        # run dir, logging
-        metrics_path = self.out / "metrics.jsonl"
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self._truncate_metrics(metrics_path, start_step)
-            from draftsmith.common.io import atomic_write_json
+            osd = _prefix_optim(osd, "drafter.")
+            set_optimizer_state_dict(self.wrapped, self.optimizer, osd, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(osd)
+        self.scheduler.load_state_dict(ck["state"]["scheduler"])
+        ckpt.set_rng_state(ck["rng_tensors"], ck["state"]["rng"])
+        self.log(f"resumed from {path} at step {self.start_step} (epoch {self.data_pos[0]}, row {self.data_pos[1]})")
 
-            atomic_write_json(self.out / "train_config.json", cfg.to_dict())
+    def _check_resume_config(self, state: dict, where) -> None:
+        old = state.get("config", {})
+        diffs = [k for k in RESUME_FIXED if k in old and old[k] != getattr(self.cfg, k)]
+        if diffs:
+            raise DraftsmithError(f"{where}/trainer_state.json: --resume with different settings {diffs} "
+                                  f"(checkpoint: {[old[k] for k in diffs]}, now: {[getattr(self.cfg, k) for k in diffs]})"
+                                  f"; resume with the checkpoint's values or train into a new --out")
+        what = "--data" if self.cfg.online else "--store"
+        was = old.get("data" if self.cfg.online else "store")
+        now = self.cfg.data if self.cfg.online else self.cfg.store
+        changed = (state["data_fingerprint"] != self.source.fingerprint()) if "data_fingerprint" in state else \
+            (was is not None and now is not None and was != now)
+        if changed:
+            raise DraftsmithError(f"{where}/trainer_state.json: --resume with different data: the checkpoint was "
+                                  f"trained on {what} {was}, now {now} (other samples or token counts); resume with "
+                                  f"the same data or train into a new --out")
+
+    def _choose_step_path(self) -> None:
+        """Which TTT unroll the steps run. `--compile` asks for the compiled unroll (`_use_compile`). On CUDA with
+        `--attn-backend auto`, the fast path (the compiled unroll, or flex attention's compiled kernels) is compiled
+        in the background on a private copy of the model while the first steps run the chunked attention, which
+        compiles nothing (`warmup.py`); an explicit `--attn-backend flex` or `--compile unroll/step/on` compiles
+        before step 1 instead (a run that does not depend on how long the compile took)."""
+        model = self.model
+        use_compile = self._use_compile(self.device)
+        if use_compile:
+            model.enable_compile(granularity="step" if self.cfg.compile == "step" else "unroll")
+        self._compile_pending = model.compiled is not None  # a synchronous compile may still fail at step 1
+        self._fast_path = None
+        self._probe_model = None
+        if not self._background_compile_wanted():
+            return
+        self._fast_path = "compiled" if use_compile else "flex"
+        self._pending_compiled, model.compiled = model.compiled, None
+        self._compile_pending = False
+        embedding = getattr(self.drafter, "embed_tokens", None)
+        self._probe_model = private_copy(model, [embedding.weight] if embedding is not None else [])
+        self._probe_model.compiled = self._pending_compiled
+        self._probe_model.backend = "flex"
+        model.backend = "chunked"
+
+    def _background_compile_wanted(self) -> bool:
+        c = self.cfg.compile
+        return self.device.type == "cuda" and self.cfg.attn_backend == "auto" and c in ("auto", "off", False)
+
+    def _log_setup(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        n_params = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+        if self._fast_path is not None:
+            what = "the TTT unroll" if self._fast_path == "compiled" else "flex attention"
+            compiling = f"; the first steps run the chunked attention while {what} compiles in the background"
+        elif self.model.compiled is not None:
+            compiling = "; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off " \
+                        "skips it)"
+        else:
+            compiling = ""
+        self.log(f"train: {len(plan.train_idx)} train / {len(self.source) - len(plan.train_idx)} eval samples, "
+                 f"{plan.rows_per_epoch} micro-batches of <= {cfg.batch_tokens} tokens per epoch, world {self.world} "
+                 f"x accum {cfg.grad_accum}, {plan.total_steps} steps (warmup {plan.warmup}), K={cfg.ttt_steps}, "
+                 f"V_d={self.drafter.config.draft_vocab_size}, aux layers {self.source.aux_layers} (layer-output "
+                 f"ids), {n_params / 1e6:.2f}M trainable params, device {self.device}{compiling}")
+
+    # ----------------------------------------------------------------------------------------- train
+    def train(self) -> dict:
+        """The loop: one `train_step` per optimizer step from the resume position on, then evaluation, metrics,
+        checkpoints, `--max-time`; the final drafter at the end."""
+        cfg = self.cfg
         tb = self._tensorboard()
-        n_params = sum(p.numel() for p in params)
-        self.log(f"train: {len(train_idx)} train / {len(eval_idx)} eval samples, {len(rows0)} micro-batches of "
-                 f"<= {cfg.batch_tokens} tokens per epoch, world {self.world} x accum {cfg.grad_accum}, "
-                 f"{total_steps} steps (warmup {warmup}), K={cfg.ttt_steps}, V_d={drafter.config.draft_vocab_size}, "
-                 f"aux layers {aux_layers} (layer-output ids), {n_params / 1e6:.2f}M trainable params, device {device}"
-                 f"{'; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off skips it)' if model.compiled is not None else ''}")
-
-        online_states = OnlineStates(target, aux_layers) if online else None
-        lm_w = target.lm_head.weight
-        d2t_ids = drafter.draft_target_ids.to(lm_w.device)
-        t2d = drafter.t2d.to(lm_w.device)
-        amp_dtype = self._amp_dtype(device)
-
-        self._source_lock = threading.Lock()
-        backend = cfg.attn_backend if cfg.attn_backend != "auto" else ("flex" if device.type == "cuda" else "chunked")
-        pad = cfg.pad_to_budget if cfg.pad_to_budget is not None else backend == "flex"
-        # static shapes (one compile of flex attention per TTT step), a multiple of flex's 128-token blocks
-        self._pad_to = (-(-cfg.batch_tokens // 128) * 128) if pad else 1
-
-        pin = device.type == "cuda"
-
-        def build(row):
-            with self._source_lock:
-                mb = build_micro_batch(source, row, cfg.batch_tokens, with_states=not online, pad_to=self._pad_to)
-            return mb.pin_memory() if pin else mb  # async host->device copy of the states
-
-        def stream():
-            epoch, off = data_pos
-            cache: dict[int, list] = {}
-            step = start_step
-            while step < total_steps:
-                if epoch not in cache:
-                    cache.clear()
-                    cache[epoch] = epoch_rows(train_idx, lengths, cfg.batch_tokens, cfg.seed, epoch)
-                rows = cache[epoch]
-                if off + G > len(rows):
-                    epoch, off = epoch + 1, 0
-                    continue
-                mine = rows[off + self.rank * cfg.grad_accum: off + (self.rank + 1) * cfg.grad_accum]
-                for j, row in enumerate(mine):
-                    yield (step, j, epoch, off + G), row
-                off += G
-                step += 1
-
-        pf = Prefetcher(build, stream(), depth=cfg.prefetch) if cfg.prefetch > 0 else ((k, build(r)) for k, r in stream())
-        bar = self._progress(total_steps, start_step)
-        t0 = time.time()
+        bar = self._progress(self.plan.total_steps, self.start_step)
+        self.t0 = time.time()
         tok_window, time_window = 0, time.time()
         last: dict = {}
-        step = start_step
-        acc_stats = None
-        loss_acc = torch.zeros((), dtype=torch.float64, device=device)
-        tokens = 0
-        wrapped.train()
-        for (s, j, epoch, next_off), mb in pf:
-            mb = mb.to(device)
-            if online_states is not None:
-                mb = online_states.fill(mb, device)
-                if cfg.online_state_dtype == "bf16":
-                    mb.aux_hidden = mb.aux_hidden.to(torch.bfloat16)
-                    mb.final_hidden = mb.final_hidden.to(torch.bfloat16)
-            def forward_backward():
-                loss, stats = forward_micro_batch(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
-                with self._no_sync(wrapped) if j < cfg.grad_accum - 1 else contextlib.nullcontext():
-                    (loss / cfg.grad_accum).backward()
-                return loss, stats
-
-            try:
-                loss, stats = forward_backward()
-            except Exception as e:  # only the very first step, before any gradient exists, may fall back
-                if not compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or cfg.compile != "auto":
-                    raise
-                self.log(f"warning: the compiled TTT unroll failed ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); training eagerly "
-                         f"(--compile off hides this)")
-                model.disable_compile()
-                optimizer.zero_grad(set_to_none=True)
-                loss, stats = forward_backward()
-            compile_pending = False
-            acc_stats = stats if acc_stats is None else acc_stats + stats
-            loss_acc += loss.detach().double()
-            tokens += mb.num_tokens
-            if j < cfg.grad_accum - 1:
-                continue
-            # optimizer step
-            gnorm = torch.nn.utils.clip_grad_norm_(opt_params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            if hasattr(gnorm, "full_tensor"):
-                gnorm = gnorm.full_tensor()
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step = s + 1
-            over = float(cfg.max_time is not None and time.time() - t0 >= cfg.max_time)
-            red = torch.cat([acc_stats.reshape(-1).double(), loss_acc.reshape(1),
-                             torch.tensor([float(tokens), over], dtype=torch.float64, device=device)])
-            red = all_reduce(red.to(device if self.world > 1 and device.type == "cuda" else "cpu"), self.world).cpu()
-            st = TTTStats.from_tensor(red[:-3].view(5, -1))
-            loss_mean = float(red[-3]) / G
-            step_tokens = int(red[-2])
-            stop_early = bool(red[-1] > 0) and step < total_steps  # any rank over --max-time: all stop together
-            acc_stats, loss_acc, tokens = None, torch.zeros((), dtype=torch.float64, device=device), 0
-            tok_window += step_tokens
-            rec = {"step": step, "epoch": epoch, "loss": loss_mean, **st.metrics(), "lr": lr,
-                   "grad_norm": float(gnorm), "tokens": step_tokens}
-            do_eval = eval_rows and ((cfg.eval_every and step % cfg.eval_every == 0) or
-                                     (not cfg.eval_every and cfg.save_every and step % cfg.save_every == 0) or
-                                     step == total_steps or stop_early)
-            if do_eval:
-                rec.update(self._evaluate(wrapped, eval_rows, source, online_states, target, lm_w, d2t_ids, t2d,
-                                          amp_dtype, online))
-                wrapped.train()
-            now = time.time()
-            rec["tokens_per_s"] = tok_window / max(now - time_window, 1e-9)
-            rec["elapsed_s"] = now - t0
-            if step - start_step <= 2:  # compile (and any recompile) time, visible: flex attention compiles even
-                from draftsmith.common.compiling import compile_seconds  # with --compile off (3 min on 2 H200s)
-
-                n_fr, fwd_s, bwd_s = compile_seconds()
-                self.log(f"step {step}: {rec['elapsed_s'] if step == start_step + 1 else now - time_window:.1f}s"
-                         f"{' (includes compiling the TTT unroll)' if model.compiled is not None and step == start_step + 1 else ''}"
-                         f"{f'; torch.compile so far: {n_fr} graphs {fwd_s:.1f}s + backward {bwd_s:.1f}s' if n_fr else ''}")
-            tok_window, time_window = 0, now
-            last = rec
-            if self.is_main and (step % cfg.log_every == 0 or step == total_steps or do_eval):
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                if tb is not None:
-                    self._tb_log(tb, rec)
+        total_steps = self.plan.total_steps
+        self.wrapped.train()
+        try:
+            for step_index, epoch, next_off, batches in self._step_batches():
+                self._advance_step_path(step_index, batches)
+                metrics, over = self.train_step(batches)
+                self.step = step = step_index + 1
+                stop_early = over and step < total_steps  # any rank over --max-time: all stop together
+                rec = {"step": step, "epoch": epoch, **metrics}
+                tok_window += rec["tokens"]
+                if self._eval_due(step, total_steps, stop_early):
+                    rec.update(self._evaluate())
+                    self.wrapped.train()
+                now = time.time()
+                rec["tokens_per_s"] = tok_window / max(now - time_window, 1e-9)
+                rec["elapsed_s"] = now - self.t0
+                if step - self.start_step <= 2:
+                    self._log_first_steps(step, rec["elapsed_s"] if step == self.start_step + 1 else now - time_window)
+                tok_window, time_window = 0, now
+                last = rec
+                if self.is_main and (step % cfg.log_every == 0 or step == total_steps or "eval_loss" in rec):
+                    with open(self.metrics_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    if tb is not None:
+                        self._tb_log(tb, rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.3f}",
+                                    tau=f"{rec['tau_sim']:.2f}", refresh=False)
+                    bar.update(1)
+                if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
+                    self._save(step, (epoch, next_off))
+                if stop_early:
+                    self.log(f"--max-time {cfg.max_time:g}s reached: stopped after step {step} of {total_steps} "
+                             f"(checkpoint saved; --resume continues the same schedule)")
+                    total_steps = step
+                    break
+                kill_at = os.environ.get("DRAFTSMITH_TEST_KILL_AT_STEP")
+                if kill_at and int(kill_at) == step:  # test hook: simulate `kill -9` right after this step
+                    os.kill(os.getpid(), 9)
+        finally:
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_mean:.3f}", acc0=f"{rec['acc'][0]:.3f}", tau=f"{rec['tau_sim']:.2f}",
-                                refresh=False)
-                bar.update(1)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
-                self._save(step, (epoch, next_off), wrapped, optimizer, scheduler, names)
-            if stop_early:
-                self.log(f"--max-time {cfg.max_time:g}s reached: stopped after step {step} of {total_steps} "
-                         f"(checkpoint saved; --resume continues the same schedule)")
-                total_steps = step
-                break
-            kill_at = os.environ.get("DRAFTSMITH_TEST_KILL_AT_STEP")
-            if kill_at and int(kill_at) == step:  # test hook: simulate `kill -9` right after this step
-                os.kill(os.getpid(), 9)
-        if hasattr(pf, "close"):
-            pf.close()
-        if bar is not None:
-            bar.close()
-        if tb is not None:
-            tb.close()
-        self._save_final(wrapped, aux_layers, total_steps)
+                bar.close()
+            if tb is not None:
+                tb.close()
+        self._save_final(total_steps)
         if self.is_main and cfg.plot:
             try:
-                plot_metrics(metrics_path, self.out / "training.png")
+                plot_metrics(self.metrics_path, self.out / "training.png")
             except Exception as e:  # plotting is optional
                 self.log(f"plot skipped: {e}")
         barrier(self.world)
         return last
 
+    def _step_batches(self):
+        """This rank's micro-batches from the resume position on, grouped by optimizer step:
+        (step index, epoch, next row offset, [(row, host micro-batch)] * grad_accum).
+
+        A step consumes `world_size * grad_accum` consecutive rows of the epoch's packing; rank r takes rows
+        [r*A, (r+1)*A) of them. Micro-batches are built ahead in a thread (`--prefetch`)."""
+        cfg, plan = self.cfg, self.plan
+        G, A = plan.micro_batches_per_step, cfg.grad_accum
+
+        def rows():
+            epoch, off = self.data_pos
+            cache: dict[int, list] = {}
+            step = self.start_step
+            while step < plan.total_steps:
+                if epoch not in cache:
+                    cache.clear()
+                    cache[epoch] = epoch_rows(plan.train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed, epoch)
+                epoch_rows_ = cache[epoch]
+                if off + G > len(epoch_rows_):
+                    epoch, off = epoch + 1, 0
+                    continue
+                mine = epoch_rows_[off + self.rank * A: off + (self.rank + 1) * A]
+                for j, row in enumerate(mine):
+                    yield (step, j, epoch, off + G, row), row
+                off += G
+                step += 1
+
+        build = self.source.build
+        if cfg.prefetch > 0:
+            self._prefetcher = items = Prefetcher(build, rows(), depth=cfg.prefetch)
+        else:
+            items = ((key, build(row)) for key, row in rows())
+        group = []
+        for (step, j, epoch, next_off, row), mb in items:
+            group.append((row, mb))
+            if j == A - 1:
+                yield step, epoch, next_off, group
+                group = []
+
+    def train_step(self, batches: list[tuple[list[int], MicroBatch]]) -> tuple[dict, bool]:
+        """One optimizer step over this rank's micro-batches ([(row, host micro-batch)] * grad_accum): forward and
+        backward of each (gradients synchronised across ranks on the last), the step's statistics summed over
+        ranks, a stop on a non-finite loss or gradient norm (before the weights change), clipping, AdamW and the LR
+        schedule. Returns (the step's metrics, whether any rank is past --max-time)."""
+        cfg, device = self.cfg, self.device
+        acc_stats, losses, tokens = None, [], 0
+        loss_acc = torch.zeros((), dtype=torch.float64, device=device)
+        for j, (row, host_mb) in enumerate(batches):
+            mb = self.source.to_device(host_mb, device)
+            loss, stats = self._forward_backward(mb, sync=j == len(batches) - 1)
+            acc_stats = stats if acc_stats is None else acc_stats + stats
+            losses.append(loss.detach())
+            loss_acc += losses[-1].double()
+            tokens += mb.num_tokens
+        over = float(cfg.max_time is not None and time.time() - self.t0 >= cfg.max_time)
+        red = torch.cat([acc_stats.reshape(-1).double(), loss_acc.reshape(1),
+                         torch.tensor([float(tokens), over], dtype=torch.float64, device=device)])
+        red = all_reduce(red.to(self._reduce_device), self.world).cpu()
+        st = TTTStats.from_tensor(red[:-3].view(5, -1))
+        loss_mean = float(red[-3]) / self.plan.micro_batches_per_step
+        if not math.isfinite(loss_mean):
+            raise self._non_finite("loss", loss_mean, batches, losses)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.opt_params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if hasattr(gnorm, "full_tensor"):
+            gnorm = gnorm.full_tensor()
+        gnorm = float(gnorm)
+        if not math.isfinite(gnorm):
+            raise self._non_finite("gradient norm", gnorm, batches, losses)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {"loss": loss_mean, **st.metrics(), "lr": lr, "grad_norm": gnorm, "tokens": int(red[-2])}
+        return metrics, bool(red[-1] > 0)
+
+    def _forward_backward(self, mb: MicroBatch, sync: bool):
+        """Loss and statistics of one micro-batch, its gradient accumulated (across ranks only when `sync`)."""
+        def forward_backward():
+            loss, stats = forward_micro_batch(self.wrapped, mb, self.target, *self.teacher_head, self.amp)
+            with contextlib.nullcontext() if sync else self._no_sync(self.wrapped):
+                (loss / self.cfg.grad_accum).backward()
+            return loss, stats
+
+        try:
+            out = forward_backward()
+        except Exception as e:  # only the very first step, before any gradient exists, may fall back
+            if not self._compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or self.cfg.compile != "auto":
+                raise
+            self.log(f"warning: the compiled TTT unroll failed ({_first_line(e)}); training eagerly "
+                     f"(--compile off hides this)")
+            self.model.disable_compile()
+            self.optimizer.zero_grad(set_to_none=True)
+            out = forward_backward()
+        self._compile_pending = False
+        return out
+
+    def _non_finite(self, what: str, value: float, batches, losses) -> DraftsmithError:
+        step = self.step + 1
+        bad = [row for (row, _), loss in zip(batches, losses) if not torch.isfinite(loss)] or \
+            ([row for row, _ in batches] if what != "loss" else [])
+        where = "; ".join(self.source.describe(row) for row in bad) if bad else "another rank's micro-batches"
+        data = f"`draftsmith store verify {self.cfg.store}`" if self.cfg.store and not self.cfg.online else "the data"
+        return DraftsmithError(f"step {step}: the training {what} is {value} (not finite), on {where}; check {data}"
+                               f" (the checkpoints written so far are intact)")
+
+    def _advance_step_path(self, step_index: int, batches) -> None:
+        """Background compile (see `_choose_step_path`): start it on the first micro-batch; at each later step
+        boundary, switch to the fast path once it is compiled (or say that it failed and stay eager)."""
+        if self._probe_model is not None:
+            probe_model, self._probe_model = self._probe_model, None
+            mb = self.source.to_device(batches[0][1], self.device)
+
+            def probe():
+                loss, _ = forward_micro_batch(probe_model, mb, self.target, *self.teacher_head, self.amp)
+                loss.backward()
+
+            self.background = BackgroundCompile(probe, self.device).start()
+            return
+        bg = self.background
+        if bg is None or not bg.done():
+            return
+        self.background = None
+        what = "TTT unroll" if self._fast_path == "compiled" else "flex attention"
+        if bg.error is not None:
+            self.log(f"warning: compiling the {what} in the background failed ({_first_line(bg.error)}); training "
+                     f"on with the chunked attention")
+            return
+        self.model.compiled = self._pending_compiled
+        self.model.backend = self.cfg.attn_backend
+        self.log(f"step {step_index + 1}: the compiled {what} is ready ({bg.seconds:.0f}s in the background); "
+                 f"the steps from here on use it")
+
+    def _eval_due(self, step: int, total_steps: int, stop_early: bool) -> bool:
+        cfg = self.cfg
+        return bool(self.plan.eval_rows) and bool(
+            (cfg.eval_every and step % cfg.eval_every == 0)
+            or (not cfg.eval_every and cfg.save_every and step % cfg.save_every == 0)
+            or step == total_steps or stop_early)
+
+    def _log_first_steps(self, step: int, seconds: float) -> None:
+        """The first steps' times, with what torch.compile spent (flex attention compiles even without --compile)."""
+        n_graphs, fwd_s, bwd_s = compile_seconds()
+        compiling = " (includes compiling the TTT unroll)" if self.model.compiled is not None and \
+            step == self.start_step + 1 else ""
+        so_far = f"; torch.compile so far: {n_graphs} graphs {fwd_s:.1f}s + backward {bwd_s:.1f}s" if n_graphs else ""
+        self.log(f"step {step}: {seconds:.1f}s{compiling}{so_far}")
+
     # ----------------------------------------------------------------------------------------- pieces
     def _use_compile(self, device) -> bool:
         """--compile: auto = on for a single CUDA process with the flex backend (one graph per sequence length).
         Not yet auto under torchrun: a compile failure at the first step of one rank would leave DDP's reducer
-        mid-iteration, and the multi-GPU runs (issue 5) have not measured it; `--compile on` forces it."""
+        mid-iteration, and the multi-GPU runs have not measured it; `--compile on` forces it."""
         c, b = self.cfg.compile, self.cfg.attn_backend
         if isinstance(c, bool):  # YAML 1.1 reads `compile: on/off` as booleans
             c = self.cfg.compile = "on" if c else "off"
@@ -530,36 +745,26 @@ class Trainer:
             return True
         return c == "auto" and flex and device.type == "cuda" and not self.cfg.fsdp and self.world == 1
 
-    def _amp_dtype(self, device):
-        return amp_dtype(self.cfg.dtype, device)
-
     @torch.no_grad()
-    def _evaluate(self, wrapped, eval_rows, source, online_states, target, lm_w, d2t_ids, t2d, amp_dtype, online):
-        wrapped.eval()
-        per = math.ceil(len(eval_rows) / self.world)
-        mine = [eval_rows[i] if i < len(eval_rows) else None for i in range(self.rank, per * self.world, self.world)]
+    def _evaluate(self) -> dict:
+        """The eval split's metrics (`eval_` keys), summed over ranks (rank r scores rows r, r+world, ...)."""
+        self.wrapped.eval()
+        rows = self.plan.eval_rows
+        per = math.ceil(len(rows) / self.world)
+        mine = [rows[i] if i < len(rows) else None for i in range(self.rank, per * self.world, self.world)]
         total, loss_sum, n = None, 0.0, 0
         for row in mine:
-            real = row is not None
-            with self._source_lock:
-                mb = build_micro_batch(source, row if real else eval_rows[0], self.cfg.batch_tokens,
-                                       with_states=not online, pad_to=self._pad_to)
-            mb = mb.to(self.device)
-            if online_states is not None:
-                mb = online_states.fill(mb, self.device)
-                if self.cfg.online_state_dtype == "bf16":
-                    mb.aux_hidden, mb.final_hidden = mb.aux_hidden.to(torch.bfloat16), mb.final_hidden.to(torch.bfloat16)
-            loss, stats = forward_micro_batch(wrapped, mb, target, lm_w, d2t_ids, t2d, amp_dtype)
-            if real:
+            mb = self.source.to_device(self.source.build(row if row is not None else rows[0]), self.device)
+            loss, stats = forward_micro_batch(self.wrapped, mb, self.target, *self.teacher_head, self.amp)
+            if row is not None:  # a padding row keeps every rank in step with the collectives
                 total = stats if total is None else total + stats
                 loss_sum += float(loss)
                 n += 1
         if total is None:
             total = torch.zeros(5, self.cfg.ttt_steps, dtype=torch.float64, device=self.device)
         red = torch.cat([total.reshape(-1).double().cpu(), torch.tensor([loss_sum, float(n)], dtype=torch.float64)])
-        red = all_reduce(red.to(self.device if self.world > 1 and self.device.type == "cuda" else "cpu"), self.world).cpu()
-        st = TTTStats.from_tensor(red[:-2].view(5, -1))
-        m = st.metrics(prefix="eval_")
+        red = all_reduce(red.to(self._reduce_device), self.world).cpu()
+        m = TTTStats.from_tensor(red[:-2].view(5, -1)).metrics(prefix="eval_")
         m["eval_loss"] = float(red[-2]) / max(1.0, float(red[-1]))
         return m
 
@@ -570,8 +775,8 @@ class Trainer:
             from torch.distributed.fsdp import fully_shard
 
             # The TTT unroll calls each drafter layer K times per step: resharding after every forward would
-            # all-gather the layer K times forward and K times backward (measured: FSDP2 0.64 of linear vs DDP 0.91
-            # on 2 H200s). Keep the layer unsharded from its first forward to the end of backward: one gather.
+            # all-gather the layer K times forward and K times backward (FSDP2 ran at 0.64 of linear that way, DDP at
+            # 0.91; docs/LOG.md). Keep the layer unsharded from its first forward to the end of backward: one gather.
             for layer in model.drafter.layers:
                 fully_shard(layer, reshard_after_forward=False)
             fully_shard(model)
@@ -600,11 +805,12 @@ class Trainer:
             return ctx()
         return contextlib.nullcontext()
 
-    def _unwrapped_drafter(self, wrapped):
-        return wrapped.module.drafter if hasattr(wrapped, "module") else wrapped.drafter
+    def _unwrapped_drafter(self):
+        return self.wrapped.module.drafter if hasattr(self.wrapped, "module") else self.wrapped.drafter
 
-    def _full_states(self, wrapped, optimizer, names):
+    def _full_states(self, names):
         """(model_state, optim_tensors, optim_meta) — full (unsharded) on every rank."""
+        wrapped, optimizer = self.wrapped, self.optimizer
         if self.cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -618,37 +824,37 @@ class Trainer:
             osd = get_optimizer_state_dict(wrapped, optimizer, options=opts)
             osd = _prefix_optim(osd, "drafter.", strip=True)
             ot, om = ckpt.optimizer_to_flat(osd, None)
-            drafter = self._unwrapped_drafter(wrapped)
+            drafter = self._unwrapped_drafter()
             for b in ("d2t", "t2d"):
                 msd[b] = getattr(drafter, b).detach().cpu()
             return msd, ot, om
-        drafter = self._unwrapped_drafter(wrapped)
+        drafter = self._unwrapped_drafter()
         msd = {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
         ot, om = ckpt.optimizer_to_flat(optimizer.state_dict(), names)
         return msd, ot, om
 
-    def _save(self, step, data_pos, wrapped, optimizer, scheduler, names):
-        msd, ot, om = self._full_states(wrapped, optimizer, names)
+    def _save(self, step, data_pos):
+        msd, ot, om = self._full_states(self.param_names)
         if self.is_main:
             state = {
                 "step": step,
                 "data_position": list(data_pos),
-                "scheduler": scheduler.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "config": self.cfg.to_dict(),
+                "data_fingerprint": self.source.fingerprint(),
                 "world_size": self.world,
-                "global_micro_batches": self.world * self.cfg.grad_accum,
-                "drafter_config": self._unwrapped_drafter(wrapped).config.to_dict(),
+                "global_micro_batches": self.plan.micro_batches_per_step,
+                "drafter_config": self._unwrapped_drafter().config.to_dict(),
             }
             ckpt.save_checkpoint(self.ckpt_root, step, msd, ot, om, state, keep=self.cfg.keep_checkpoints)
         barrier(self.world)
 
-    def _save_final(self, wrapped, aux_layers, total_steps):
+    def _save_final(self, total_steps):
         from draftsmith.drafter import Drafter
 
-        msd, _, _ = self._full_states(wrapped, self.optimizer, None if self.cfg.fsdp else
-                                      [n for n, p in self._unwrapped_drafter(wrapped).named_parameters() if p.requires_grad])
+        msd, _, _ = self._full_states(None if self.cfg.fsdp else self.param_names)
         if self.is_main:
-            src = self._unwrapped_drafter(wrapped)
+            src = self._unwrapped_drafter()
             cfg = src.config.replace(extra={**(src.config.extra or {}), "train": {
                 "steps": total_steps, "ttt_steps": self.cfg.ttt_steps, "store": self.cfg.store,
                 "online": self.cfg.online, "lr": self.cfg.lr, "batch_tokens": self.cfg.batch_tokens,
@@ -660,14 +866,6 @@ class Trainer:
             self.log(f"final drafter: {self.out / 'final'}")
         barrier(self.world)
 
-    def _check_resume_config(self, old: dict, where) -> None:
-        keys = ("ttt_steps", "batch_tokens", "seed", "eval_fraction", "draft_vocab_size", "step_weight", "online",
-                "num_layers", "freeze_lm_head", "aux_layers")
-        diffs = [k for k in keys if k in old and old[k] != getattr(self.cfg, k)]
-        if diffs:
-            raise DraftsmithError(f"{where}/trainer_state.json: --resume with different settings {diffs} "
-                                  f"(checkpoint: {[old[k] for k in diffs]}, now: {[getattr(self.cfg, k) for k in diffs]})")
-
     def _truncate_metrics(self, path: Path, step: int) -> None:
         if not path.is_file():
             return
@@ -678,8 +876,6 @@ class Trainer:
                     keep.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut by kill -9
-        from draftsmith.common.io import atomic_write_bytes
-
         atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
 
     def _tensorboard(self):
@@ -710,6 +906,11 @@ class Trainer:
         except ImportError:
             return None
         return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def _prefix_optim(osd: dict, prefix: str, strip: bool = False) -> dict:

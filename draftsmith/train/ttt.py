@@ -1,6 +1,6 @@
 """Training-time test (TTT): the attention pattern, the shifted targets, the teacher and the loss.
 
-GUIDE §4. The drafter is unrolled K steps over a *packed* row (several documents concatenated; position
+The drafter is unrolled K steps over a *packed* row (several documents concatenated; position
 ids restart per document; attention never crosses a document). At step k the query at position i sees
 
 * the step-0 keys of its own document at positions <= i (causal, block-diagonal over documents), and
@@ -534,6 +534,38 @@ def _windows(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return F.pad(x, (0, n), value=fill).unfold(1, T, 1)
 
 
+def _step_targets(input_ids, doc_ids, loss_mask, in_vocab, ttt_steps: int, step_weight: float, pad_token_id: int):
+    """What the K steps of one unroll train on, built once per batch, vectorised over k: (ids_w [B, K+1, T]:
+    ids_w[:, k+1] is the input of step k; valid [B, K, T]: positions trained at step k; n_valid [K]; inv_n [K] float64:
+    step_weight**k / n_valid, the step's loss normalisation)."""
+    K = ttt_steps
+    ids_w = _windows(input_ids, K, pad_token_id)  # ids_w[:, k+1] = input shifted by k+1
+    doc_w = _windows(doc_ids, K + 1, -1)
+    lm_w = _windows(loss_mask, K + 1, False)
+    iv_w = _windows(in_vocab, K + 1, False)
+    valid = (doc_w[:, 2 : K + 2] == doc_ids[:, None]) & lm_w[:, 2 : K + 2] & iv_w[:, 1 : K + 1]  # [B,K,T]
+    n_valid = valid.sum(dim=(0, 2))  # [K]
+    weights = torch.as_tensor([step_weight**k for k in range(K)], dtype=torch.float64, device=input_ids.device)
+    return ids_w, valid, n_valid, weights / n_valid.clamp(min=1)
+
+
+@torch.no_grad()
+def _unroll_stats(ce: torch.Tensor, n_valid: torch.Tensor, preds: list, teacher_argmax: torch.Tensor,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """[5, K] float64 `TTTStats` rows of one unroll: CE sums, valid counts, hits, and the chained (all earlier steps
+    hit) hits and counts. preds: per step [B, T] drafter argmax (-1 where the step has no teacher)."""
+    K = len(preds)
+    hit = torch.stack(preds, dim=1) == _windows(teacher_argmax, K, -2)[:, 1 : K + 1]  # teacher argmax at i+k+1
+    chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()  # hit at all j<k
+    return torch.stack([
+        ce.detach().double(),
+        n_valid.double(),
+        (hit & valid).sum(dim=(0, 2)).double(),
+        (chain & hit & valid).sum(dim=(0, 2)).double(),
+        (chain & valid).sum(dim=(0, 2)).double(),
+    ])
+
+
 def ttt_unroll(
     drafter,
     input_ids: torch.Tensor,
@@ -566,15 +598,8 @@ def ttt_unroll(
     hidden = drafter.fuse(aux_hidden)
     K = ttt_steps
     B, T = input_ids.shape
-    dev = input_ids.device
-    # once per batch: [B, K+2, T] shifted views; valid[:, k] = positions trained at step k
-    ids_w = _windows(input_ids, K, pad_token_id)  # ids_w[:, k+1] = input shifted by k+1
-    doc_w = _windows(doc_ids, K + 1, -1)
-    lm_w = _windows(loss_mask, K + 1, False)
-    iv_w = _windows(teacher.in_vocab, K + 1, False)
-    valid_all = (doc_w[:, 2 : K + 2] == doc_ids[:, None]) & lm_w[:, 2 : K + 2] & iv_w[:, 1 : K + 1]  # [B,K,T]
-    n_all = valid_all.sum(dim=(0, 2))  # [K]
-    inv_n = torch.as_tensor([step_weight**k for k in range(K)], dtype=torch.float64, device=dev) / n_all.clamp(min=1)
+    ids_w, valid_all, n_all, inv_n = _step_targets(input_ids, doc_ids, loss_mask, teacher.in_vocab, K, step_weight,
+                                                   pad_token_id)
     ce_list, pred_list = [], []
     for k in range(K):
         hidden = drafter(ids_w[:, k + 1], hidden, position_ids, attn_fn=attn)
@@ -586,18 +611,7 @@ def ttt_unroll(
         pred_list.append(F.pad(pred, (0, T - m), value=-1))
     ce = torch.stack(ce_list)  # [K]
     loss = (ce * inv_n.to(ce.dtype)).sum()
-    with torch.no_grad():
-        preds = torch.stack(pred_list, dim=1)  # [B,K,T]
-        t_arg = _windows(teacher.argmax, K, -2)[:, 1 : K + 1]  # [B,K,T]: teacher argmax at i+k+1
-        hit = preds == t_arg
-        chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()  # hit at all j<k
-        stats = torch.stack([
-            ce.detach().double(),
-            n_all.double(),
-            (hit & valid_all).sum(dim=(0, 2)).double(),
-            (chain & hit & valid_all).sum(dim=(0, 2)).double(),
-            (chain & valid_all).sum(dim=(0, 2)).double(),
-        ])
+    stats = _unroll_stats(ce, n_all, pred_list, teacher.argmax, valid_all)
     return loss, TTTStats(*stats.unbind(0))
 
 
@@ -726,7 +740,7 @@ def _one_step(drafter, ids_k, hidden, position_ids, probs_k, valid_k, k0s, v0s, 
 class CompiledStepUnroll:
     """The TTT unroll with ONE compiled graph per step kind (step 0, and all steps >= 1), instead of one graph
     for the whole K-step unroll (`CompiledUnroll`). Why: compile time of the whole unroll grows linearly with
-    K (CPU inductor, pycode-small drafter shapes: 21 / 42 / 88 s at K = 1 / 3 / 7; 155 s on the H200 at K=7),
+    K (docs/LOG.md has the measurements),
     while every step >= 1 does the same computation on the same shapes once the diagonal keys live in fixed
     slots (inactive slots masked with -inf) and the teacher rows are fixed-length views of a once-padded
     tensor. Same loss, gradients and statistics as `ttt_unroll` (tested on CPU against the reference).
@@ -744,13 +758,8 @@ class CompiledStepUnroll:
         dev = input_ids.device
         _warm_drafter_caches(drafter, dev)
         bm = doc_causal_block_mask(doc_ids)
-        ids_w = _windows(input_ids, K, pad_token_id)
-        doc_w = _windows(doc_ids, K + 1, -1)
-        lm_w = _windows(loss_mask, K + 1, False)
-        iv_w = _windows(teacher.in_vocab, K + 1, False)
-        valid_all = (doc_w[:, 2 : K + 2] == doc_ids[:, None]) & lm_w[:, 2 : K + 2] & iv_w[:, 1 : K + 1]  # [B,K,T]
-        n_all = valid_all.sum(dim=(0, 2))
-        inv_n = torch.as_tensor([step_weight**k for k in range(K)], dtype=torch.float64, device=dev) / n_all.clamp(min=1)
+        ids_w, valid_all, n_all, inv_n = _step_targets(input_ids, doc_ids, loss_mask, teacher.in_vocab, K,
+                                                       step_weight, pad_token_id)
         # teacher rows of step k = probs[i + k + 1]: a [B, T, V_d] window of a once-padded tensor (fixed shape)
         probs_p = F.pad(teacher.probs, (0, 0, 0, K + 1))
         n_slots = max(1, K - 1)
@@ -768,13 +777,4 @@ class CompiledStepUnroll:
             pred_list.append(torch.where(torch.arange(T, device=dev) < T - (k + 1), pred, -1))  # as ttt_unroll
         ce = torch.stack(ce_list)
         loss = (ce * inv_n.to(ce.dtype)).sum()
-        with torch.no_grad():
-            preds = torch.stack(pred_list, dim=1)
-            t_arg = _windows(teacher.argmax, K, -2)[:, 1 : K + 1]
-            hit = preds == t_arg
-            chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()
-            stats = torch.stack([
-                ce.detach().double(), n_all.double(), (hit & valid_all).sum(dim=(0, 2)).double(),
-                (chain & hit & valid_all).sum(dim=(0, 2)).double(), (chain & valid_all).sum(dim=(0, 2)).double(),
-            ])
-        return loss, stats
+        return loss, _unroll_stats(ce, n_all, pred_list, teacher.argmax, valid_all)

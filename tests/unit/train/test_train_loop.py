@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,12 @@ def _cfg(tiny, out, **kw):
     return TrainConfig(**base)
 
 
+def _distinct_tokens(tiny) -> int:
+    from draftsmith.store import HiddenStateStore
+
+    return int((HiddenStateStore.open(tiny / "store").token_counts() > 0).sum())
+
+
 def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -108,7 +115,8 @@ def test_overfit_tiny_store_acc0(tiny, target, tmp_path):
     assert any((out / "tensorboard").iterdir())
     assert (out / "final" / "config.json").is_file()
     d = Drafter.from_pretrained(out / "final")
-    assert d.config.draft_vocab_size == 256 and d.config.aux_layer_ids == [1, 2, 3]
+    # 256 asked, capped at the store's distinct loss-masked tokens (issue #14 item 19; test_draft_vocab_capped)
+    assert d.config.draft_vocab_size == _distinct_tokens(tiny) < 256 and d.config.aux_layer_ids == [1, 2, 3]
 
 
 def test_offline_equals_online(tiny, target, tmp_path):
@@ -373,3 +381,154 @@ def test_fp8_rows_dequantized_after_the_copy_equal_host_dequantized(tiny, tmp_pa
             assert y.aux_scale is None and y.aux_hidden.dtype == x.aux_hidden.dtype
             assert torch.equal(x.aux_hidden, y.aux_hidden) and torch.equal(x.final_hidden, y.final_hidden)
             assert torch.equal(x.input_ids, y.input_ids) and x.num_tokens == y.num_tokens
+
+
+# --------------------------------------------------------------------------------------------------- issue #14
+class _Poisoned:
+    """A store whose sample `bad` has NaN aux states (what a corrupted shard that passes its checks would give)."""
+
+    def __init__(self, store, bad: int):
+        self._store, self._bad = store, bad
+
+    def __len__(self):
+        return len(self._store)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def __getitem__(self, i):
+        item = self._store[i]
+        if i == self._bad:
+            item = {**item, "aux_hidden_states": torch.full_like(item["aux_hidden_states"], float("nan"))}
+        return item
+
+
+def test_non_finite_loss_stops_naming_step_and_sample(tiny, target, tmp_path):
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.train import Trainer
+
+    from draftsmith.train.batches import epoch_rows, source_lengths
+
+    store = HiddenStateStore.open(tiny / "store", dtype=torch.float32)
+    bad = epoch_rows(range(len(store)), source_lengths(store), 128, 0, 0)[1][0]  # in step 2's row
+    out = tmp_path / "r"
+    with pytest.raises(DraftsmithError) as e:
+        Trainer(_cfg(tiny, out, save_every=1, batch_tokens=128), target=target, source=_Poisoned(store, bad),
+                log=_quiet).run()
+    msg = str(e.value)
+    assert msg.startswith("step 2: the training loss is nan") and "\n" not in msg, msg
+    assert re.search(rf"sample {bad} \(shards/shard-\d+\.safetensors #\d+\)", msg), msg
+    assert [r["step"] for r in _metrics(out)] == [1]  # the step before it, not the bad one
+    assert not (out / "final").exists()
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-00000001"]
+
+
+def test_out_with_unrelated_files_is_refused_and_a_run_dir_is_locked(tiny, target, tmp_path):
+    from draftsmith.common.io import dir_lock
+    from draftsmith.train import train
+
+    other = tmp_path / "model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(DraftsmithError, match="not a draftsmith run directory"):
+        train(target=target, cfg=_cfg(tiny, other), log=_quiet)
+    assert (other / "config.json").read_text() == "{}" and sorted(p.name for p in other.iterdir()) == ["config.json"]
+    run = tmp_path / "run"
+    with dir_lock(run, what="train"):  # another train holds it
+        with pytest.raises(DraftsmithError, match="in use by another draftsmith train"):
+            train(target=target, cfg=_cfg(tiny, run), log=_quiet)
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_resume_with_other_lr_or_data_is_refused(tiny, target, tmp_path):
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.train import Trainer, train
+
+    out = tmp_path / "r"
+    train(target=target, cfg=_cfg(tiny, out, steps=1), log=_quiet)
+    with pytest.raises(DraftsmithError, match=r"different settings \['lr'\]"):
+        train(target=target, cfg=_cfg(tiny, out, steps=2, lr=1e-2, resume=True), log=_quiet)
+    store = HiddenStateStore.open(tiny / "store", dtype=torch.float32)
+    fewer = [store[i] for i in range(len(store) - 1)]
+    with pytest.raises(DraftsmithError, match="different data"):
+        Trainer(_cfg(tiny, out, steps=2, resume=True), target=target, source=fewer, log=_quiet).run()
+    train(target=target, cfg=_cfg(tiny, out, steps=2, resume=True), log=_quiet)  # the same settings resume
+    assert [r["step"] for r in _metrics(out)] == [1, 2]
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(tiny, target, tmp_path):
+    from draftsmith.train import train
+
+    out = tmp_path / "r"
+    train(target=target, cfg=_cfg(tiny, out, steps=2, save_every=1), log=_quiet)
+    latest = out / "checkpoints" / "step-00000002" / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[:100])
+    msgs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, out, steps=3, save_every=1, resume=True), log=msgs.append)
+    text = "\n".join(msgs)
+    assert "checkpoint step-00000002 is unreadable" in text and "older checkpoint step-00000001 (step 1)" in text
+    assert "resumed from" in text and "at step 1 " in text
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+
+
+def test_draft_vocab_capped_at_the_distinct_loss_masked_tokens(tiny, target, tmp_path):
+    from draftsmith.drafter import Drafter
+    from draftsmith.train import train
+
+    n = _distinct_tokens(tiny)
+    msgs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, tmp_path / "r", steps=1, draft_vocab_size=n + 7), log=msgs.append)
+    assert any(f"--draft-vocab-size {n + 7} is more than the {n} distinct loss-masked tokens" in m and
+               f"capped at {n}" in m for m in msgs), msgs
+    assert Drafter.from_pretrained(tmp_path / "r" / "final").config.draft_vocab_size == n
+    msgs.clear()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "s", steps=1, draft_vocab_size=n - 1), log=msgs.append)
+    assert not any("capped" in m for m in msgs)
+
+
+def test_full_disk_is_one_line(tiny, target, tmp_path):
+    from store_helpers import small_tmpfs
+
+    from draftsmith.train import train
+
+    with small_tmpfs(tmp_path / "fs", 256 << 10) as fs:
+        with pytest.raises(DraftsmithError, match=r"^no space left on device: ") as e:
+            train(target=target, cfg=_cfg(tiny, fs / "r", steps=1), log=_quiet)
+        assert "\n" not in str(e.value)
+        assert not list((fs / "r" / "checkpoints").glob("*step-*"))  # nothing half-written left behind
+
+
+def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny, target, tmp_path, monkeypatch):
+    """The default CUDA start (`warmup.py`): the first step runs the chunked attention while a copy of the model
+    compiles the unroll in a thread; the next step boundary switches to the compiled unroll, which the real drafter
+    then calls without a recompile, and the losses are those of an eager run. CPU stand-in: aot_eager and the dense
+    flex replacement; `done()` waits, so the switch is at step 2."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import draftsmith.train.ttt as ttt
+    from draftsmith.train import train
+    from draftsmith.train import trainer as tr
+    from draftsmith.train import warmup
+    from test_train_ttt import _dense_doc_causal, _dense_flex
+
+    monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
+    monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
+    monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
+    monkeypatch.setattr(tr.Trainer, "_background_compile_wanted", lambda self: True)
+    monkeypatch.setattr(tr.TTTModel, "enable_compile",
+                        lambda self, **kw: setattr(self, "compiled", ttt.CompiledUnroll(backend="aot_eager")))
+    monkeypatch.setattr(warmup.BackgroundCompile, "done", lambda self: self.wait())
+    torch._dynamo.reset()
+    counters.clear()
+    msgs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, tmp_path / "bg", steps=3, pad_to_budget=True), log=msgs.append)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled once, in the thread
+    torch._dynamo.reset()
+    text = "\n".join(msgs)
+    assert "the first steps run the chunked attention while the TTT unroll compiles in the background" in text
+    assert "step 2: the compiled TTT unroll is ready" in text, text
+    monkeypatch.undo()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=3, pad_to_budget=True, compile="off"), log=_quiet)
+    for x, y in zip(_metrics(tmp_path / "bg"), _metrics(tmp_path / "ref"), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
