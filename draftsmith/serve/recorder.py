@@ -30,7 +30,12 @@ import torch
 
 from draftsmith import __version__
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.common.io import atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, read_json
+from draftsmith.common.io import (
+    atomic_save_file,
+    atomic_save_safetensors_streaming,
+    atomic_write_json,
+    read_json,
+)
 from draftsmith.store import format as fmt
 from draftsmith.target_model.layers import to_hidden_states_ids
 
@@ -128,7 +133,8 @@ class ServeRecorder:
         if self.dtype == "fp8":
             aux_q, aux_s = fmt.quantize_fp8_rows(aux, self.H)
             fq, fs = fmt.quantize_fp8_rows(final, self.H)
-            rows = {"aux": aux_q.cpu(), "aux_scale": aux_s.cpu(), "final": fq.cpu(), "final_scale": fs.reshape(-1).cpu()}
+            rows = {"aux": aux_q.cpu(), "aux_scale": aux_s.cpu(), "final": fq.cpu(),
+                    "final_scale": fs.reshape(-1).cpu()}
         else:
             rows = {"aux": aux.to(torch.bfloat16).cpu(), "final": final.to(torch.bfloat16).cpu()}
         self.forward_s += time.perf_counter() - t0

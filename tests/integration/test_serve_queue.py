@@ -15,9 +15,9 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from draftsmith.decode.engine import GenerationResult  # noqa: E402
-from draftsmith.serve.app import ServeSettings, _cut_at_stop, _held_back, create_app  # noqa: E402
-from draftsmith.serve.worker import EngineWorker  # noqa: E402
+from draftsmith.decode.engine import GenerationResult
+from draftsmith.serve.app import ServeSettings, _cut_at_stop, _held_back, create_app
+from draftsmith.serve.worker import EngineWorker
 
 
 class _Tok:
@@ -119,7 +119,7 @@ def test_queue_timeout_and_full_queue_answer_429(scripted):
 
 
 def test_stream_disconnect_cancels_and_engine_error_is_one_line_500(scripted):
-    engine, base = scripted(0.02, max_queue=4)
+    _, base = scripted(0.02, max_queue=4)
     with httpx.Client(timeout=10) as c:
         with c.stream("POST", base + "/v1/completions", json={"prompt": "a", "max_tokens": 60, "stream": True}) as r:
             next(ln for ln in r.iter_lines() if ln.startswith("data:"))
