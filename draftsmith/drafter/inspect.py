@@ -115,7 +115,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"trained for  {_known(info['target_name_or_path'])} ({_known(info['target_num_layers'])} layers)",
     ]
     for problem in info.get("weights_problems") or []:
-        lines.append(f"WEIGHTS DISAGREE WITH CONFIG: {problem}")
+        lines.append(f"WEIGHTS PROBLEM: {problem}")
     for warning in info.get("warnings") or []:
         lines.append(f"warning: {warning}")
     if info["fits_target"] is not None:

@@ -50,10 +50,12 @@ def export_cmd(
         raise DraftsmithError(f"--speculative-tokens: must be >= 1, got {speculative_tokens}")
     with warnings.catch_warnings(record=True) as caught, trust_remote_code_scope(trust_remote_code):
         warnings.simplefilter("always", UserWarning)
-        info = export(drafter, out, format.lower(), target=target, dtype=dtype.lower(),
-                      speculative_tokens=speculative_tokens, overwrite=overwrite)
-    for w in caught:  # one line each (Python's own format adds the source line)
-        typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
+        try:
+            info = export(drafter, out, format.lower(), target=target, dtype=dtype.lower(),
+                          speculative_tokens=speculative_tokens, overwrite=overwrite)
+        finally:  # shown before an error too: a warning may explain it
+            for w in caught:  # one line each (Python's own format adds the source line)
+                typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
     typer.echo(f"exported {drafter} -> {info['out']} ({info['format']}, {info['dtype']}); aux layers: layer-output "
                f"ids {info['aux_layer_ids']} = hidden_states ids {info['aux_hidden_states_ids']}")
     for note in info.get("notes", []):

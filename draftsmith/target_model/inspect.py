@@ -67,12 +67,12 @@ def format_target_info(info: dict) -> str:
         lines.append(f"moe           {info['moe']}")
     lines += [
         f"chat template {'yes' if info['chat_template'] else 'no (use text mode)'}",
-        "default aux layers (EAGLE-3 low/mid/high):",
+        "default aux layers (EAGLE-3 low/mid/high, distinct; rule in draftsmith/target_model/layers.py):",
         f"  layer-output ids   {aux['layer-output ids']}   (SGLang eagle_config, SpecForge, draftsmith --aux-layers)",
         f"  hidden_states ids  {aux['hidden_states ids']}   (vLLM top-level, speculators --target-layer-ids, HF output_hidden_states)",
     ]
     for problem in info.get("weights_problems") or []:
-        lines.append(f"WEIGHTS DISAGREE WITH CONFIG: {problem}")
+        lines.append(f"WEIGHTS PROBLEM: {problem}")
     if not info["distinct_aux_layers"]:
         lines.append("  note: with this few layers three distinct aux layers do not exist; such a drafter trains and "
                      "decodes in draftsmith but cannot be exported (engines need distinct ids)")

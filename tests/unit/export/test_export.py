@@ -407,3 +407,132 @@ def test_narrow_drafter_keeps_its_own_embedding(tmp_path):
         assert torch.equal(logits(d2, ids, aux, pos), logits(d, ids, aux, pos))
     with pytest.raises(DraftsmithError, match="target_hidden_size"):
         export(d, tmp_path / "x", "speculators")
+
+
+# ------------------------------------------------------------------------------------- issue #14: safety and interop
+def test_out_must_be_new_empty_or_an_export_of_the_same_format(tmp_path):
+    """Item 3: --out pointing at a model directory replaced its config.json and weights."""
+    d = make_drafter()
+    model_dir = tmp_path / "a-target"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (model_dir / "model.safetensors").write_bytes(b"target weights")
+    with pytest.raises(DraftsmithError, match="not a draftsmith drafter export.*--overwrite") as e:
+        export(d, model_dir, "vllm", target=TINY)
+    assert "\n" not in str(e.value)
+    assert (model_dir / "model.safetensors").read_bytes() == b"target weights"  # untouched
+    export(d, tmp_path / "v", "vllm", target=TINY)
+    export(d, tmp_path / "v", "vllm", target=TINY)  # an earlier export of the same layout: refreshed in place
+    with pytest.raises(DraftsmithError, match="a draftsmith vllm export, not sglang"):
+        export(d, tmp_path / "v", "sglang", target=TINY)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DraftsmithError, match="not a directory"):
+        export(d, tmp_path / "file", "vllm", target=TINY)
+    (model_dir / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    info = export(d, model_dir, "vllm", target=TINY, overwrite=True)
+    assert any("model-00001-of-00002.safetensors" in n for n in info["notes"])
+    assert json.loads((model_dir / "draftsmith_export.json").read_text())["format"] == "vllm"
+    assert Drafter.from_pretrained(model_dir, target=TINY).config.aux_layer_ids == [0, 2, 4]
+
+
+def test_repeated_or_uncapturable_aux_ids_are_refused(tmp_path):
+    """Item 12: repeated ids break both engines; SGLang cannot capture the last layer's output."""
+    d = make_drafter(aux_layer_ids=[1, 2, 2])
+    for fmt in ("sglang", "vllm", "speculators"):
+        with pytest.raises(DraftsmithError, match="membership.*de-duplicates") as e:
+            export(d, tmp_path / fmt, fmt, target=TINY)
+        assert "\n" not in str(e.value) and "[2, 3, 3] (hidden_states ids)" in str(e.value)
+    last = make_drafter(aux_layer_ids=[1, 3, 5])  # 5 = the last layer of the 6-layer target
+    with pytest.raises(DraftsmithError, match="last layer"):
+        export(last, tmp_path / "s", "sglang", target=TINY)
+    export(last, tmp_path / "v", "vllm", target=TINY)  # vLLM captures it (hidden_states id 6)
+    # the defaults for this target are distinct (and not the last layer), so they export everywhere
+    default = make_drafter(aux_layer_ids=None)
+    assert default.config.aux_layer_ids == [1, 2, 3]
+    export(default, tmp_path / "s2", "sglang", target=TINY)
+
+
+def test_dtype_follows_the_target_or_the_option(tmp_path):
+    """Item 13: exports said float32, and SGLang with --dtype auto then built an fp16 drafter."""
+    d = make_drafter()
+    for fmt in ("sglang", "speculators"):
+        info = export(d, tmp_path / fmt, fmt, target=TINY)  # auto: pycode-tiny is bfloat16
+        c = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert info["dtype"] == c["dtype"] == "bfloat16"
+        assert load_file(str(tmp_path / fmt / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    export(d, tmp_path / "fp32", "vllm", target=TINY, dtype="fp32")
+    c = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert c["dtype"] == c["torch_dtype"] == "float32"
+    assert load_file(str(tmp_path / "fp32" / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    with pytest.raises(DraftsmithError, match="--dtype"):
+        export(d, tmp_path / "x", "vllm", target=TINY, dtype="int8")
+
+
+def test_speculators_serve_command_and_absolute_verifier(tmp_path, monkeypatch):
+    """Item 14: `vllm serve DIR` fails for a local verifier; the relative verifier path broke from other dirs."""
+    monkeypatch.chdir(TINY.parent)
+    info = export(make_drafter(), tmp_path / "spec", "speculators", target=TINY.name, speculative_tokens=4)
+    c = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert c["speculators_config"]["verifier"]["name_or_path"] == str(TINY.resolve())
+    cmd = info["serve_command"]
+    assert cmd.startswith(f"vllm serve {TINY.resolve()} --speculative-config ")
+    spec = json.loads(cmd.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "eagle3", "model": str((tmp_path / "spec").resolve()), "num_speculative_tokens": 4}
+
+
+def test_inspect_says_what_is_known_of_the_target(tmp_path):
+    """Item 18: vLLM/speculators exports printed `trained for None (None layers)`."""
+    from draftsmith.drafter.inspect import format_report
+
+    export(make_drafter(), tmp_path / "v", "vllm", target=TINY)
+    text = format_report(inspect_drafter(tmp_path / "v"))
+    assert f"trained for  {TINY.resolve()} (6 layers)" in text  # from the export's draftsmith_export.json
+    (tmp_path / "v" / "draftsmith_export.json").unlink()  # e.g. a checkpoint from elsewhere
+    text = format_report(inspect_drafter(tmp_path / "v"))
+    assert "trained for  unknown (unknown layers)" in text and "None" not in text.split("trained for")[1]
+
+
+def test_damaged_drafter_and_contradicting_weights(tmp_path):
+    """A truncated model.safetensors is one line; inspect checks the weights' shapes, not only config.json."""
+    from draftsmith.drafter.inspect import format_report
+
+    make_drafter().save_pretrained(tmp_path / "d")
+    w = tmp_path / "d" / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 3])
+    with pytest.raises(DraftsmithError, match="truncated or corrupted") as e:
+        Drafter.from_pretrained(tmp_path / "d", target=TINY)
+    assert "\n" not in str(e.value) and str(w) in str(e.value)
+    w.write_bytes(data)
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "intermediate_size": 1024}))  # the weights say 512
+    info = inspect_drafter(tmp_path / "d", target=TINY)
+    assert info["fits_target"] is False
+    assert any("layers.0.mlp.gate_proj.weight" in p for p in info["fit_problems"])
+    assert "WEIGHTS PROBLEM: " in format_report(info)
+
+
+def test_missing_aux_ids_warn_in_one_line(tmp_path):
+    """A drafter config without aux_layer_ids took the default silently; now a warning names it, both ways."""
+    import typer
+    from typer.testing import CliRunner
+
+    from draftsmith.export.cli import register
+
+    d = make_drafter()
+    d.save_pretrained(tmp_path / "d")
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["aux_layer_ids"] = None
+    cfg_path.write_text(json.dumps(cfg))
+    app = typer.Typer()
+    register(app)
+    app.command("noop", hidden=True)(lambda: None)
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "d"), "--format", "vllm", "--out", str(tmp_path / "o"),
+                                 "--target", str(TINY)])
+    # the engines' default for 6 layers repeats a layer: the warning says which, then the export is refused
+    assert r.exit_code != 0
+    warning = [line for line in r.output.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "layer-output ids [1, 2, 2] = hidden_states ids [2, 3, 3]" in warning[0], r.output
+    assert isinstance(r.exception, DraftsmithError) and "membership" in str(r.exception)
