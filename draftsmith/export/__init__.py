@@ -1,5 +1,6 @@
 """Export a drafter to the layouts serving engines load: SGLang (also EAGLE/SpecForge/ModelOpt), vLLM,
 speculators. Import is the other direction and lives in `Drafter.from_pretrained` (auto-detected).
+User-facing description: docs/export.md.
 
 What each engine reads (checked against their sources):
 - SGLang `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py): Llama config with
