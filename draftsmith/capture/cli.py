@@ -41,8 +41,10 @@ def _aux_ids(values: dict[str, Any], extras: dict[str, Any]) -> None:
 
 def _run(cfg: CaptureConfig) -> None:
     from draftsmith.capture.job import run_capture
+    from draftsmith.target_model.load import trust_remote_code_scope
 
-    run_capture(cfg, log=lambda *a: typer.echo(" ".join(str(x) for x in a), err=True))
+    with trust_remote_code_scope(cfg.trust_remote_code):
+        run_capture(cfg, log=lambda *a: typer.echo(" ".join(str(x) for x in a), err=True))
 
 
 capture = command_for(CaptureConfig, _run, stage="capture", doc=DOC, extra=[_HIDDEN_STATES_IDS], adjust=_aux_ids)

@@ -32,6 +32,10 @@ class CaptureConfig:
     model_dtype: str = setting("auto", group="target", checks=(one_of(*dtypes.WITH_AUTO),),
                                metavar="[auto|bf16|fp16|fp32]",
                                help="Target weights dtype: auto (bf16 on GPU, as saved on CPU), bf16, fp16, fp32.")
+    trust_remote_code: bool = setting(False, group="target",
+                                      help="Allow running Python code shipped in the target directory (config "
+                                           "auto_map). Off: such a target is refused (DRAFTSMITH_TRUST_REMOTE_CODE=1 "
+                                           "also allows it).")
     capture_final: bool = setting(True, group="output", flags=("--no-final",), negate=True,
                                   help="Do not store the last layer's (pre-norm) output; training needs it for the "
                                        "teacher.")

@@ -104,13 +104,13 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else (_num(value) if isinstance(value, (int, float)) else str(value))
 
 
-def check_value(where: str, value: Any, checks: Sequence[Check] = (), *, finite: bool | None = None) -> None:
+def check_value(where: str, value: Any, checks: Sequence[Check] = ()) -> None:
     """Raise one line `WHERE: must be RULE, got VALUE` unless every check holds (a None value passes).
 
-    Floats must also be finite (nan and inf pass no bound honestly); `finite=False` allows inf."""
+    Floats must also be finite: nan passes no bound honestly, and no setting here means anything at inf."""
     if value is None:
         return
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and finite is not False):
+    if isinstance(value, float) and not math.isfinite(value):
         raise DraftsmithError(f"{where}: must be a finite number, got {_show(value)}")
     for c in checks:
         try:

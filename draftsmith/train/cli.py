@@ -18,9 +18,11 @@ Multi-GPU: `torchrun --nproc-per-node N -m draftsmith train ...` (DDP; `--fsdp` 
 
 
 def _run(cfg: TrainConfig) -> None:
+    from draftsmith.target_model.load import trust_remote_code_scope
     from draftsmith.train.trainer import train
 
-    train(cfg, log=lambda s: typer.echo(s, err=True))
+    with trust_remote_code_scope(cfg.trust_remote_code):
+        train(cfg, log=lambda s: typer.echo(s, err=True))
 
 
 train_command = command_for(TrainConfig, _run, stage="train", doc=DOC)

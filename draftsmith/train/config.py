@@ -116,6 +116,10 @@ class TrainConfig:
                                 metavar="[auto|bf16|fp16|fp32]",
                                 help="Target weights: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
     fsdp: bool = setting(False, group="runtime", help="Under torchrun: FSDP2 (fully_shard) instead of DDP.")
+    trust_remote_code: bool = setting(False, group="runtime",
+                                      help="Allow running Python code shipped in the target directory (config "
+                                           "auto_map). Off: such a target is refused (DRAFTSMITH_TRUST_REMOTE_CODE=1 "
+                                           "also allows it).")
     # -- output
     out: str = setting("run", group="output", flags=("--out", "-o"), required=True,
                        help="Run directory: checkpoints/, final/, metrics.jsonl, training.png.")

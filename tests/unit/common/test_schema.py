@@ -270,3 +270,20 @@ def test_sampling_checks(check, value, says):
     assert str(e.value) == "--x: " + says
     for ok in (0.0, 1.0) if check in (check_temperature,) else (1,):
         check("--x", ok)
+
+
+@pytest.mark.parametrize("cmd", [TRAIN, CAPTURE])
+def test_trust_remote_code_flag_scopes_the_run(cmd, monkeypatch):
+    """train/capture --trust-remote-code lets the target loaders run a model directory's code (the refusal message
+    names this flag); without it they do not."""
+    import draftsmith.capture.job as job
+    import draftsmith.train.trainer as trainer
+    from draftsmith.target_model.load import TRUST_REMOTE_CODE_ENV, trust_remote_code
+
+    monkeypatch.delenv(TRUST_REMOTE_CODE_ENV, raising=False)
+    trusted = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, **kw: trusted.append(trust_remote_code()))
+    monkeypatch.setattr(job, "run_capture", lambda cfg, **kw: trusted.append(trust_remote_code()))
+    _ok(cmd)
+    _ok(cmd + ["--trust-remote-code"])
+    assert trusted == [False, True] and trust_remote_code() is False
