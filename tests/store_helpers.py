@@ -26,13 +26,15 @@ def make_corpus(root: Path, n_files: int = 12) -> Path:
     return d
 
 
-def capture(tiny, data, out, **kw) -> dict:
+def capture(tiny, data, out, target=None, **kw) -> dict:
+    """`run_capture` with test-sized settings; `target`: an already loaded Target (saves loading it again)."""
     kw.setdefault("max_length", 128)
     kw.setdefault("batch_tokens", 512)
     kw.setdefault("shard_tokens", 700)
     kw.setdefault("progress", False)
     kw.setdefault("model_dtype", "fp32")
-    return run_capture(CaptureConfig(target=str(tiny), data=str(data), out=str(out), **kw), log=lambda *a: None)
+    return run_capture(CaptureConfig(target=str(tiny), data=str(data), out=str(out), **kw), log=lambda *a: None,
+                       target=target)
 
 
 @contextlib.contextmanager
@@ -60,3 +62,8 @@ def fill_disk(root: Path, leave_bytes: int) -> Path:
     with open(filler, "wb") as f:
         f.write(b"\0" * max(0, free - leave_bytes))
     return filler
+
+
+def resize_tmpfs(where: Path, size_bytes: int) -> None:
+    """Grow (or shrink) a tmpfs mounted by `small_tmpfs`: frees space for a rerun."""
+    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(where)], check=True, capture_output=True)

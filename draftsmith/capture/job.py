@@ -253,11 +253,14 @@ class _CaptureJob:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_start = time.time()
-        with torch.no_grad():
-            for si in todo:
-                self._capture_shard(si, slots, bar)
-            drain_s = slots.drain()
-        bar.close()
+        try:
+            with torch.no_grad():
+                for si in todo:
+                    self._capture_shard(si, slots, bar)
+                drain_s = slots.drain()
+        finally:
+            slots.close()  # on an error too: no writer thread outlives the job (and its directory lock)
+            bar.close()
         elapsed = time.time() - t_start
         captured = int(sum(self.shards[si][2] for si in todo))
         if stats is not None:
@@ -346,15 +349,16 @@ class _WriteSlots:
     def drain(self) -> float:
         """Wait for the last shards' writes (no longer overlapped by device work); returns the seconds waited."""
         t0 = time.time()
-        try:
-            for f in self.writes:
-                f.result()
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.writes:
+            f.result()
         return time.time() - t0
 
+    def close(self) -> None:
+        """Stop the writer threads: queued writes are cancelled, a running one finishes (atomically) first."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
     def write_stats(self) -> dict:
-        done = [f.result() for f in self.writes]
+        done = [f.result() for f in self.writes]  # all finished (after drain)
         return {"write_s": sum(d[0] for d in done), "bytes_written": sum(d[1] for d in done), "shards": len(done)}
 
 
