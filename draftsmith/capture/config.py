@@ -55,6 +55,9 @@ class CaptureConfig:
                                         "--no-add-bos: never).")
     max_samples: int | None = setting(None, group="data", checks=(AT_LEAST_ONE,),
                                       help="Capture only the first N samples (a quick trial).")
+    follow_symlinks: bool = setting(False, group="data",
+                                    help="For a directory: also read files whose symlinks lead outside it (by "
+                                         "default they are skipped and counted).")
     # -- output
     dtype: str = setting("bf16", group="output", checks=(one_of("bf16", "fp8"),),
                          help="Store dtype for hidden states: bf16 (8H+4 bytes/token for 3 aux layers) or fp8 "

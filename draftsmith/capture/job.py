@@ -194,7 +194,7 @@ class _CaptureJob:
             samples, report = load_samples(
                 cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
                 glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
-                follow_symlinks=getattr(cfg, "follow_symlinks", False),
+                follow_symlinks=cfg.follow_symlinks,
             )
             self.say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
         else:
