@@ -173,17 +173,16 @@ def export_files(model, fmt: str, dtype: torch.dtype | None = None,
 def export_drafter(model, out: str | os.PathLike, fmt: str, dtype: torch.dtype | None = None,
                    speculative_tokens: int = 3, verifier_architectures: list[str] | None = None,
                    target: str | None = None, target_num_layers: int | None = None) -> Path:
-    """Write `model` into `out` in layout `fmt`: model.safetensors, config.json, and last the marker
-    `draftsmith_export.json` (what was exported, for what target) by which a later export recognises the
-    directory as its own and `inspect` knows the target the engines' layouts do not record."""
+    """Write `model` into `out` in layout `fmt`: the marker `draftsmith_export.json` (what is exported, for what
+    target) by which a later export recognises the directory as its own and `inspect` knows the target the
+    engines' layouts do not record, then model.safetensors and config.json. The marker goes first so that a rerun
+    after an interrupted export is still recognised as ours."""
     from draftsmith import __version__
 
     d, tensors = export_files(model, fmt, dtype, speculative_tokens, verifier_architectures, target_num_layers)
     cfg: DrafterConfig = model.config
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    atomic_save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(root / "config.json", d)
     atomic_write_json(root / EXPORT_MARKER, {
         "export": "drafter", "format": fmt, "draftsmith_version": __version__, "dtype": _dtype_name(tensors),
         "target": _verifier_path(target or cfg.target_name_or_path),
@@ -191,4 +190,6 @@ def export_drafter(model, out: str | os.PathLike, fmt: str, dtype: torch.dtype |
         "aux_layer_ids": list(cfg.aux_layer_ids), "aux_hidden_states_ids": cfg.aux_hidden_states_ids,
         "files": ["model.safetensors", "config.json"],
     })
+    atomic_save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    atomic_write_json(root / "config.json", d)
     return root
