@@ -93,7 +93,9 @@ class TrainConfig:
     step_weight: float = setting(0.8, group="ttt", checks=(POSITIVE,),
                                  help="Loss weight of TTT step k is this**k.")
     attn_backend: str = setting("auto", group="ttt", checks=(one_of("auto", "flex", "chunked"),),
-                                help="TTT attention: auto (flex on GPU, chunked on CPU), flex, chunked.")
+                                help="TTT attention: auto (chunked on CPU; on GPU flex, compiled in the background "
+                                     "-- with --compile auto the whole unroll -- while the first steps run chunked), "
+                                     "flex (compiled before step 1), chunked.")
     attn_chunk: int = setting(0, group="ttt", checks=(NON_NEGATIVE,),
                               default_help="0 = auto: about the longest document, >= 1024 rows on GPU, within a "
                                            "memory budget",
