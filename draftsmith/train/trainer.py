@@ -280,7 +280,8 @@ class Trainer:
                 self.log(f"--resume: no checkpoint in {self.ckpt_root}; starting from step 0")
             return None
         if not self.cfg.resume:
-            raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new --out")
+            raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new "
+                                  f"--out")
         return ckpt.load_latest_checkpoint(self.ckpt_root, log=self.log)
 
     def _load_target(self):
@@ -459,9 +460,10 @@ class Trainer:
         old = state.get("config", {})
         diffs = [k for k in RESUME_FIXED if k in old and old[k] != getattr(self.cfg, k)]
         if diffs:
+            now = [getattr(self.cfg, k) for k in diffs]
             raise DraftsmithError(f"{where}/trainer_state.json: --resume with different settings {diffs} "
-                                  f"(checkpoint: {[old[k] for k in diffs]}, now: {[getattr(self.cfg, k) for k in diffs]})"
-                                  f"; resume with the checkpoint's values or train into a new --out")
+                                  f"(checkpoint: {[old[k] for k in diffs]}, now: {now}); resume with the checkpoint's "
+                                  f"values or train into a new --out")
         what = "--data" if self.cfg.online else "--store"
         was = old.get("data" if self.cfg.online else "store")
         now = self.cfg.data if self.cfg.online else self.cfg.store
