@@ -33,12 +33,15 @@ app = typer.Typer(
 
 # Stage modules that contribute commands, in pipeline order; each exposes `register(app)`.
 STAGE_CLIS = [
+    "draftsmith.regenerate.cli",
     "draftsmith.capture.cli",
     "draftsmith.store.cli",
     "draftsmith.train.cli",
     "draftsmith.decode.cli",
     "draftsmith.export.cli",
+    "draftsmith.pipeline.cli",
     "draftsmith.serve.cli",
+    "draftsmith.doctor.cli",
 ]
 
 

@@ -1,0 +1,1 @@
+"""`draftsmith pipeline CONFIG.yaml` and `draftsmith demo`: every stage from one validated config, resumable."""
