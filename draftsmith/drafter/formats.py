@@ -74,7 +74,13 @@ def read_weights(root: Path) -> tuple[dict[str, torch.Tensor], str]:
         return load_file(single), single.name
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DraftsmithError(f"{index}: field 'weight_map' must map weight names to shard file names")
+        if any(Path(v).name != v for v in weight_map.values()):
+            raise DraftsmithError(f"{index}: field 'weight_map' names a shard outside the directory")
+        shards = sorted(set(weight_map.values()))
         out: dict[str, torch.Tensor] = {}
         for s in shards:
             out.update(load_file(root / s))

@@ -164,7 +164,8 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
         "out": str(out),
         "format": format,
         "dtype": written.get("dtype"),
-        "serve_command": serve_command(format, out.resolve(), target_for_cmd, speculative_tokens),
+        "serve_command": serve_command(format, out.resolve(), target_for_cmd, speculative_tokens,
+                                       (facts or {}).get("dtype")),
         "aux_layer_ids": cfg.aux_layer_ids,
         "aux_hidden_states_ids": cfg.aux_hidden_states_ids,
         "speculators_convert_command": (convert_command(out.resolve(), target_for_cmd, cfg.aux_hidden_states_ids)
@@ -182,13 +183,15 @@ def convert_command(sglang_dir: str | os.PathLike, target: str | os.PathLike, au
 
 
 def serve_command(format: str, drafter_dir: str | os.PathLike, target: str | os.PathLike,
-                  speculative_tokens: int = 3) -> str:
-    """The command that serves the exported drafter with the engine of `format`."""
+                  speculative_tokens: int = 3, dtype: str | None = None) -> str:
+    """The command that serves the exported drafter with the engine of `format`. `dtype`: the target's (SGLang's
+    --dtype applies to target and drafter; bfloat16 when unknown or not a half type)."""
     d, t = shlex.quote(str(drafter_dir)), shlex.quote(str(target))
     if format == "sglang":
+        half = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
         return (f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {d} --speculative-num-steps {speculative_tokens} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1} --dtype bfloat16")
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1} --dtype {half}")
     if format in ("vllm", "speculators"):
         # The same for the speculators layout: `vllm serve DIR` would take the verifier from its config, and vLLM
         # accepts only a Hub id there (it raises when the path exists locally).
