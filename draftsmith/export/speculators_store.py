@@ -30,14 +30,16 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.dtypes import torch_dtypes
-from draftsmith.common.io import fsync_dir
+from draftsmith.common.io import fsync_dir, is_no_space, no_space_error
 
 logger = logging.getLogger(__name__)
 
@@ -177,45 +179,93 @@ def export_speculators(
     Arrow dataset is store sample i (samples without loss tokens are kept, and counted in the summary).
     The export is atomic: it is built in `out_dir + ".tmp"` and renamed into place; an existing non-empty
     `out_dir` is refused. The summary (also written to `draftsmith_export.json`) names the layer ids in both
-    conventions and the speculators train flags that match the export.
+    conventions and the speculators train flags that match the export. A full disk is the one-line error
+    "no space left on device: PATH" and leaves nothing behind.
     """
     datasets = _require_datasets()
-    import pyarrow as pa
-    from safetensors.torch import save_file
-
     if isinstance(store, (str, os.PathLike)):
         from draftsmith.store import HiddenStateStore
 
         store = HiddenStateStore.open(store)
-
-    aux_layers, hidden_size, manifest = _store_meta(store)
-    k = len(aux_layers)
-    target_layer_ids = [i + 1 for i in aux_layers]  # hidden_states ids (speculators' --target-layer-ids)
-    num_layers = _num_target_layers(manifest)
-    if num_layers is not None and max(target_layer_ids) > num_layers:
-        raise DraftsmithError(
-            f"store manifest: aux_layers {aux_layers} (layer-output ids) out of range for a {num_layers}-layer target"
-        )
-    final_layer = manifest.get("final_layer")
-    if num_layers is not None and final_layer is not None and int(final_layer) != num_layers - 1:
-        raise DraftsmithError(
-            f"store manifest: final_layer is {final_layer}, but speculators' last hidden_states slot is the output "
-            f"of the last decoder layer ({num_layers - 1} of a {num_layers}-layer target)"
-        )
-    n = len(store)
-    if n == 0:
-        raise DraftsmithError(f"{getattr(store, 'path', 'store')}: the store has no samples; nothing to export")
-    out_dtype = _resolve_dtype(dtype, getattr(store, "compute_dtype", None) or torch.bfloat16)
-
+    plan = _ExportPlan.of(store, dtype)
     out = Path(out_dir)
     tmp = _prepare_tmp(out)
     try:
-        hs_dir = tmp / HIDDEN_STATES_DIR
-        hs_dir.mkdir()
+        rows = _RowWriter(tmp, plan)
+        from tqdm.auto import tqdm
+
+        with rows:
+            for i in tqdm(range(plan.num_samples), desc="export speculators", unit="sample", disable=not progress):
+                rows.add(i, store[i])
+        _save_dataset(datasets, rows.rows_path, tmp, progress)
+        summary = _write_summary(store, tmp, out, plan, rows)
+        _commit(tmp, out)
+    except BaseException as e:
+        # Leave nothing half-written under the final name; the marked .tmp is removed too.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(e):
+            raise no_space_error(getattr(e, "filename", None) or tmp) from None
+        raise
+    if summary["token_counts_match_store"] is False:
+        logger.warning(
+            "token_freq.pt was counted from the exported rows (as speculators counts: input_ids where loss_mask); "
+            "it differs from the store's token_counts.safetensors"
+        )
+    return summary
+
+
+@dataclass
+class _ExportPlan:
+    """What the export writes, from the store's manifest (checked against what speculators can train on)."""
+
+    aux_layers: list[int]
+    hidden_size: int
+    manifest: dict
+    target_layer_ids: list[int]  # hidden_states ids (speculators' --target-layer-ids)
+    num_layers: int | None
+    num_samples: int
+    out_dtype: torch.dtype
+
+    @property
+    def k(self) -> int:
+        return len(self.aux_layers)
+
+    @classmethod
+    def of(cls, store, dtype) -> "_ExportPlan":
+        aux_layers, hidden_size, manifest = _store_meta(store)
+        target_layer_ids = [i + 1 for i in aux_layers]
+        num_layers = _num_target_layers(manifest)
+        if num_layers is not None and max(target_layer_ids) > num_layers:
+            raise DraftsmithError(
+                f"store manifest: aux_layers {aux_layers} (layer-output ids) out of range for a {num_layers}-layer "
+                "target"
+            )
+        final_layer = manifest.get("final_layer")
+        if num_layers is not None and final_layer is not None and int(final_layer) != num_layers - 1:
+            raise DraftsmithError(
+                f"store manifest: final_layer is {final_layer}, but speculators' last hidden_states slot is the "
+                f"output of the last decoder layer ({num_layers - 1} of a {num_layers}-layer target)"
+            )
+        n = len(store)
+        if n == 0:
+            raise DraftsmithError(f"{getattr(store, 'path', 'store')}: the store has no samples; nothing to export")
+        out_dtype = _resolve_dtype(dtype, getattr(store, "compute_dtype", None) or torch.bfloat16)
+        return cls(aux_layers, hidden_size, manifest, target_layer_ids, num_layers, n, out_dtype)
+
+
+class _RowWriter:
+    """One hidden-state file per sample, its row into a staged Arrow stream, and the loss-masked token counts."""
+
+    def __init__(self, tmp: Path, plan: _ExportPlan):
+        import pyarrow as pa
+
+        self.plan = plan
+        self.hs_dir = tmp / HIDDEN_STATES_DIR
+        self.hs_dir.mkdir()
         staging = tmp / _STAGING_DIR
         staging.mkdir()
-        rows_path = staging / "rows.arrow"
-        schema = pa.schema(
+        self.rows_path = staging / "rows.arrow"
+        self.schema = pa.schema(
             [
                 # int32, as `datasets` stores a column named input_ids (OptimizedTypedSequence) and so
                 # speculators' prepare-data output has it; the hidden-state files carry int64 token_ids.
@@ -224,154 +274,172 @@ def export_speculators(
                 ("seq_len", pa.int64()),
             ]
         )
-        counts = torch.zeros(0, dtype=torch.long)
-        buf = torch.empty(0, dtype=out_dtype)
-        num_tokens = num_loss_tokens = hs_bytes = unsupervised = 0
-        batch: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        self.counts = torch.zeros(0, dtype=torch.long)
+        self.buf = torch.empty(0, dtype=plan.out_dtype)
+        self.num_tokens = self.num_loss_tokens = self.hs_bytes = self.unsupervised = 0
+        self.batch: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
 
-        from tqdm.auto import tqdm
+    def __enter__(self) -> "_RowWriter":
+        import pyarrow as pa
 
-        with pa.OSFile(str(rows_path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        self._sink = pa.OSFile(str(self.rows_path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, self.schema)
+        return self
 
-            def flush():
-                if batch["seq_len"]:
-                    writer.write_batch(pa.record_batch(batch, schema=schema))
-                    for v in batch.values():
-                        v.clear()
-
-            for i in tqdm(range(n), desc="export speculators", unit="sample", disable=not progress):
-                s = store[i]
-                where = f"store sample {i}"
-                ids = torch.as_tensor(s["input_ids"]).reshape(-1).to(torch.long)
-                L = ids.shape[0]
-                mask = torch.as_tensor(s["loss_mask"]).reshape(-1).to(torch.bool)
-                aux = s["aux_hidden_states"]
-                final = s.get("final_hidden_states")
-                if final is None:
-                    raise DraftsmithError(f"{where}: no final_hidden_states; speculators needs the last layer's output")
-                if mask.shape[0] != L:
-                    raise DraftsmithError(f"{where}: loss_mask has {mask.shape[0]} tokens, input_ids {L}")
-                if tuple(aux.shape) != (L, k * hidden_size):
-                    raise DraftsmithError(
-                        f"{where}: aux_hidden_states shape {tuple(aux.shape)}, expected ({L}, {k}*{hidden_size})"
-                    )
-                if tuple(final.shape) != (L, hidden_size):
-                    raise DraftsmithError(
-                        f"{where}: final_hidden_states shape {tuple(final.shape)}, expected ({L}, {hidden_size})"
-                    )
-                # [L, k+1, H]: aux slots in the store's aux_layers order, then the pre-norm final layer output.
-                # Assembled in a reused buffer (fresh multi-MB allocations per sample cost page faults).
-                if buf.numel() < L * (k + 1) * hidden_size:
-                    buf = torch.empty(L * (k + 1) * hidden_size, dtype=out_dtype)
-                hs = buf[: L * (k + 1) * hidden_size].view(L, k + 1, hidden_size)
-                # cat through same-width integer views: a bit-exact copy, and ~30x faster on CPU than a
-                # strided bf16 copy_ (measured with torch 2.13).
-                iv = _INT_VIEW[out_dtype]
-                parts = [
-                    aux.to(out_dtype).contiguous().view(iv).view(L, k, hidden_size),
-                    final.to(out_dtype).contiguous().view(iv).view(L, 1, hidden_size),
-                ]
-                torch.cat(parts, dim=1, out=hs.view(iv))
-                path = hs_dir / hs_file_name(i)
-                save_file({"hidden_states": hs, "token_ids": ids.contiguous()}, str(path))
-                _fsync_file(path)
-                hs_bytes += path.stat().st_size
-
-                masked = ids[mask]
-                if masked.numel():
-                    if int(masked.min()) < 0:
-                        raise DraftsmithError(f"{where}: negative token id in input_ids")
-                    c = torch.bincount(masked, minlength=counts.shape[0])
-                    if c.shape[0] > counts.shape[0]:
-                        c[: counts.shape[0]] += counts
-                        counts = c
-                    else:
-                        counts += c
-                else:
-                    unsupervised += 1
-                num_tokens += L
-                num_loss_tokens += int(masked.numel())
-
-                batch["input_ids"].append(ids.tolist())
-                batch["loss_mask"].append(mask.to(torch.long).tolist())
-                batch["seq_len"].append(L)
-                if len(batch["seq_len"]) >= 256:
-                    flush()
-            flush()
-        fsync_dir(hs_dir)
-
-        # The Arrow dataset, in save_to_disk's layout with the torch format recorded in state.json —
-        # exactly what speculators' prepare-data writes (dataset.set_format("torch"); save_to_disk).
-        ds = datasets.Dataset.from_file(str(rows_path), in_memory=False)
-        ds = ds.with_format("torch")
-        from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-        silence = not progress and not are_progress_bars_disabled()
-        if silence:
-            disable_progress_bars()
+    def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            ds.save_to_disk(str(tmp))
+            if exc_type is None:
+                self._flush()
+            self._writer.close()
         finally:
-            if silence:
-                enable_progress_bars()
-        del ds
-        shutil.rmtree(staging)
+            self._sink.close()
+        if exc_type is None:
+            fsync_dir(self.hs_dir)
 
-        token_freq = {int(t): int(c) for t, c in enumerate(counts.tolist()) if c}
-        torch.save(token_freq, tmp / TOKEN_FREQ)
-        store_counts_match = _compare_store_counts(store, counts)
+    def _flush(self) -> None:
+        import pyarrow as pa
 
-        dtype_name = str(out_dtype).removeprefix("torch.")
-        train_args = [
-            "--data-path", os.path.abspath(out),
-            "--target-layer-ids", *[str(i) for i in target_layer_ids],
-            "--hidden-states-dtype", "bfloat16" if out_dtype != torch.float32 else "float32",
-            "--on-missing", "raise",
-        ]  # fmt: skip
-        summary: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "speculators_version": SPECULATORS_VERSION,
-            "out_dir": os.path.abspath(out),
-            "source_store": str(getattr(store, "path", "")),
-            "num_samples": n,
-            "num_tokens": num_tokens,
-            "num_loss_tokens": num_loss_tokens,
-            "unsupervised_samples": unsupervised,
-            "hidden_size": hidden_size,
-            "num_aux_layers": k,
-            "aux_layers": aux_layers,
-            "aux_layers_convention": "layer-output ids",
-            "target_layer_ids": target_layer_ids,
-            "target_layer_ids_convention": "hidden_states ids (speculators --target-layer-ids)",
-            "num_target_layers": num_layers,
-            "hidden_states_shape": f"[L, {k + 1}, {hidden_size}]",
-            "hidden_states_slots": [f"hidden_states id {i}" for i in target_layer_ids]
-            + ["final layer output before the final norm"],
-            "hidden_states_dtype": dtype_name,
-            "hidden_states_bytes": hs_bytes,
-            "token_freq_entries": len(token_freq),
-            "token_counts_match_store": store_counts_match,
-            "speculators_train_args": train_args,
-            "target": manifest.get("target"),
-        }
-        (tmp / EXPORT_INFO).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        if self.batch["seq_len"]:
+            self._writer.write_batch(pa.record_batch(self.batch, schema=self.schema))
+            for v in self.batch.values():
+                v.clear()
 
-        (tmp / _INCOMPLETE_MARKER).unlink()
-        fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        # Leave nothing half-written under the final name; the marked .tmp is removed too.
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if store_counts_match is False:
-        logger.warning(
-            "token_freq.pt was counted from the exported rows (as speculators counts: input_ids where loss_mask); "
-            "it differs from the store's token_counts.safetensors"
-        )
+    def add(self, i: int, s: dict) -> None:
+        """Export store sample `i`: its hidden-state file, its Arrow row, its token counts."""
+        ids, mask, hs = self._hidden_states(i, s)
+        path = self.hs_dir / hs_file_name(i)
+        save_file({"hidden_states": hs, "token_ids": ids.contiguous()}, str(path))
+        _fsync_file(path)
+        self.hs_bytes += path.stat().st_size
+        self._count(i, ids, mask)
+        self.batch["input_ids"].append(ids.tolist())
+        self.batch["loss_mask"].append(mask.to(torch.long).tolist())
+        self.batch["seq_len"].append(ids.shape[0])
+        if len(self.batch["seq_len"]) >= 256:
+            self._flush()
+
+    def _hidden_states(self, i: int, s: dict):
+        """(input_ids, loss_mask, hidden_states [L, k+1, H]) of one sample, shapes checked."""
+        k, hidden_size, out_dtype = self.plan.k, self.plan.hidden_size, self.plan.out_dtype
+        where = f"store sample {i}"
+        ids = torch.as_tensor(s["input_ids"]).reshape(-1).to(torch.long)
+        L = ids.shape[0]
+        mask = torch.as_tensor(s["loss_mask"]).reshape(-1).to(torch.bool)
+        aux = s["aux_hidden_states"]
+        final = s.get("final_hidden_states")
+        if final is None:
+            raise DraftsmithError(f"{where}: no final_hidden_states; speculators needs the last layer's output")
+        if mask.shape[0] != L:
+            raise DraftsmithError(f"{where}: loss_mask has {mask.shape[0]} tokens, input_ids {L}")
+        if tuple(aux.shape) != (L, k * hidden_size):
+            raise DraftsmithError(
+                f"{where}: aux_hidden_states shape {tuple(aux.shape)}, expected ({L}, {k}*{hidden_size})"
+            )
+        if tuple(final.shape) != (L, hidden_size):
+            raise DraftsmithError(
+                f"{where}: final_hidden_states shape {tuple(final.shape)}, expected ({L}, {hidden_size})"
+            )
+        # [L, k+1, H]: aux slots in the store's aux_layers order, then the pre-norm final layer output.
+        # Assembled in a reused buffer (fresh multi-MB allocations per sample cost page faults).
+        if self.buf.numel() < L * (k + 1) * hidden_size:
+            self.buf = torch.empty(L * (k + 1) * hidden_size, dtype=out_dtype)
+        hs = self.buf[: L * (k + 1) * hidden_size].view(L, k + 1, hidden_size)
+        # cat through same-width integer views: a bit-exact copy, and much faster on CPU than a strided bf16 copy_
+        iv = _INT_VIEW[out_dtype]
+        parts = [
+            aux.to(out_dtype).contiguous().view(iv).view(L, k, hidden_size),
+            final.to(out_dtype).contiguous().view(iv).view(L, 1, hidden_size),
+        ]
+        torch.cat(parts, dim=1, out=hs.view(iv))
+        return ids, mask, hs
+
+    def _count(self, i: int, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        masked = ids[mask]
+        if masked.numel():
+            if int(masked.min()) < 0:
+                raise DraftsmithError(f"store sample {i}: negative token id in input_ids")
+            c = torch.bincount(masked, minlength=self.counts.shape[0])
+            if c.shape[0] > self.counts.shape[0]:
+                c[: self.counts.shape[0]] += self.counts
+                self.counts = c
+            else:
+                self.counts += c
+        else:
+            self.unsupervised += 1
+        self.num_tokens += ids.shape[0]
+        self.num_loss_tokens += int(masked.numel())
+
+
+def _save_dataset(datasets, rows_path: Path, tmp: Path, progress: bool) -> None:
+    """The Arrow dataset, in save_to_disk's layout with the torch format recorded in state.json — exactly what
+    speculators' prepare-data writes (dataset.set_format("torch"); save_to_disk)."""
+    ds = datasets.Dataset.from_file(str(rows_path), in_memory=False)
+    ds = ds.with_format("torch")
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    silence = not progress and not are_progress_bars_disabled()
+    if silence:
+        disable_progress_bars()
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if silence:
+            enable_progress_bars()
+    del ds
+    shutil.rmtree(rows_path.parent)
+
+
+def _write_summary(store, tmp: Path, out: Path, plan: _ExportPlan, rows: _RowWriter) -> dict[str, Any]:
+    """token_freq.pt and draftsmith_export.json; returns the summary."""
+    token_freq = {int(t): int(c) for t, c in enumerate(rows.counts.tolist()) if c}
+    torch.save(token_freq, tmp / TOKEN_FREQ)
+    store_counts_match = _compare_store_counts(store, rows.counts)
+    k, out_dtype = plan.k, plan.out_dtype
+    dtype_name = str(out_dtype).removeprefix("torch.")
+    train_args = [
+        "--data-path", os.path.abspath(out),
+        "--target-layer-ids", *[str(i) for i in plan.target_layer_ids],
+        "--hidden-states-dtype", "bfloat16" if out_dtype != torch.float32 else "float32",
+        "--on-missing", "raise",
+    ]  # fmt: skip
+    summary: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "speculators_version": SPECULATORS_VERSION,
+        "out_dir": os.path.abspath(out),
+        "source_store": str(getattr(store, "path", "")),
+        "num_samples": plan.num_samples,
+        "num_tokens": rows.num_tokens,
+        "num_loss_tokens": rows.num_loss_tokens,
+        "unsupervised_samples": rows.unsupervised,
+        "hidden_size": plan.hidden_size,
+        "num_aux_layers": k,
+        "aux_layers": plan.aux_layers,
+        "aux_layers_convention": "layer-output ids",
+        "target_layer_ids": plan.target_layer_ids,
+        "target_layer_ids_convention": "hidden_states ids (speculators --target-layer-ids)",
+        "num_target_layers": plan.num_layers,
+        "hidden_states_shape": f"[L, {k + 1}, {plan.hidden_size}]",
+        "hidden_states_slots": [f"hidden_states id {i}" for i in plan.target_layer_ids]
+        + ["final layer output before the final norm"],
+        "hidden_states_dtype": dtype_name,
+        "hidden_states_bytes": rows.hs_bytes,
+        "token_freq_entries": len(token_freq),
+        "token_counts_match_store": store_counts_match,
+        "speculators_train_args": train_args,
+        "target": plan.manifest.get("target"),
+    }
+    (tmp / EXPORT_INFO).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Rename the finished export into place (fsync'ed first)."""
+    (tmp / _INCOMPLETE_MARKER).unlink()
+    fsync_dir(tmp)
+    if out.exists():
+        out.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 def _compare_store_counts(store, counts: torch.Tensor) -> bool | None:
