@@ -78,6 +78,9 @@ def target_facts(target: Any) -> dict[str, Any]:
         )
     except KeyError as e:
         raise DraftsmithError(f"target config ({name or 'in memory'}): field {e} is missing") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise DraftsmithError(f"target config ({name or 'in memory'}): a size field is not a positive number "
+                              f"({e})") from None
 
 
 def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,13 @@ from draftsmith.common.hf import text_config
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.target_model.facts import target_weight_problems
 from draftsmith.target_model.layers import default_aux_layers, to_hidden_states_ids
-from draftsmith.target_model.load import config_hash, hf_load_error, tokenizer_hash, trust_remote_code
+from draftsmith.target_model.load import (
+    config_hash,
+    hf_load_error,
+    read_target_config,
+    tokenizer_hash,
+    trust_remote_code,
+)
 
 
 def inspect_target(path: str | Path, trust_remote_code_flag: bool | None = None) -> dict:
@@ -29,10 +35,14 @@ def inspect_target(path: str | Path, trust_remote_code_flag: bool | None = None)
     text = text_config(config)
     n = int(text.num_hidden_layers)
     aux = default_aux_layers(n)
-    raw = json.loads(cfg_path.read_text())
+    raw = read_target_config(p)
     moe = {k: raw[k] for k in ("num_local_experts", "n_routed_experts", "num_experts", "num_experts_per_tok") if k in raw}
     tok_cfg = p / "tokenizer_config.json"
-    chat = (p / "chat_template.jinja").is_file() or (tok_cfg.is_file() and "chat_template" in json.loads(tok_cfg.read_text()))
+    try:
+        tok_has_template = tok_cfg.is_file() and "chat_template" in json.loads(tok_cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise DraftsmithError(f"{tok_cfg}: invalid JSON ({e})") from None
+    chat = (p / "chat_template.jinja").is_file() or tok_has_template
     return {
         "path": str(p),
         "kind": "target",

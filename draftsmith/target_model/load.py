@@ -109,11 +109,14 @@ def read_target_config(path: str | os.PathLike) -> dict:
     """The raw config.json of a target directory, with a one-line error naming the file."""
     p = Path(path) / "config.json"
     try:
-        return json.loads(p.read_text())
+        d = json.loads(p.read_text())
     except FileNotFoundError:
         raise DraftsmithError(f"{p}: not found — is {path} a Hugging Face model directory?") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DraftsmithError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise DraftsmithError(f"{p}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def config_hash(path: str | os.PathLike) -> str:

@@ -133,6 +133,14 @@ def test_load_target_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(DraftsmithError, match="config.json"):
         load_target(tmp_path)
+    from draftsmith.target_model.facts import target_facts
+
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(DraftsmithError, match="JSON object"):
+        target_facts(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": "wide", "num_attention_heads": 2}')
+    with pytest.raises(DraftsmithError, match="not a positive number"):
+        target_facts(tmp_path)
 
 
 def test_inspect_target_both_conventions(tiny_path):
