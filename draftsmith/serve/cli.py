@@ -161,6 +161,12 @@ def register(app: typer.Typer) -> None:
                  mode.kind, eng.backend, eng.cuda_graphs, built["limit"],
                  f", recording into {capture_to}" if capture_to else "")
         print(f"draftsmith serve: http://{host}:{port}/v1 (model {name!r})", file=sys.stderr, flush=True)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it found:
+        # handlers that only note it let the engine and the capture writer finish below (the last shard is written)
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         try:
             server.run()
         finally:

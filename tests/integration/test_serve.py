@@ -101,7 +101,9 @@ def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     (d / "chat.jinja").write_text(CHAT_TEMPLATE)
     store = d / "store"
-    plain = Server(["--api-key", API_KEY, "--max-model-len", "256"], d / "plain.log")  # starts while we build
+    # starts while we build the drafter; records with the default flush (60 s): its store is written at SIGTERM
+    plain = Server(["--api-key", API_KEY, "--max-model-len", "256", "--capture-to", str(d / "plain_store")],
+                   d / "plain.log")
     spec = None
     try:
         _save_random_drafter(d / "drafter")  # untrained: greedy output must not depend on the drafter anyway
@@ -375,3 +377,20 @@ def test_capture_while_serving_equals_offline_capture(servers, tokenizer, tmp_pa
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         for key in ("aux_hidden_states", "final_hidden_states"):
             torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2 ** -7, atol=1e-4)
+
+
+def test_sigterm_writes_the_pending_capture(servers):
+    """The last test of the module: SIGTERM stops the plain server gracefully and its pending recordings are
+    written (its flush interval was never reached), one sample per completed request."""
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.store.verify import verify_store
+
+    plain = servers["plain"]
+    served = int(plain.metric("draftsmith_requests_total", endpoint="/v1/completions", status="200"))
+    assert served >= 4
+    plain.stop()
+    assert plain.proc.returncode == 0
+    store = servers["dir"] / "plain_store"
+    assert verify_store(store, progress=False) == []
+    assert len(HiddenStateStore.open(store)) == served
+    assert "requests recorded" in plain.log_path.read_text()
