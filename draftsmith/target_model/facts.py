@@ -156,7 +156,7 @@ def target_weight_problems(target: Any) -> list[str]:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():  # noqa: SIM118
-                    if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight"):
+                    if k.endswith(("embed_tokens.weight", "lm_head.weight")):
                         shape = list(sf.get_slice(k).get_shape())
                         if shape != want:
                             problems.append(f"{f.name}: weight '{k}' is {shape}, config.json says "

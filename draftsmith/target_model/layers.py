@@ -82,8 +82,8 @@ def from_hidden_states_ids(hidden_states_ids: Sequence[int], where: str = "") ->
     for i in hidden_states_ids:
         if int(i) < 1:
             raise DraftsmithError(
-                f"{where + ': ' if where else ''}hidden_states id {i} is the embedding output, not a decoder layer output; "
-                "aux layers must be decoder layer outputs (hidden_states ids >= 1)"
+                f"{where + ': ' if where else ''}hidden_states id {i} is the embedding output, not a decoder layer "
+                "output; aux layers must be decoder layer outputs (hidden_states ids >= 1)"
             )
         out.append(int(i) - 1)
     return out
