@@ -122,8 +122,8 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
                 return job.complete
             job.capture(stats)
             return job.finish()
-    except OSError as e:
-        if is_no_space(e):  # a write outside atomic_file (a directory, a pinned buffer's swap) ran out of space
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; everything else propagates as it was
+        if is_no_space(e):  # a write outside atomic_file (a directory, the lock file) ran out of space
             raise no_space_error(getattr(e, "filename", None) or cfg.out) from None
         raise
 

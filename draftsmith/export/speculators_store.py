@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.dtypes import torch_dtypes
@@ -108,12 +108,13 @@ def _prepare_tmp(out: Path) -> Path:
     return tmp
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write and fsync one file (inside the export's .tmp directory, which is renamed as a whole); a buffered write
+    writes everything or raises, so a full disk is an OSError (ENOSPC), not a short file."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _store_meta(store) -> tuple[list[int], int, dict]:
@@ -308,8 +309,7 @@ class _RowWriter:
         """Export store sample `i`: its hidden-state file, its Arrow row, its token counts."""
         ids, mask, hs = self._hidden_states(i, s)
         path = self.hs_dir / hs_file_name(i)
-        save_file({"hidden_states": hs, "token_ids": ids.contiguous()}, str(path))
-        _fsync_file(path)
+        _write_synced(path, save({"hidden_states": hs, "token_ids": ids.contiguous()}))
         self.hs_bytes += path.stat().st_size
         self._count(i, ids, mask)
         self.batch["input_ids"].append(ids.tolist())

@@ -250,3 +250,13 @@ def test_cli_full_disk_is_one_line_and_exit_2(tiny_path, corpus, store, tmp_path
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error")]
         assert errors == [f"error: no space left on device: {out / fmt.shard_name(0)}"] == r.stderr.strip().splitlines()[-1:]
+
+
+def test_a_full_disk_during_a_store_export_is_one_line_and_leaves_nothing(store, tmp_path):
+    pytest.importorskip("datasets")
+    from draftsmith.export.speculators_store import export_speculators
+
+    with small_tmpfs(tmp_path / "disk", 16 * PAGE) as disk:
+        with pytest.raises(DraftsmithError, match=r"^no space left on device: .*spec\.tmp"):
+            export_speculators(HiddenStateStore.open(store), disk / "spec", progress=False)
+        assert list(disk.iterdir()) == []
