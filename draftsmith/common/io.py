@@ -98,8 +98,12 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def is_no_space(exc: BaseException) -> bool:
     """Whether `exc` is a full disk (or an exhausted quota): an OSError with that errno, or a library's own error
     (safetensors, torch.save, pyarrow) carrying the system's message for it."""
+    from draftsmith.common.errors import DraftsmithError
+
     if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
         return True
+    if isinstance(exc, DraftsmithError):  # already a user-facing line
+        return False
     if isinstance(exc, (OSError, RuntimeError, ValueError)) or type(exc).__name__.endswith("Error"):
         text = str(exc)
         return any(os.strerror(n) in text for n in NO_SPACE_ERRNOS)
