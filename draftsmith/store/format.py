@@ -7,7 +7,13 @@ STORE/
   plan.json                     the capture settings + shard plan (resume refuses a different plan)
   shards/shard-00000.safetensors  token-packed samples, no padding
   progress/shard-00000.json     written after a shard is committed (sha256, counts): resume skips these
+  .lock                         held (flock) by the capture writing the store; holds its pid
 ```
+Each shard's safetensors metadata carries `plan_sha256`, the hash of the capture plan it was written under (the
+manifest records it too): a resumed capture reuses a committed shard only if that stamp, its size and its sha256
+all match. Readers validate the manifest first (`draftsmith.store.manifest`) and check a shard's sha256 the first
+time they open it.
+
 Each shard holds, for its n samples and T tokens (concatenated, no padding):
 | tensor | dtype | shape | |
 |---|---|---|---|
