@@ -99,7 +99,8 @@ def _validation_message(err: ValidationError | RequestValidationError) -> tuple[
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     # pydantic names union members in the location (prompt.str, prompt.list[int]); the field is what matters
-    loc = [x for x in loc if not (x.startswith(("list[", "str", "int", "function-")) or x in ("dict",))]
+    loc = [x for x in loc if not (x in ("str", "int", "float", "bool", "dict", "list")
+                                  or x.startswith(("list[", "dict[", "function-", "literal[", "union[")))]
     field = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""

@@ -246,6 +246,7 @@ def test_models_health_and_auth(servers):
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 99999999]}, 400, "prompt"),
     ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "stream": "maybe"}, 400, "field 'stream'"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x", "max_tokens": 5000}, 400, "context limit of 1024"),
     ({"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
