@@ -15,6 +15,7 @@ leaves either the previous checkpoint or the new one, never a partial one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -164,12 +165,25 @@ def save_checkpoint(
     return final
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`, with a full disk raised as the OSError it is (safetensors reports it as its own error type)."""
+    try:
+        save_file(tensors, str(path))
+    except OSError:
+        raise
+    except Exception as e:
+        text = str(e)
+        if "os error 28" in text or "os error 122" in text or "No space left" in text:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
+
+
 def _write_checkpoint_files(tmp: Path, model_state, optim_tensors, optim_meta, trainer_state) -> None:
     tmp.mkdir()
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-    save_file(optim_tensors, str(tmp / "optimizer.safetensors"))
+    _save_tensors({k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}, tmp / "model.safetensors")
+    _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
     rng_t, rng_meta = rng_state()
-    save_file(rng_t, str(tmp / "rng.safetensors"))
+    _save_tensors(rng_t, tmp / "rng.safetensors")
     (tmp / "optimizer.json").write_text(json.dumps(optim_meta, indent=1))
     state = dict(trainer_state)
     state["rng"] = rng_meta

@@ -573,6 +573,9 @@ class Trainer:
                 bar.close()
             if tb is not None:
                 tb.close()
+        if self.background is not None and not self.background.done():
+            self.log("note: the run ended before the background compile finished: every step ran the chunked "
+                     "attention")
         self._save_final(total_steps)
         if self.is_main and cfg.plot:
             try:
