@@ -181,8 +181,9 @@ def load_config(path: str) -> dict:
 
 
 def _expand(v):
-    """${VAR} in string values from the environment; ${PYTHON_STDLIB} defaults to this Python's standard library
-    sources (the demo recipes train on them: every machine with Python has them)."""
+    """${VAR} in string values from the environment; ${PYTHON_STDLIB} and ${PYTHON_SITE_PACKAGES} default to this
+    Python's standard library and site-packages directories (the demo recipes train on their .py files: every
+    machine with Python has them)."""
     import os
     import sysconfig
 
@@ -193,6 +194,7 @@ def _expand(v):
     if isinstance(v, str) and "${" in v:
         env = dict(os.environ)
         env.setdefault("PYTHON_STDLIB", sysconfig.get_paths()["stdlib"])
+        env.setdefault("PYTHON_SITE_PACKAGES", sysconfig.get_paths()["purelib"])
         for k, x in env.items():
             v = v.replace("${" + k + "}", x)
     return v

@@ -26,7 +26,8 @@ def regenerate_command(
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if present) | cpu | cuda[:N]."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."),
-    cache: str = typer.Option("dynamic", "--cache", help="KV cache of generate(): dynamic | static."),
+    cache: str = typer.Option("auto", "--cache", help="KV cache of generate(): auto (static on CUDA, where "
+                              "transformers compiles the decode step; dynamic on CPU) | dynamic | static."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-batch progress lines."),
 ) -> None:
     """Replace every assistant turn with the target's own answer to the conversation before it.
