@@ -76,6 +76,7 @@ _DELETE = object()
 BAD_MANIFESTS = [
     ("hidden_size", _DELETE, r"field 'hidden_size' is missing"),
     ("num_samples", "12", r"field 'num_samples' must be an integer, not str"),
+    ("num_samples", 1e9, r"field 'num_samples' must be an integer, not float 1000000000.0"),  # JSON's 1e9
     ("num_samples", 10**9, r"field 'num_samples' is 1000000000, but the shards hold \d+ samples"),
     ("shards.0.num_samples", 10**9, r"field 'shards\[0\]' claims 1000000000 samples .* more than its \d+ bytes"),
     ("shards.0.num_tokens", 10**7, r"field 'shards\[0\]' claims .* 10000000 tokens, more than its"),
