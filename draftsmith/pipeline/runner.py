@@ -155,12 +155,37 @@ def _dry_parse(path: str, section: str, command_name: str, argv: list[str]) -> N
 
     cmd = _command(command_name)
     try:
-        cmd.make_context(command_name, list(argv), resilient_parsing=False)
+        ctx = cmd.make_context(command_name, list(argv), resilient_parsing=False)
+        _schema_check(command_name, ctx.params)
     except click.exceptions.Exit:
         pass
     except click.UsageError as e:  # BadParameter, NoSuchOption, MissingParameter
         msg = " ".join(e.format_message().split())
         raise DraftsmithError(f"{path}: section '{section}': {msg}") from None
+    except DraftsmithError as e:  # commands whose options convert their values themselves (common.schema)
+        raise DraftsmithError(f"{path}: section '{section}': {e}") from None
+
+
+# commands whose options typer passes as strings and the stage's schema converts and checks (common.schema)
+SCHEMA_CONFIGS = {"train": ("draftsmith.train.config", "TrainConfig"),
+                  "capture": ("draftsmith.capture.config", "CaptureConfig")}
+
+
+def _schema_check(command_name: str, params: dict) -> None:
+    """Convert and check a schema command's values as the command will, without running it."""
+    where = SCHEMA_CONFIGS.get(command_name)
+    if where is None:
+        return
+    import importlib
+
+    try:
+        from draftsmith.common.schema import build, fields_of, values_from_flags
+
+        schema = getattr(importlib.import_module(where[0]), where[1])
+        names = fields_of(schema)
+    except (ImportError, AttributeError):  # the command no longer uses a schema: its parser checked the values
+        return
+    build(schema, values_from_flags(schema, {k: v for k, v in params.items() if k in names}))
 
 
 def load_config(path: str) -> dict:
@@ -391,20 +416,11 @@ def _remove_output(st: Stage) -> None:
         shutil.rmtree(o)
 
 
-def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table: bool = True) -> dict:
-    """Run (or skip) every stage of the plan, then write RUN/report.md. Returns the report's data."""
-    from draftsmith.common.io import atomic_write_json, read_json
+def decide(p: PipelinePlan) -> list[str]:
+    """Each stage's fate from its record in RUN/.pipeline: 'up to date' (skip), 'resume' (interrupted with the same
+    settings), 'changed' or 'new' (run from scratch). A rerun stage changes the fingerprints of those after it."""
+    from draftsmith.common.io import read_json
 
-    if p.threads:
-        import torch
-
-        torch.set_num_threads(p.threads)
-    p.run_dir.mkdir(parents=True, exist_ok=True)
-    (p.run_dir / ".pipeline").mkdir(exist_ok=True)
-    shutil.copyfile(p.config_path, p.run_dir / "pipeline.yaml") if Path(p.config_path).is_file() else None
-    n = len(p.stages)
-    t_all = time.perf_counter()
-    # decide every stage's fate first: a rerun stage invalidates those after it through the fingerprints
     for st in p.stages:
         rec_path = _record_path(p.run_dir, st)
         rec = read_json(rec_path, "pipeline stage record") if rec_path.is_file() else None
@@ -415,6 +431,23 @@ def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table
             st.status = "resume"
         else:
             st.status = "changed" if rec else "new"
+    return [st.status for st in p.stages]
+
+
+def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table: bool = True) -> dict:
+    """Run (or skip) every stage of the plan, then write RUN/report.md. Returns the report's data."""
+    from draftsmith.common.io import atomic_write_json
+
+    if p.threads:
+        import torch
+
+        torch.set_num_threads(p.threads)
+    p.run_dir.mkdir(parents=True, exist_ok=True)
+    (p.run_dir / ".pipeline").mkdir(exist_ok=True)
+    shutil.copyfile(p.config_path, p.run_dir / "pipeline.yaml") if Path(p.config_path).is_file() else None
+    n = len(p.stages)
+    t_all = time.perf_counter()
+    decide(p)
     if echo_table:
         log(f"pipeline {p.config_path} -> {p.run_dir}")
         for i, st in enumerate(p.stages, 1):

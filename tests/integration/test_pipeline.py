@@ -1,0 +1,125 @@
+"""`draftsmith pipeline`: end to end on the demo target, resume (skip / rerun what changed and what follows), and a
+bad config failing before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.pipeline.runner import decide, plan, run_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp: Path, run: Path, **changes) -> dict:
+    cfg = {
+        "target": str(REPO / "assets" / "pycode-tiny"),
+        "out": str(run),
+        "threads": 1,
+        "train": {"online": True, "data": str(REPO / "draftsmith" / "pipeline"), "on_bad": "skip",
+                  "aux_layers": [1, 3, 4], "max_length": 64, "steps": 2, "batch_tokens": 128,
+                  "draft_vocab_size": 128, "device": "cpu", "quiet": True},
+        "eval": {"prompts": str(REPO / "assets" / "demo_prompts.jsonl"), "raw": True, "limit": 1,
+                 "max_new_tokens": 4, "temperatures": [0], "draft_tokens": 2, "device": "cpu"},
+        "export": {"formats": ["sglang"]},
+    }
+    for path, v in changes.items():
+        sec, key = path.split(".")
+        cfg[sec][key] = v
+    return cfg
+
+
+def _write(tmp: Path, cfg: dict, name: str = "p.yaml") -> str:
+    p = tmp / name
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    run = tmp / "run"
+    cfg = _config(tmp, run)
+    data = run_pipeline(plan(_write(tmp, cfg)), log=lambda s: None)
+    return tmp, run, cfg, data
+
+
+def test_end_to_end_writes_drafter_eval_export_and_report(finished):
+    tmp, run, cfg, data = finished
+    assert (run / "train" / "final" / "config.json").is_file()
+    ev = json.loads((run / "eval" / "trained" / "eval.json").read_text())
+    t0 = ev["temperatures"]["0"]
+    assert t0["greedy_mismatches"] == 0 and t0["speculative"]["tau"] >= 1.0
+    assert (run / "export" / "sglang" / "config.json").is_file()
+    report = (run / "report.md").read_text()
+    assert f"| trained | 0 | {t0['speculative']['tau']:.2f} |" in report
+    assert "Acceptance by position" in report and "python -m sglang.launch_server" in report
+    assert "steps: 2" in report  # the settings
+    assert [s["status"] for s in data["stages"]] == ["done"] * 3
+    assert (run / "pipeline.yaml").is_file()
+
+
+def test_rerun_skips_everything_and_a_change_reruns_that_stage_and_after(finished):
+    tmp, run, cfg, _ = finished
+    same = plan(_write(tmp, cfg, "same.yaml"))
+    assert decide(same) == ["up to date"] * 3
+    data = run_pipeline(same, log=lambda s: None)  # nothing to run: no model is even loaded
+    assert [s["status"] for s in data["stages"]] == ["skipped"] * 3
+    # an eval setting: eval reruns; train and export (which do not read eval) stay
+    p = plan(_write(tmp, _config(tmp, run, **{"eval.max_new_tokens": 5}), "eval.yaml"))
+    assert decide(p) == ["up to date", "changed", "up to date"]
+    # a train setting: train and everything after it
+    p = plan(_write(tmp, _config(tmp, run, **{"train.steps": 3}), "train.yaml"))
+    assert decide(p) == ["changed", "changed", "changed"]
+
+
+def test_changed_eval_reruns_only_eval(finished):
+    tmp, run, cfg, _ = finished
+    before = (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns
+    data = run_pipeline(plan(_write(tmp, _config(tmp, run, **{"eval.max_new_tokens": 5}), "e.yaml")),
+                        log=lambda s: None)
+    assert [s["status"] for s in data["stages"]] == ["skipped", "done", "skipped"]
+    assert (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns == before
+    assert json.loads((run / "eval" / "trained" / "eval.json").read_text())["max_new_tokens"] == 5
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c.update(trian={}), r"field 'trian': unknown \(did you mean 'train'\?\)"),
+    (lambda c: c["train"].update(stpes=3), r"field 'train.stpes': unknown \(did you mean 'steps'\?\)"),
+    (lambda c: c["train"].update(steps="many"), r"section 'train': .*--steps"),
+    (lambda c: c["train"].update(out="elsewhere"), r"field 'train.out': set by the pipeline"),
+    (lambda c: c["eval"].update(prompts="missing.jsonl"), r"field 'eval.prompts': missing.jsonl: no such file"),
+    (lambda c: c["train"].update(online=False), r"field 'train.online': without a capture section"),
+    (lambda c: c["export"].update(formats=["onnx"]), r"field 'export.formats': unknown format 'onnx'"),
+    (lambda c: c["train"].update(quiet="yes"), r"field 'train.quiet': expected true or false"),
+    (lambda c: c.pop("target"), r"field 'target': required"),
+])
+def test_bad_config_fails_before_any_work(tmp_path, mutate, message):
+    run = tmp_path / "run"
+    cfg = _config(tmp_path, run)
+    mutate(cfg)
+    path = _write(tmp_path, cfg)
+    with pytest.raises(DraftsmithError, match=message) as e:
+        run_pipeline(plan(path), log=lambda s: None)
+    assert str(e.value).startswith(path) and "\n" not in str(e.value)
+    assert not run.exists()
+
+
+def test_regenerate_and_capture_are_wired_into_train(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n')
+    cfg = _config(tmp_path, tmp_path / "run")
+    cfg["regenerate"] = {"data": str(chats), "max_new_tokens": 16, "batch_size": 8}
+    cfg["capture"] = {"max_length": 256, "aux_layers": [1, 3, 4]}
+    cfg["train"] = {"steps": 2}
+    p = plan(_write(tmp_path, cfg))
+    names = [s.name for s in p.stages]
+    assert names == ["regenerate", "capture", "train", "eval:trained", "export:sglang"]
+    regen, cap, train = p.stages[:3]
+    assert cap.argv[cap.argv.index("--data") + 1] == str(regen.output)
+    assert train.argv[train.argv.index("--store") + 1] == str(cap.output)
+    assert "--aux-layers" in cap.argv and cap.argv[cap.argv.index("--aux-layers") + 1] == "1,3,4"
