@@ -220,13 +220,13 @@ def p1(args, dev, dtype, bw):
         eng = SpeculativeDecoder(runner, None, max_len=ctx + steps + 16,
                                  attn_impl="auto" if kn == "triton" else impl, kernels=kn)
         prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
-        plain = eng._runner_for(DecodeMode("plain"), sp)
+        plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         t_step = time_steps(eng, plain, steps, dev)
         L_avg = ctx + 1 + steps / 2 + 0.5
         bytes_step = wbytes + kvtok * L_avg
         ach = bytes_step / t_step
-        n_k, busy = kernel_profile(lambda: eng._plain_step(sp), dev)
+        n_k, busy = kernel_profile(eng.eager_step_fn(DecodeMode("plain"), sp), dev)
         # end-to-end through generate() (host loop, one sync per 8 steps)
         res = eng.generate(prompt, steps, sampling=sp, mode=DecodeMode("plain"), eos_ids=[])
         row = {"context": ctx, "attention": impl, "kernels": kn, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
@@ -266,11 +266,11 @@ def p1_compiled(args, dev, dtype, bw, runner):
     for ctx in ctxs:
         prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
         t0 = time.perf_counter()
-        plain = eng._runner_for(DecodeMode("plain"), sp)
+        plain = eng.step_fn(DecodeMode("plain"), sp)
         compile_s = time.perf_counter() - t0
         eng.prefill(prompt, sp)
         t_step = time_steps(eng, plain, steps, dev)
-        n_k, busy = kernel_profile(lambda: eng._plain_step(sp), dev)
+        n_k, busy = kernel_profile(eng.eager_step_fn(DecodeMode("plain"), sp), dev)
         L_avg = ctx + 1 + steps / 2 + 0.5
         ach = (runner.weight_bytes() + runner.kv_bytes_per_token() * L_avg) / t_step
         rows.append({"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
@@ -461,7 +461,7 @@ def p2b(args, dev, dtype, runner, best):
     sp = SamplingParams()
     prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
     rows, t_plains = [], {}
-    from draftsmith.decode.engine import _lower_bound_mask
+    from draftsmith.decode.engine import causal_mask
 
     # every slot a timed round can touch stays in range (an out-of-range index is a fatal device assert)
     max_len = ctx + (n + 2) * (max_acc + 1) + need + 16
@@ -472,7 +472,7 @@ def p2b(args, dev, dtype, runner, best):
     graphs = None
     for kn, impl in combos:
         eng = SpeculativeDecoder(runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn)
-        plain = eng._runner_for(DecodeMode("plain"), sp)
+        plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         pname = impl if kn == "torch" else f"{impl}+triton kernels"
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
@@ -480,7 +480,7 @@ def p2b(args, dev, dtype, runner, best):
             if left(args.budget + 60) < 15:
                 log(f"P2b: skipping {kn} {impl} {mode} (time budget)")
                 continue
-            fn = eng._runner_for(mode, sp)
+            fn = eng.step_fn(mode, sp)
             eng.prefill(prompt, sp)
             t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
             # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
@@ -488,17 +488,17 @@ def p2b(args, dev, dtype, runner, best):
             T = mode.verify_tokens
             Lt = torch.tensor(ctx, device=dev)
             pos = Lt + torch.arange(T, device=dev)
-            mask = _lower_bound_mask(eng.max_len, pos, dev)
+            mask = causal_mask(eng.max_len, pos, dev)
             ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
-            verify = lambda: eng._target(ids[:T], pos, pos, mask)  # noqa: E731
+            verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731
             t_verify = time_steps(eng, graphed(verify, dev), n, dev)
             Td = 1 if mode.kind == "chain" else mode.top_k
             dpos = Lt + torch.arange(Td, device=dev)
-            dmask = _lower_bound_mask(eng.max_len, dpos, dev)
+            dmask = causal_mask(eng.max_len, dpos, dev)
             hid = torch.zeros(Td, H, dtype=dtype, device=dev)
-            dstep = lambda: eng._draft_logits(eng._draft_fwd(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731
+            dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731
             t_draft = time_steps(eng, graphed(dstep, dev), n, dev)
-            census = round_census(lambda: eng._step_fn(mode, sp)(), dev) if args.round_census else None
+            census = round_census(eng.eager_step_fn(mode, sp), dev) if args.round_census else None
             rows.append({"mode": mode.kind, "setting": mode.__dict__, "attention": impl, "kernels": kn,
                          "context": ctx, "cache_slots": eng.max_len, "t_plain_own_ms": t_own * 1e3,
                          "t_round_ms": t_round * 1e3, "t_verify_ms": t_verify * 1e3,

@@ -125,7 +125,7 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
         for plan in K.attention_plans(S):
             K._TUNED_ATTN[key] = plan
             eng._graphs.clear()
-            plain = eng._runner_for(DecodeMode("plain"), sp)
+            plain = eng.step_fn(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
             t = time_steps(eng, plain, reps, dev)
             ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
@@ -182,7 +182,7 @@ def verify_census(runner, T: int, S: int, impl: str, dev, reps: int, bw: float, 
 def logits_gap(eng, runner) -> float:
     """Largest |logit difference| of one plain step through the Triton kernels vs the torch path, same cache."""
     L = eng.L.view(1)
-    mask = eng._mask(L)
+    mask = eng.mask(L)
     outs = []
     for kn in ("torch", "triton"):
         runner.kernels = kn
@@ -261,12 +261,12 @@ def main(argv=None) -> int:
                 attn_tuning += K.tune_attention(runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale)
             ctx = max(1, S - reps - 24) if not args.smoke else 8  # smoke: a short prefill (the interpreter is slow)
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
-            plain = eng._runner_for(DecodeMode("plain"), sp)
+            plain = eng.step_fn(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
             gap = logits_gap(eng, runner) if kn == "triton" else 0.0
             setup_s = time.perf_counter() - t0
             t = time_steps(eng, plain, reps, dev)
-            n, ms, top = kernel_census(lambda: eng._plain_step(sp), dev, args.top)
+            n, ms, top = kernel_census(eng.eager_step_fn(DecodeMode("plain"), sp), dev, args.top)
         except Exception as e:  # noqa: BLE001 - one failing combination must not cost the rest of a budgeted run
             row.update({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"})
             rows.append(row)

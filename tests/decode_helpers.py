@@ -91,12 +91,12 @@ def random_drafter(model, seed: int = 0, **overrides):
 @torch.no_grad()
 def target_aux(engine, seq: Sequence[int]):
     """Target aux states [T, k*H] and logits [T, V] over a full sequence (prefill-style, fresh cache)."""
-    from draftsmith.decode.engine import _lower_bound_mask
+    from draftsmith.decode.engine import causal_mask
 
     dev = engine.device
     ids = torch.tensor(list(seq), dtype=torch.long, device=dev)
     pos = torch.arange(len(seq), device=dev)
-    logits, aux = engine.runner.forward(ids, pos, pos, _lower_bound_mask(engine.max_len, pos, dev))
+    logits, aux = engine.runner.forward(ids, pos, pos, causal_mask(engine.max_len, pos, dev))
     return aux, logits
 
 

@@ -127,9 +127,13 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _lower_bound_mask(S: int, limit: torch.Tensor, device) -> torch.Tensor:
-    """mask [T, S]: slot s visible to row t iff s <= limit[t]."""
+def causal_mask(S: int, limit: torch.Tensor, device) -> torch.Tensor:
+    """mask [T, S] over S cache slots: slot s visible to row t iff s <= limit[t] (a causal forward: limit = the
+    rows' own slots)."""
     return torch.arange(S, device=device)[None, :] <= limit[:, None]
+
+
+_lower_bound_mask = causal_mask  # the former private name (kept for callers outside the package)
 
 
 def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -743,6 +747,57 @@ class SpeculativeDecoder:
         with torch.no_grad():
             if self.cuda_graphs:
                 self._runner_for(mode, sp)
+
+    # ------------------------------------------------------------------ public step API
+    # gpt-fast's prefill / decode_one_token / speculative_decode, for benchmarks, tests and servers that drive the
+    # engine one step at a time. State (committed length, pending root token, drafter state) lives on the device;
+    # call prefill first.
+    def mask(self, limit: torch.Tensor) -> torch.Tensor:
+        """`causal_mask` over this engine's cache: [T, max_len] with slot s visible to row t iff s <= limit[t]."""
+        return self._mask(limit)
+
+    def step_fn(self, mode: DecodeMode, sp: SamplingParams | None = None):
+        """A callable that runs one round of `mode` (a plain step for "plain") in place, without a host sync: the
+        CUDA-graph replay when graphs are on (captured on first use: call it between generations), else eager."""
+        with torch.no_grad():
+            return self._runner_for(mode, sp or SamplingParams())
+
+    def eager_step_fn(self, mode: DecodeMode, sp: SamplingParams | None = None):
+        """The same round as `step_fn`, never from a CUDA graph (profilers, op censuses)."""
+        self._refresh_drafter_view()
+        return self._step_fn(mode, sp or SamplingParams())
+
+    @torch.no_grad()
+    def plain_step(self, sp: SamplingParams | None = None) -> int:
+        """One plain decoding step after `prefill`: commits the pending token, returns the next one."""
+        self._runner_for(DecodeMode("plain"), sp or SamplingParams())()
+        return int(self.out[0])
+
+    @torch.no_grad()
+    def speculative_round(self, mode: DecodeMode, sp: SamplingParams | None = None) -> list[int]:
+        """One speculative round after `prefill` (draft, verify, accept, hand-off): the tokens it emits (accepted
+        drafts + the bonus token). The caller checks the cache has room (`mode.cache_need` slots past the
+        committed length)."""
+        self._runner_for(mode, sp or SamplingParams())()
+        n = int(self.n_emit)
+        return self.out[:n].tolist()
+
+    def target_forward(self, ids, positions, slots, mask, logits_rows=None, want_aux: bool = True):
+        """The target forward a round uses (compiled / kernel-routed as configured): writes K/V at `slots`, attends
+        under `mask` [T, S]; returns (logits [R, V] fp32, aux [T, k*H] or None)."""
+        return self._target(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+
+    def draft_forward(self, ids, hidden, positions, slots, mask) -> torch.Tensor:
+        """The drafter forward a round uses over T tokens with their (fused) hidden inputs -> [T, H]."""
+        return self._draft_fwd(ids, hidden, positions, slots, mask)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Drafter logits (over the draft vocab, fp32) after hidden state(s) h."""
+        return self._draft_logits(h)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The drafter's fc over target aux states [T, k*H] -> its hidden input [T, H]."""
+        return self._fuse(aux)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from draftsmith.decode.engine import _lower_bound_mask, _region_mask
+from draftsmith.decode.engine import causal_mask, _region_mask
 from draftsmith.decode.hf_generic import HFGenericForward
 from draftsmith.decode.llama import LlamaFamilyForward, supports
 from decode_helpers import tiny_llama, tiny_qwen3
@@ -52,7 +52,7 @@ def test_own_forward_matches_hf(name, model):
     ids = torch.randint(0, model.config.vocab_size, (T,))
     pos = torch.arange(T)
     with torch.no_grad():
-        logits, aux = fwd(ids, pos, pos, _lower_bound_mask(64, pos, "cpu"))
+        logits, aux = fwd(ids, pos, pos, causal_mask(64, pos, "cpu"))
         ref = model(ids[None], output_hidden_states=True)
     H = model.config.hidden_size
     torch.testing.assert_close(logits, ref.logits[0].float(), atol=1e-4, rtol=1e-4)
@@ -62,10 +62,10 @@ def test_own_forward_matches_hf(name, model):
         torch.testing.assert_close(aux[:, j * H:(j + 1) * H], ref.hidden_states[lid + 1][0], atol=1e-4, rtol=1e-4)
     # incremental decode with the cache == full forward
     with torch.no_grad():
-        fwd(ids[:10], pos[:10], pos[:10], _lower_bound_mask(64, pos[:10], "cpu"))
+        fwd(ids[:10], pos[:10], pos[:10], causal_mask(64, pos[:10], "cpu"))
         for t in range(10, T):
             p = pos[t:t + 1]
-            lg, _ = fwd(ids[t:t + 1], p, p, _lower_bound_mask(64, p, "cpu"))
+            lg, _ = fwd(ids[t:t + 1], p, p, causal_mask(64, p, "cpu"))
             torch.testing.assert_close(lg[0], ref.logits[0, t].float(), atol=1e-4, rtol=1e-4)
 
 
@@ -116,7 +116,7 @@ def test_tree_mask_positions_and_compaction(kind, name, model):
     L = len(prompt)
     with torch.no_grad():
         p = torch.arange(L)
-        run.forward(torch.tensor(prompt), p, p, _lower_bound_mask(S, p, "cpu"))
+        run.forward(torch.tensor(prompt), p, p, causal_mask(S, p, "cpu"))
         Lt = torch.tensor(L)
         pos = Lt + torch.tensor(depth)
         slots = Lt + torch.arange(N)
@@ -139,7 +139,7 @@ def test_tree_mask_positions_and_compaction(kind, name, model):
     L2 = L + len(acc)
     with torch.no_grad():
         p2 = torch.tensor([L2])
-        lg, _ = run.forward(torch.tensor([nxt]), p2, p2, _lower_bound_mask(S, p2, "cpu"))
+        lg, _ = run.forward(torch.tensor([nxt]), p2, p2, causal_mask(S, p2, "cpu"))
     ref = _seq_logits(model, prompt + [tok[j] for j in acc] + [nxt])
     torch.testing.assert_close(lg[0], ref, atol=1e-4, rtol=1e-4)
 

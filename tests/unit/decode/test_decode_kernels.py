@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, _lower_bound_mask  # noqa: E402
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask  # noqa: E402
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
@@ -313,7 +313,7 @@ def test_verify_forward_through_rows_attention_equals_torch_path():
     tree = _tree_mask(7, 48, 9, torch.Generator().manual_seed(2)).to(DEV)
     with torch.no_grad():
         for f in (ref, kf):
-            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
         depth = tree[:, 9:16].sum(-1) - 1
         (lr, ar_), (lk, ak) = (f(ids[9:], 9 + depth, pos[9:], tree) for f in (ref, kf))
     torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
@@ -376,7 +376,7 @@ def test_verify_forward_through_row_kernels_equals_torch_path():
                                 ((node[:, None] - (ar[None, :] - 9)) % 2 == 0))
     with torch.no_grad():
         for f in (ref, kf):
-            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
         rows = torch.tensor([0, 3, 6], device=DEV)
         (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
     torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
@@ -404,8 +404,8 @@ def test_one_token_step_equals_torch_path(name, model):
     pos = torch.arange(9, device=DEV)
     with torch.no_grad():
         for f in (ref_fwd, k_fwd):  # the same prefill up to the attention kernel (rows_attention in k_fwd)
-            f(ids[:8], pos[:8], pos[:8], _lower_bound_mask(64, pos[:8], DEV))
-        outs = [f(ids[8:], pos[8:], pos[8:], _lower_bound_mask(64, pos[8:], DEV)) for f in (ref_fwd, k_fwd)]
+            f(ids[:8], pos[:8], pos[:8], causal_mask(64, pos[:8], DEV))
+        outs = [f(ids[8:], pos[8:], pos[8:], causal_mask(64, pos[8:], DEV)) for f in (ref_fwd, k_fwd)]
     (lr, ar), (lk, ak) = outs
     torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
@@ -438,10 +438,10 @@ def test_one_token_step_routes_each_op(name, leave_out):
     pos = torch.arange(12, device=DEV)
     with torch.no_grad():
         for f in (ref, kf):
-            f(ids[:9], pos[:9], pos[:9], _lower_bound_mask(48, pos[:9], DEV))
+            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
         for t in range(9, 12):  # three one-token steps: each reads the cache rows the previous ones wrote
             p = pos[t:t + 1]
-            (lr, ar), (lk, ak) = (f(ids[t:t + 1], p, p, _lower_bound_mask(48, p, DEV)) for f in (ref, kf))
+            (lr, ar), (lk, ak) = (f(ids[t:t + 1], p, p, causal_mask(48, p, DEV)) for f in (ref, kf))
             torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
