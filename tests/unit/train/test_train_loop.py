@@ -498,6 +498,7 @@ def test_full_disk_is_one_line(tiny, target, tmp_path):
         assert not list((fs / "r" / "checkpoints").glob("*step-*"))  # nothing half-written left behind
 
 
+@pytest.mark.slow
 def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny, target, tmp_path, monkeypatch):
     """The default CUDA start (`warmup.py`): the first step runs the chunked attention while a copy of the model
     compiles the unroll in a thread; the next step boundary switches to the compiled unroll, which the real drafter
@@ -522,13 +523,13 @@ def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny
     torch._dynamo.reset()
     counters.clear()
     msgs: list[str] = []
-    train(target=target, cfg=_cfg(tiny, tmp_path / "bg", steps=3, pad_to_budget=True), log=msgs.append)
+    train(target=target, cfg=_cfg(tiny, tmp_path / "bg", steps=2, pad_to_budget=True), log=msgs.append)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled once, in the thread
     torch._dynamo.reset()
     text = "\n".join(msgs)
     assert "the first steps run the chunked attention while the TTT unroll compiles in the background" in text
     assert "step 2: the compiled TTT unroll is ready" in text, text
     monkeypatch.undo()
-    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=3, pad_to_budget=True, compile="off"), log=_quiet)
+    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=2, pad_to_budget=True, compile="off"), log=_quiet)
     for x, y in zip(_metrics(tmp_path / "bg"), _metrics(tmp_path / "ref"), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
