@@ -302,7 +302,8 @@ class Bench:
             run = self.work / _slug("run", what, label)
             shutil.rmtree(run, ignore_errors=True)
             argv = ["-m", "draftsmith", "train", "--target", target, "--store", str(store), "--out", str(run),
-                    "--steps", str(steps), "--ttt-steps", "7", "--compile", "off", "--log-every", "1",
+                    "--steps", str(steps), "--ttt-steps", "7", "--compile", "off", "--attn-backend",
+                    "flex" if a.device == "cuda" else "chunked", "--log-every", "1",
                     "--eval-fraction", "0.02", "--eval-every", str(10 * steps), "--save-every", "0",
                     "--warmup", "0.1", "--device", "auto" if a.device == "cuda" else "cpu", "-q", *extra, *flags]
             rc, wall = _launch(argv, procs, procs, a.device, self.logs / f"{_slug('train', what, label)}.log")
