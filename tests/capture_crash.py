@@ -39,7 +39,8 @@ def install(spec: str) -> None:
     def kill() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    save_shard, write_json, save_file = job.atomic_save_safetensors_streaming, job.atomic_write_json, job.atomic_save_file
+    save_shard, write_json = job.atomic_save_safetensors_streaming, job.atomic_write_json
+    save_file = job.atomic_save_file
 
     def shard_writer(tensors, path, *a, **k):
         here = _shard_index(path) == index

@@ -22,16 +22,24 @@ import numpy as np
 import torch
 
 from draftsmith import __version__
-from draftsmith.capture.config import CaptureConfig  # re-exported: CaptureConfig lived here
+from draftsmith.capture.config import (
+    CaptureConfig,  # CaptureConfig lived here: still importable from this module
+)
 from draftsmith.common.dist import barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.io import (
+    LOCK_FILE_NAME,
+    atomic_save_file,
+    atomic_save_safetensors_streaming,
+    atomic_write_json,
+    dir_lock,
+    is_no_space,
+    no_space_error,
+    read_json,
+    sha256_file,
+)
 from draftsmith.store import format as fmt
 from draftsmith.target_model.layers import to_hidden_states_ids, validate_aux_layers
-from draftsmith.common.io import (
-    LOCK_FILE_NAME, atomic_save_file, atomic_save_safetensors_streaming, atomic_write_json, dir_lock, is_no_space,
-    no_space_error, read_json, sha256_file,
-)
-
 
 SHARD_PLAN_KEY = "plan_sha256"  # shard metadata key: the hash of the capture plan the shard was written under
 
@@ -93,7 +101,7 @@ class _ShardBuffers:
         self.aux_scale = torch.empty(num_tokens, k, dtype=torch.uint8, **kw) if dtype == "fp8" else None
         self.final_scale = torch.empty(num_tokens, dtype=torch.uint8, **kw) if dtype == "fp8" and with_final else None
 
-    def view(self, num_tokens: int) -> "_ShardBuffers":
+    def view(self, num_tokens: int) -> _ShardBuffers:
         """The first `num_tokens` rows (buffers are reused across shards: pinning memory is slow)."""
         v = object.__new__(_ShardBuffers)
         v.capacity = num_tokens
@@ -122,7 +130,7 @@ def run_capture(cfg: CaptureConfig, log=print, target=None, stats: dict | None =
                 return job.complete
             job.capture(stats)
             return job.finish()
-    except Exception as e:  # noqa: BLE001 - only a full disk is translated; everything else propagates as it was
+    except Exception as e:  # only a full disk is translated; everything else propagates unchanged
         if is_no_space(e):  # a write outside atomic_file (a directory, the lock file) ran out of space
             raise no_space_error(getattr(e, "filename", None) or cfg.out) from None
         raise
@@ -274,11 +282,12 @@ class _CaptureJob:
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=int(sum(self.shards[si][2] for si in todo)), unit="tok", unit_scale=True, desc=f"capture[{self.rank}]",
+            total=int(sum(self.shards[si][2] for si in todo)), unit="tok", unit_scale=True,
+            desc=f"capture[{self.rank}]",
             disable=not (self.cfg.progress and (self.is_main or not self.cfg.tp)), dynamic_ncols=True, file=sys.stderr,
         )
 
-    def _capture_shard(self, si: int, slots: "_WriteSlots", bar) -> None:
+    def _capture_shard(self, si: int, slots: _WriteSlots, bar) -> None:
         """Run shard `si`'s batches into a free host buffer set, then hand it to a writer thread."""
         cfg = self.cfg
         first, n, ntok = self.shards[si]

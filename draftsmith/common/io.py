@@ -19,7 +19,6 @@ from typing import Any
 
 from draftsmith.common.dtypes import SAFETENSORS_CODES
 
-
 LOCK_FILE_NAME = ".lock"  # what `dir_lock` leaves in a locked directory; emptiness checks should ignore it
 
 

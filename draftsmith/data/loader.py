@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from draftsmith.common.errors import BadRecordError, DraftsmithError
 from draftsmith.data import records as R
 from draftsmith.data.chat import ChatPlan, render_checked, special_and_ws_ids
-from draftsmith.common.errors import BadRecordError, DraftsmithError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _BATCH_CHARS = 4_000_000  # characters tokenized per batch call

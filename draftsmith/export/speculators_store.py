@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.dtypes import torch_dtypes
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import fsync_dir, is_no_space, no_space_error
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def hs_file_name(index: int) -> str:
 
 def _require_datasets():
     try:
-        import datasets  # noqa: F401
+        import datasets
         import pyarrow  # noqa: F401
     except ImportError as e:
         raise DraftsmithError(
@@ -232,7 +232,7 @@ class _ExportPlan:
         return len(self.aux_layers)
 
     @classmethod
-    def of(cls, store, dtype) -> "_ExportPlan":
+    def of(cls, store, dtype) -> _ExportPlan:
         aux_layers, hidden_size, manifest = _store_meta(store)
         target_layer_ids = [i + 1 for i in aux_layers]
         num_layers = _num_target_layers(manifest)
@@ -280,7 +280,7 @@ class _RowWriter:
         self.num_tokens = self.num_loss_tokens = self.hs_bytes = self.unsupervised = 0
         self.batch: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
 
-    def __enter__(self) -> "_RowWriter":
+    def __enter__(self) -> _RowWriter:
         import pyarrow as pa
 
         self._sink = pa.OSFile(str(self.rows_path), "wb")
@@ -375,7 +375,11 @@ def _save_dataset(datasets, rows_path: Path, tmp: Path, progress: bool) -> None:
     speculators' prepare-data writes (dataset.set_format("torch"); save_to_disk)."""
     ds = datasets.Dataset.from_file(str(rows_path), in_memory=False)
     ds = ds.with_format("torch")
-    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from datasets.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
 
     silence = not progress and not are_progress_bars_disabled()
     if silence:

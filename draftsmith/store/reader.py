@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
-from draftsmith.store import format as fmt
 from draftsmith.common.io import read_json, sha256_file
+from draftsmith.store import format as fmt
 from draftsmith.store.manifest import validate_manifest
 
 
@@ -48,7 +48,7 @@ class HiddenStateStore:
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-             check_sha256: bool | None = None) -> "HiddenStateStore":
+             check_sha256: bool | None = None) -> HiddenStateStore:
         """Open a complete store after checking its manifest (`draftsmith.store.manifest`: schema, paths inside
         the store, counts bounded by sizes, every shard's size equal to the manifest's). `check_sha256`: hash
         each shard on first use and refuse a mismatch (default on; DRAFTSMITH_STORE_CHECKSUMS=off turns it off)."""
@@ -159,7 +159,7 @@ class HiddenStateStore:
         k, H = len(m["aux_layers"]), int(m["hidden_size"])
 
         def shape(name: str):
-            if name not in h.keys():
+            if name not in h.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 raise DraftsmithError(f"{f}: tensor {name!r} missing from the shard")
             return tuple(h.get_slice(name).get_shape())
 

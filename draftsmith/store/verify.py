@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.store import format as fmt
 from draftsmith.common.io import read_json, sha256_file
+from draftsmith.store import format as fmt
 from draftsmith.store.manifest import validate_manifest
 
 

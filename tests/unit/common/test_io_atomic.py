@@ -6,11 +6,14 @@ import errno
 
 import pytest
 import torch
+from store_helpers import small_tmpfs
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.common.io import _FullWriter, atomic_save_safetensors_streaming, atomic_write_bytes
-
-from store_helpers import small_tmpfs  # noqa: E402  (tests/store_helpers.py)
+from draftsmith.common.io import (
+    _FullWriter,
+    atomic_save_safetensors_streaming,
+    atomic_write_bytes,
+)
 
 
 class _ShortRaw:

@@ -26,9 +26,8 @@ def test_second_process_fails_at_once_naming_the_owner(tmp_path):
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(DraftsmithError) as e:
-            with dir_lock(out, what="capture"):
-                pass
+        with pytest.raises(DraftsmithError) as e, dir_lock(out, what="capture"):
+            pass
         msg = str(e.value)
         assert msg == f"{out} is in use by another draftsmith capture (pid {holder.pid})"
     finally:

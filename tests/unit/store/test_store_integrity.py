@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from store_helpers import capture, make_corpus, resize_tmpfs, small_tmpfs
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import LOCK_FILE_NAME, dir_lock
@@ -21,10 +21,8 @@ from draftsmith.store import format as fmt
 from draftsmith.store.verify import verify_store
 from draftsmith.target_model import load_target
 
-from store_helpers import capture, make_corpus, resize_tmpfs, small_tmpfs  # noqa: E402  (tests/store_helpers.py)
-
 REPO = Path(__file__).resolve().parents[3]
-SETTINGS = dict(aux_layers=[1, 3, 4], max_length=64, shard_tokens=150, batch_tokens=256, writers=1)
+SETTINGS = {"aux_layers": [1, 3, 4], "max_length": 64, "shard_tokens": 150, "batch_tokens": 256, "writers": 1}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +88,8 @@ BAD_MANIFESTS = [
 ]
 
 
-@pytest.mark.parametrize("field,value,message", BAD_MANIFESTS, ids=[f"{b[0]}={'deleted' if b[1] is _DELETE else repr(b[1])[:12]}" for b in BAD_MANIFESTS])
+@pytest.mark.parametrize("field,value,message", BAD_MANIFESTS,
+                         ids=[f"{b[0]}={'deleted' if b[1] is _DELETE else repr(b[1])[:12]}" for b in BAD_MANIFESTS])
 def test_a_bad_manifest_is_one_line_naming_the_field(store, tmp_path, field, value, message):
     bad = _copy(store, tmp_path / "bad", _set(field, value))
     for reader in (HiddenStateStore.open, lambda p: verify_store(p, progress=False)):
@@ -114,7 +113,8 @@ def test_cli_verify_and_info_refuse_a_bad_manifest_in_one_line(store, tmp_path):
     bad = _copy(store, tmp_path / "bad", _set("shards.0.file", "/etc/passwd"))
     e = dict(os.environ, OMP_NUM_THREADS="1")
     for cmd in (["store", "verify", str(bad), "-q"], ["store", "info", str(bad)]):
-        r = subprocess.run([sys.executable, "-m", "draftsmith", *cmd], cwd=REPO, env=e, capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "draftsmith", *cmd], cwd=REPO, env=e, capture_output=True,
+                           text=True, check=False)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert r.stderr.strip().splitlines() == [f"error: {bad / fmt.MANIFEST}: field 'shards[0].file' '/etc/passwd' "
                                                  "is not a relative path inside the store"]
@@ -181,7 +181,8 @@ def test_changing_only_max_length_is_refused_naming_it(tiny_path, corpus, target
 def test_a_second_capture_into_a_locked_dir_fails_at_once(tiny_path, corpus, target, tmp_path):
     out = tmp_path / "s"
     with dir_lock(out, what="capture"):  # another capture holds it (flock: a second open file conflicts)
-        with pytest.raises(DraftsmithError, match=rf"^{out} is in use by another draftsmith capture \(pid {os.getpid()}\)$"):
+        want = rf"^{out} is in use by another draftsmith capture \(pid {os.getpid()}\)$"
+        with pytest.raises(DraftsmithError, match=want):
             capture(tiny_path, corpus, out, target=target, **SETTINGS)
     assert not (out / fmt.PLAN).exists()
 
@@ -190,8 +191,9 @@ def test_cli_out_that_is_a_file_is_one_line(tiny_path, corpus, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     e = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "draftsmith", "capture", "--target", str(tiny_path), "--data", str(corpus),
-                        "--out", str(f), "-q"], cwd=REPO, env=e, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "draftsmith", "capture", "--target", str(tiny_path), "--data",
+                        str(corpus), "--out", str(f), "-q"], cwd=REPO, env=e, capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {f}: exists and is not a directory; choose another --out"], r.stderr[-2000:]
     assert f.read_text() == "x"
@@ -247,10 +249,11 @@ def test_cli_full_disk_is_one_line_and_exit_2(tiny_path, corpus, store, tmp_path
                 "--max-length", "64", "--shard-tokens", "150", "--batch-tokens", "256", "--writers", "1",
                 "--model-dtype", "fp32", "-q"]
         r = subprocess.run([sys.executable, "-m", "draftsmith", "capture", *args], cwd=REPO, env=e,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error")]
-        assert errors == [f"error: no space left on device: {out / fmt.shard_name(0)}"] == r.stderr.strip().splitlines()[-1:]
+        want = [f"error: no space left on device: {out / fmt.shard_name(0)}"]
+        assert errors == want == r.stderr.strip().splitlines()[-1:]
 
 
 def test_a_full_disk_during_a_store_export_is_one_line_and_leaves_nothing(store, tmp_path):
