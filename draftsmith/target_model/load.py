@@ -7,8 +7,8 @@ located on it generically.
 Remote code: every transformers loader here (config, tokenizer, model) is called with
 `trust_remote_code=False` unless the user opts in, so a model directory whose config names Python files in
 `auto_map` never runs them (and transformers never stops to ask on stdin). Opt in with the
-`--trust-remote-code` flag of `inspect`/`export`, or `DRAFTSMITH_TRUST_REMOTE_CODE=1` for every command
-(capture, train, generate, eval load targets too).
+`--trust-remote-code` flag of `inspect`, `export`, `capture` and `train` (each a `trust_remote_code_scope` around
+its work), or `DRAFTSMITH_TRUST_REMOTE_CODE=1` for every command (generate, eval, serve and doctor have no flag).
 """
 
 from __future__ import annotations
