@@ -464,8 +464,10 @@ def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table
                 argv.append("--resume")
             elif st.command in ("eval", "export"):
                 _remove_output(st)
-        else:
+        elif st.status == "changed":  # this pipeline wrote it with other settings: start that stage over
             _remove_output(st)
+        # "new" (no record): whatever is there was not made by this pipeline (e.g. a store captured under
+        # torchrun): never removed; the command itself resumes it, or refuses it naming the setting that differs
         rec_path = _record_path(p.run_dir, st)
         atomic_write_json(rec_path, {"stage": st.name, "fingerprint": st.fingerprint, "argv": argv, "done": False})
         log(f"{head}: draftsmith {st.command} {' '.join(_quote(a) for a in argv)}")
