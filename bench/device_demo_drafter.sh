@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 18 (run from the repository root on the GPU machine; results under $OUT, at most 7
-# files: the device returns 8; run it as `bash bench/device_demo_drafter.sh > /tmp/stdout.txt 2>&1`):
+# files: the device returns 8; run it as `SIDE=0 bash bench/device_demo_drafter.sh > /tmp/stdout.txt 2>&1` for the
+# bundled drafter alone: ~8 min with examples/pycode-tiny-bundled.yaml's --max-time 420; timeout_s 600):
 #   - trains the bundled demo drafter with `draftsmith pipeline examples/pycode-tiny-bundled.yaml` (GPU, cores 4-15)
 #   - meanwhile, on two pinned cores each: bench/demo_cpu.py (CPU round cost vs plain step, cores 2-3) and
 #     `draftsmith demo` timed end to end (cores 0-1; the bundled drafter does not exist yet, so it is skipped)
@@ -13,12 +14,15 @@ BOUT=/tmp/bench-out; mkdir -p $BOUT
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a $OUT/log.txt; }
 log "start $(nproc) cores; $(python -c 'import torch,transformers;print(torch.__version__,transformers.__version__)')"
-( OUT=$BOUT OMP_NUM_THREADS=2 taskset -c 2,3 python bench/demo_cpu.py --reps 100 --threads 1,2 \
+# SIDE=0 skips the side measurements (round cost, demo wall time, regenerate): the bundled drafter alone
+SIDE=${SIDE:-1}
+P_CPU=""; P_DEMO=""
+[ "$SIDE" = 1 ] && ( OUT=$BOUT OMP_NUM_THREADS=2 taskset -c 2,3 python bench/demo_cpu.py --reps 100 --threads 1,2 \
     > $BOUT/demo_cpu.log 2>&1; echo "demo_cpu rc=$?" >> $BOUT/demo_cpu.log ) &
-P_CPU=$!
-( S=$(date +%s); OMP_NUM_THREADS=2 taskset -c 0,1 python -m draftsmith demo --out /tmp/demo --fresh \
+[ "$SIDE" = 1 ] && P_CPU=$!
+[ "$SIDE" = 1 ] && ( S=$(date +%s); OMP_NUM_THREADS=2 taskset -c 0,1 python -m draftsmith demo --out /tmp/demo --fresh \
     > $BOUT/demo.log 2>&1; echo "demo rc=$? wall $(( $(date +%s) - S )) s" >> $BOUT/demo.log ) &
-P_DEMO=$!
+[ "$SIDE" = 1 ] && P_DEMO=$!
 log "pipeline (GPU)"
 taskset -c 4-15 python -m draftsmith pipeline examples/pycode-tiny-bundled.yaml 2>&1 | grep -v "Loading weights" \
   | tail -60 >> $OUT/log.txt
@@ -26,8 +30,8 @@ RUN=runs/pycode-tiny-bundled
 mkdir -p $OUT/drafter && cp $RUN/train/final/config.json $RUN/train/final/model.safetensors $OUT/drafter/ \
   && log "drafter: $(du -b $OUT/drafter/model.safetensors)"
 cp $RUN/report.md $OUT/bundled_report.md 2>/dev/null
-( OUT=$BOUT taskset -c 4-15 python bench/regenerate.py > $BOUT/regen.log 2>&1; echo "regen rc=$?" >> $BOUT/regen.log ) &
-wait $P_CPU $P_DEMO
+[ "$SIDE" = 1 ] && ( OUT=$BOUT taskset -c 4-15 python bench/regenerate.py > $BOUT/regen.log 2>&1; echo "regen rc=$?" >> $BOUT/regen.log ) &
+[ "$SIDE" = 1 ] && wait $P_CPU $P_DEMO
 log "CPU evals of the new drafter"
 for K in 1 2 3; do
   OMP_NUM_THREADS=1 taskset -c 0,1 python -m draftsmith eval --target assets/pycode-tiny --drafter $RUN/train/final \
@@ -49,5 +53,5 @@ for d in sorted(glob.glob("/tmp/bench-out/cpu-*")):
 json.dump(rows, open(os.environ["OUT"] + "/cpu_evals.json", "w"), indent=1)
 for r in rows: print(r)
 PY
-cat $BOUT/demo_cpu.log $BOUT/demo.log $BOUT/regen.log > $OUT/side_logs.txt
+[ "$SIDE" = 1 ] && cat $BOUT/demo_cpu.log $BOUT/demo.log $BOUT/regen.log > $OUT/side_logs.txt
 log "end"
