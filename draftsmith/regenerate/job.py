@@ -2,7 +2,8 @@
 
 Per record, every assistant turn i is replaced by the target's answer to the conversation before it, in which the
 earlier assistant turns are already the target's own (what the target would have said in that conversation).
-System, user and tool turns keep their exact strings; every other field of the record is kept; a
+System, user and tool turns keep their exact strings, and so do assistant turns that carry tool calls (their
+calls and the tool results after them belong together); every other field of the record is kept; a
 `provenance` object is added (target, its config hash, sampling settings, draftsmith version, source FILE:LINE).
 
 Generation is batched: B records at a time, turn by turn, through `transformers` `generate()` with left padding
@@ -103,7 +104,9 @@ def _prepare(where: str, obj, on_bad: str) -> _Item:
     for m in obj[key]:
         ckeys.append(default if default in m else ("content" if "content" in m else "value" if "value" in m
                                                    else default))
-    turns = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
+    # an assistant turn that calls tools is kept as the dataset has it: its tool calls and the tool results after
+    # it belong together, and a regenerated text would not match them
+    turns = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant" and not m.get("tool_calls")]
     return _Item(where, obj, key, ckeys, rec.messages, turns)
 
 

@@ -195,3 +195,15 @@ def test_resume_after_kill_9(chat_target, tmp_path):
     recs = [json.loads(x) for x in lines]  # the partial line was cut away: every line parses
     assert [r["provenance"]["source"] for r in recs] == [f"{data}:{i}" for i in range(1, n + 1)]
     assert all(r.get("id", r.get("meta", {}).get("k")) == i for i, r in enumerate(recs))
+
+
+def test_assistant_turns_with_tool_calls_are_kept(chat_target, tmp_path):
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "lookup", "arguments": "{\"q\": \"x\"}"}}]}
+    rec = {"messages": [{"role": "user", "content": "find x"}, call, {"role": "tool", "content": "x = 1"},
+                        {"role": "assistant", "content": "dataset answer"}]}
+    data = _write(tmp_path / "in.jsonl", [rec])
+    run_regenerate(_cfg(chat_target, data, tmp_path / "out.jsonl"), log=lambda s: None)
+    (out,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out["messages"][:3] == rec["messages"][:3]
+    assert out["messages"][3]["content"] != "dataset answer"
