@@ -55,6 +55,8 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: Optional[dict] = None
+    logprobs: Optional[Union[bool, int]] = None
+    echo: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -206,6 +208,9 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
             raise ApiError(400, msg, param) from None
         if req.n != 1:
             raise ApiError(400, f"field 'n': only n=1 is supported (got {req.n})", "n")
+        for name in ("logprobs", "echo"):  # refused rather than silently ignored: a client would read wrong numbers
+            if getattr(req, name):
+                raise ApiError(400, f"field '{name}': not supported by draftsmith serve", name)
         if req.model is not None and req.model not in (settings.model_name, *settings.aliases):
             raise ApiError(404, f"field 'model': {req.model!r} is not served here (this server serves "
                                 f"{settings.model_name!r}; see /v1/models)", "model")

@@ -243,6 +243,7 @@ def test_models_health_and_auth(servers):
     ({"prompt": "x", "max_tokens": "abc"}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "n": 2}, 400, "'n'"),
+    ({"prompt": "x", "logprobs": 2}, 400, "'logprobs'"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 99999999]}, 400, "prompt"),
     ({"prompt": "x", "stop": 5}, 400, "stop"),
