@@ -87,17 +87,15 @@ _TUNE_HELP = ("Pick the mode by measurement: a short calibration (greedy, <= 64 
 _TUNE_PROMPTS_HELP = "Calibration prompts for --tune (any --prompts format; first 4 used). Default: the prompt(s)."
 _SAVE_TUNING_HELP = "Write the --tune choice and its measurements to FILE (JSON), for --tuning FILE later."
 _TUNING_HELP = "Use the mode saved by --save-tuning FILE (no calibration)."
-_FP32_LOGITS_HELP = ("Final norm and lm_head in fp32 in every forward (an fp32 lm_head copy): bf16 verify rows and "
-                     "one-token steps break near ties the same way more often.")
 
 
 def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto",
-            kernels: str = "torch", fp32_logits: bool = False):
+            kernels: str = "torch"):
     from draftsmith.decode.engine import SpeculativeDecoder
 
     try:
         return SpeculativeDecoder(t, d, max_len=max_len, backend=backend, cuda_graphs=None if cuda_graphs else False,
-                                  compile=compile, attn_impl=attn_impl, kernels=kernels, fp32_logits=fp32_logits)
+                                  compile=compile, attn_impl=attn_impl, kernels=kernels)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -181,7 +179,6 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
-        fp32_logits: bool = typer.Option(False, "--fp32-logits", help=_FP32_LOGITS_HELP),
     ) -> None:
         """Generate from a prompt with speculative decoding (greedy output == plain greedy decoding)."""
         from draftsmith.decode.evaluate import load_prompt_ids, read_prompts_text, use_chat_template
@@ -219,7 +216,7 @@ def register(app: typer.Typer) -> None:
         max_len = min(cap, longest + max(max_new_tokens, 1) + need)
         if len(ids) + 2 > max_len:
             raise DraftsmithError(f"--prompt: {len(ids)} tokens do not fit the target's context ({max_len})")
-        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl, kernels, fp32_logits)
+        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl, kernels)
         if tune:
             if d is None:
                 typer.secho("tuned: plain decoding (no --drafter)", err=True, fg=typer.colors.CYAN)
@@ -276,7 +273,6 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
-        fp32_logits: bool = typer.Option(False, "--fp32-logits", help=_FP32_LOGITS_HELP),
         json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
     ) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""
@@ -318,7 +314,7 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
         cal = [p for p in cal if len(p) + need <= cap] or kept
         eng = _engine(t, d, min(cap, max(len(p) for p in kept + cal) + need), backend, cuda_graphs, compile,
-                      attn_impl, kernels, fp32_logits)
+                      attn_impl, kernels)
         report = run_eval(eng, kept, mode, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)
         if tune or saved is not None:
             if tune:

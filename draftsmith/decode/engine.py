@@ -163,8 +163,7 @@ class SpeculativeDecoder:
     also tries its Triton GEMM templates). `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
     "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`). `kernels`: "torch", or "triton" (the
     compact forward's one-token steps through `draftsmith.decode.kernels`, tiles tuned on the GPU at construction;
-    experimental). `fp32_logits`: the final norm and lm_head in fp32 in every forward (an fp32 lm_head copy), so
-    bf16 verify rows and one-token steps tie-break the same more often (`draftsmith.decode.certificate`).
+    experimental).
     """
 
     # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
@@ -178,8 +177,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
                  cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None,
-                 compile: bool | str = False, attn_impl: str = "auto", kernels: str = "torch",
-                 fp32_logits: bool = False):
+                 compile: bool | str = False, attn_impl: str = "auto", kernels: str = "torch"):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
         if compile not in (False, True, "max-autotune"):
@@ -235,10 +233,6 @@ class SpeculativeDecoder:
                               stacklevel=2)
         self.device = self.runner.device
         self.dtype = self.runner.dtype
-        if fp32_logits:
-            if self.backend != "llama":
-                raise ValueError("fp32_logits needs the compact Llama-family forward")
-            self.runner.set_fp32_logits(True)
         self.kernel_tuning: list[dict] = []  # the Triton gemv sweep of kernels="triton" on CUDA (tune_kernels)
         if self.backend == "llama":
             self.runner.kernels = "torch"

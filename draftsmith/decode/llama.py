@@ -198,7 +198,6 @@ class LlamaFamilyForward(torch.nn.Module):
         self.embed = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
         self.lm_head = weights["lm_head.weight"]
-        self.lm_head_fp32: torch.Tensor | None = None  # set_fp32_logits
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.cos = cos.to(self.device, self.dtype).contiguous()  # [max_len, d] (rows indexed by the kernels)
@@ -295,11 +294,6 @@ class LlamaFamilyForward(torch.nn.Module):
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
         return total
-
-    def set_fp32_logits(self, on: bool) -> None:
-        """Compute the final norm and lm_head in fp32 (an fp32 copy of lm_head: twice its bytes read per step), so a
-        verify row and a one-token step no longer round their logits to the model dtype: fewer greedy near ties."""
-        self.lm_head_fp32 = self.lm_head.float() if on and self.lm_head.dtype != torch.float32 else None
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.head_dim * self.k_cache.element_size()
@@ -451,8 +445,6 @@ class LlamaFamilyForward(torch.nn.Module):
                 aux[i] = h
         aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        if self.lm_head_fp32 is not None:  # final norm and lm_head in fp32 (logits not rounded to the model dtype)
-            return F.linear(_rms(hs.float(), self.norm.float(), self.eps), self.lm_head_fp32), aux_t
         if "lm_head" in ops and hs.shape[0] <= K.ROWS_MAX:
             return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
