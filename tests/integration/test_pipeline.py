@@ -77,6 +77,19 @@ def test_rerun_skips_everything_and_a_change_reruns_that_stage_and_after(finishe
     assert decide(p) == ["changed", "changed", "changed"]
 
 
+def test_an_interrupted_stage_resumes(finished, tmp_path):
+    """A stage whose record says it started with these settings but never finished is resumed (train: --resume)."""
+    tmp, run, cfg, _ = finished
+    p = plan(_write(tmp, cfg, "again.yaml"))
+    rec = run / ".pipeline" / "train.json"
+    saved = rec.read_text()
+    try:
+        rec.write_text(json.dumps({**json.loads(saved), "done": False}))
+        assert decide(p) == ["resume", "up to date", "up to date"]
+    finally:
+        rec.write_text(saved)
+
+
 def test_changed_eval_reruns_only_eval(finished):
     tmp, run, cfg, _ = finished
     before = (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns
