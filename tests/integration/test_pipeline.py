@@ -98,6 +98,9 @@ def test_changed_eval_reruns_only_eval(finished):
     assert [s["status"] for s in data["stages"]] == ["skipped", "done", "skipped"]
     assert (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns == before
     assert json.loads((run / "eval" / "trained" / "eval.json").read_text())["max_new_tokens"] == 5
+    # back to the module's settings (the other tests of this module expect them): only eval reruns again
+    data = run_pipeline(plan(_write(tmp, cfg, "back.yaml")), log=lambda s: None)
+    assert [s["status"] for s in data["stages"]] == ["skipped", "done", "skipped"]
 
 
 @pytest.mark.parametrize("mutate, message", [
