@@ -21,7 +21,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (shared helpers; puts the repository on sys.path)
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
 from draftsmith.decode.llama import LlamaFamilyForward  # noqa: E402
@@ -91,18 +91,15 @@ def llama8b_config(smoke: bool):
 
 
 def copy_bandwidth(dev, smoke: bool) -> float:
-    """Device copy bandwidth in bytes/s, counting read + write (like the GUIDE's 4.2 TB/s figure)."""
-    n = (1 << 20) if smoke else (1 << 30)  # 2 GiB of bf16 per buffer on GPU
-    a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    """Device copy bandwidth in bytes/s, counting read + write (bench/common.py); a small CPU copy for --smoke."""
+    if dev.type == "cuda":
+        return common.measure_copy_bandwidth(2.0)
+    a = torch.empty(1 << 20, dtype=torch.bfloat16).normal_()
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    reps = 20
     with Timer(dev) as t:
-        for _ in range(reps):
+        for _ in range(20):
             b.copy_(a)
-    del a, b
-    return 2 * n * 2 * reps / t.s
+    return 2 * a.numel() * 2 * 20 / t.s
 
 
 def time_steps(engine, fn, n, dev):
@@ -568,18 +565,6 @@ def flush(partial: bool = True) -> None:
     (Path(out) / "BENCHMARKS.decode.md").write_text("\n".join(LINES) + "\n")
 
 
-def git_commit() -> str:
-    if os.environ.get("DRAFTSMITH_COMMIT"):  # the device's copy of the tree has no usable git history
-        return os.environ["DRAFTSMITH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        c = out.stdout.strip() or "uncommitted"
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10).stdout
-        return c + ("+dirty" if dirty.strip() else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
@@ -608,7 +593,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    here = Path(__file__).resolve().parents[1]
     args.target = args.target or next((p for p in (".carry/pycode-small", "/work/shared/targets/pycode-small",
                                                    "/work/shared/targets/pycode-tiny") if os.path.isdir(p)), None)
     if args.smoke:
@@ -622,7 +606,7 @@ def main(argv=None):
     sections = set(args.sections.split(","))
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     RESULTS.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": dev_name,
-                    "torch": torch.__version__, "commit": git_commit(),
+                    "torch": torch.__version__, "commit": common.commit(),
                     "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])), "smoke": args.smoke})
     try:
         import transformers
@@ -666,24 +650,16 @@ def main(argv=None):
     if "P1c" in sections and runner is not None:
         section("P1c", lambda: p1_compiled(args, dev, dtype, bw or float("nan"), runner), need_s=150)
     RESULTS["wall_s"] = time.perf_counter() - T0
-    header = (f"\n## decode — {RESULTS['date']} — {dev_name} — commit {RESULTS['commit']}"
-              f"{' (SMOKE, not a measurement)' if args.smoke else ''}\n"
-              f"`{RESULTS['command']}` (torch {torch.__version__}, transformers {RESULTS.get('transformers')})\n")
+    title = f"decode{' (SMOKE, not a measurement)' if args.smoke else ''}"
     body = "\n".join(LINES)
     if RESULTS["errors"]:
         body += "\n\nerrors: " + "; ".join(f"{k}: {v}" for k, v in RESULTS["errors"].items())
-    print(header + body, flush=True)
-    out = os.environ.get("OUT")
+    body += f"\n\n(torch {torch.__version__}, transformers {RESULTS.get('transformers')})"
     flush(partial=False)
-    if out:
-        (Path(out) / "BENCHMARKS.decode.md").write_text(header + body + "\n")
-    if not args.no_benchmarks_md and not args.smoke:
-        md = here / "BENCHMARKS.md"
-        with open(md, "a") as fh:
-            if md.stat().st_size == 0:
-                fh.write("# Benchmarks\n")
-            fh.write(header + body + "\n")
-
+    if args.no_benchmarks_md or args.smoke:
+        print(body, flush=True)
+    else:  # BENCHMARKS.md and $OUT/decode.{md,json}: date, device, commit, command (bench/common.py)
+        common.record("decode", title, body, RESULTS, RESULTS["command"])
     log("done")
 
 
