@@ -40,7 +40,7 @@ def matmul_floor(runner, dev, reps: int) -> float:
     """Seconds per step of only the step's weight matmuls (bs=1) and the lm_head, from one CUDA graph."""
     mats = []
     for L in runner.layers:
-        mats += [*L["qkv"], L["o"], *L["gu"], L["down"]]
+        mats += [*L.qkv, L.o, *L.gate_up, L.down]
     mats.append(runner.lm_head)
     ins = {}
     for w in mats:  # one input per in-feature size (the GEMV reads w once whatever x holds)
@@ -162,7 +162,7 @@ def verify_census(runner, T: int, S: int, impl: str, dev, reps: int, bw: float, 
     n, kms, top_k = kernel_census(fwd, dev, top)
     mats = []
     for L in runner.layers:
-        mats += [*L["qkv"], L["o"], *L["gu"], L["down"]]
+        mats += [*L.qkv, L.o, *L.gate_up, L.down]
     ins = {}
     for w in mats + [runner.lm_head]:
         ins.setdefault(w.shape[1], torch.randn(T, w.shape[1], device=dev, dtype=runner.dtype))

@@ -15,6 +15,7 @@ sliding windows shorter than the cache, dynamic NTK RoPE, MoE, other architectur
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -139,6 +140,26 @@ def _split_attention(q, k, v, add_mask, scale):
     return ((w * o).sum(1) / (w * l).sum(1)).to(q.dtype)
 
 
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's tensors (borrowed from the HF model; qkv and gate/up concatenated when fused: then each of
+    those lists holds one matrix, else the separate q/k/v or gate/up matrices). Biases and q/k norms may be None."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: list
+    qkv_bias: list
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # q_norm repeated per q head, then k_norm per kv head: one norm over both
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: list
+    gate_up_bias: list
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
 class LlamaFamilyForward(torch.nn.Module):
     """Static-cache forward of a Llama-family decoder for batch size 1."""
 
@@ -175,25 +196,22 @@ class LlamaFamilyForward(torch.nn.Module):
         for i in range(self.n_layers):
             p = f"layers.{i}."
             g = lambda n: weights.get(p + n)  # noqa: E731
-            L = {"in": g("input_layernorm.weight"), "post": g("post_attention_layernorm.weight"),
-                 "q_norm": g("self_attn.q_norm.weight"), "k_norm": g("self_attn.k_norm.weight"),
-                 "o": g("self_attn.o_proj.weight"), "o_b": g("self_attn.o_proj.bias"),
-                 "down": g("mlp.down_proj.weight"), "down_b": g("mlp.down_proj.bias")}
             qkv = [g(f"self_attn.{n}_proj.weight") for n in "qkv"]
             qkv_b = [g(f"self_attn.{n}_proj.bias") for n in "qkv"]
             gu = [g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]
             gu_b = [g("mlp.gate_proj.bias"), g("mlp.up_proj.bias")]
             if fuse:
-                L["qkv"] = [torch.cat(qkv, 0)]
-                L["qkv_b"] = [torch.cat(qkv_b, 0)] if qkv_b[0] is not None else [None]
-                L["gu"] = [torch.cat(gu, 0)]
-                L["gu_b"] = [torch.cat(gu_b, 0)] if gu_b[0] is not None else [None]
-            else:
-                L["qkv"], L["qkv_b"], L["gu"], L["gu_b"] = qkv, qkv_b, gu, gu_b
-            if L["q_norm"] is not None:  # one RMSNorm over q and k heads together (per-head weights)
-                L["qk_norm"] = torch.cat([L["q_norm"].expand(self.n_heads, -1), L["k_norm"].expand(self.n_kv, -1)])
-            else:
-                L["qk_norm"] = None
+                qkv, gu = [torch.cat(qkv, 0)], [torch.cat(gu, 0)]
+                qkv_b = [torch.cat(qkv_b, 0)] if qkv_b[0] is not None else [None]
+                gu_b = [torch.cat(gu_b, 0)] if gu_b[0] is not None else [None]
+            q_norm, k_norm = g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight")
+            # one RMSNorm over q and k heads together (per-head weights)
+            qk_norm = (torch.cat([q_norm.expand(self.n_heads, -1), k_norm.expand(self.n_kv, -1)])
+                       if q_norm is not None else None)
+            L = LayerWeights(input_norm=g("input_layernorm.weight"), post_norm=g("post_attention_layernorm.weight"),
+                             qkv=qkv, qkv_bias=qkv_b, q_norm=q_norm, k_norm=k_norm, qk_norm=qk_norm,
+                             o=g("self_attn.o_proj.weight"), o_bias=g("self_attn.o_proj.bias"), gate_up=gu,
+                             gate_up_bias=gu_b, down=g("mlp.down_proj.weight"), down_bias=g("mlp.down_proj.bias"))
             self.layers.append(L)
         self.embed = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
@@ -261,7 +279,8 @@ class LlamaFamilyForward(torch.nn.Module):
         cos, sin = rope_table(cfg, max_len, device, None)
         # fuse=False keeps a single copy of each matrix (the 8B shape fits twice, but why pay)
         obj = cls(cfg, w, cos, sin, aux_layers, max_len, fuse=False)
-        obj.layers = [dict(L, qkv=[torch.cat(L["qkv"], 0)], gu=[torch.cat(L["gu"], 0)], qkv_b=[None], gu_b=[None])
+        obj.layers = [dataclasses.replace(L, qkv=[torch.cat(L.qkv, 0)], gate_up=[torch.cat(L.gate_up, 0)],
+                                          qkv_bias=[None], gate_up_bias=[None])
                       for L in obj.layers]
         for i in range(obj.n_layers):  # drop the unfused copies
             for n in ("q", "k", "v"):
@@ -285,8 +304,8 @@ class LlamaFamilyForward(torch.nn.Module):
         seen, total = set(), 0
         tensors = [self.norm, self.lm_head]
         for L in self.layers:
-            tensors += [L["in"], L["post"], L["o"], L["down"], *L["qkv"], *L["gu"]]
-            tensors += [t for t in (L["q_norm"], L["k_norm"], L["o_b"], L["down_b"], *L["qkv_b"], *L["gu_b"])
+            tensors += [L.input_norm, L.post_norm, L.o, L.down, *L.qkv, *L.gate_up]
+            tensors += [t for t in (L.q_norm, L.k_norm, L.o_bias, L.down_bias, *L.qkv_bias, *L.gate_up_bias)
                         if t is not None]
         for t in tensors:
             if t is None or t.data_ptr() in seen:
@@ -311,7 +330,7 @@ class LlamaFamilyForward(torch.nn.Module):
         a wider forward of up to `kernels.ROWS_ATTN_MAX` tokens (a verify, a hand-off) takes only the attention
         (`kernels.rows_attention`: one kernel pair over the tree mask where torch needs the mask expanded, two
         batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (long prefills) none."""
-        if self.kernels != "triton" or len(self.layers[0]["qkv"]) != 1 or len(self.layers[0]["gu"]) != 1:
+        if self.kernels != "triton" or len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
 
@@ -345,11 +364,11 @@ class LlamaFamilyForward(torch.nn.Module):
         `kernels.tune_gemv` keyword arguments, with layer 0's norm weight and bias standing for all layers')."""
         L0 = self.layers[0]
         glu, act_mul = self._mlp_folds(self.triton_ops_for(1) or frozenset(self.triton_ops))
-        return {"qkv": ([L["qkv"][0] for L in self.layers], dict(norm_weight=L0["in"], bias=L0["qkv_b"][0])),
-                "o": ([L["o"] for L in self.layers], dict(bias=L0["o_b"], residual=True)),
-                "gate_up": ([L["gu"][0] for L in self.layers], dict(norm_weight=L0["post"], bias=L0["gu_b"][0],
+        return {"qkv": ([L.qkv[0] for L in self.layers], dict(norm_weight=L0.input_norm, bias=L0.qkv_bias[0])),
+                "o": ([L.o for L in self.layers], dict(bias=L0.o_bias, residual=True)),
+                "gate_up": ([L.gate_up[0] for L in self.layers], dict(norm_weight=L0.post_norm, bias=L0.gate_up_bias[0],
                                                                    glu=glu)),
-                "down": ([L["down"] for L in self.layers], dict(bias=L0["down_b"], residual=True, act_mul=act_mul)),
+                "down": ([L.down for L in self.layers], dict(bias=L0.down_bias, residual=True, act_mul=act_mul)),
                 "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
 
     def _mlp_folds(self, ops, T: int = 1) -> tuple[bool, bool]:
@@ -396,18 +415,18 @@ class LlamaFamilyForward(torch.nn.Module):
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
-                qkv = lin(h, L["qkv"][0], L["in"], self.eps, bias=L["qkv_b"][0])
+                qkv = lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0])
             else:
-                qkv = self._lin(_rms(h, L["in"], self.eps), L["qkv"], L["qkv_b"])
+                qkv = self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
             kc, vc = self.k_layers[i], self.v_layers[i]
             if "rope" in ops:  # q/k norm, RoPE and both cache writes in one kernel
-                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L["qk_norm"],
+                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm,
                                      self.eps)[None]  # [1, T, nh, d]
             else:
                 qkv = qkv.view(1, T, nh + 2 * nkv, d)
                 qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
-                if L["qk_norm"] is not None:
-                    qk = _rms(qk, L["qk_norm"], self.eps)
+                if L.qk_norm is not None:
+                    qk = _rms(qk, L.qk_norm, self.eps)
                 qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
                 q, k = qk[:, :, :nh], qk[:, :, nh:]
                 kc.index_copy_(2, slots, k.transpose(1, 2))
@@ -421,26 +440,26 @@ class LlamaFamilyForward(torch.nn.Module):
                                       self.attn_impl)
                 o = o.transpose(1, 2).reshape(T, nh * d)
             if "o" in ops:
-                h = lin(o, L["o"], bias=L["o_b"], residual=h)
+                h = lin(o, L.o, bias=L.o_bias, residual=h)
             else:
-                h = h + F.linear(o, L["o"], L["o_b"])
+                h = h + F.linear(o, L.o, L.o_bias)
             if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [T, I]
-                gu = lin(h, L["gu"][0], L["post"], self.eps, bias=L["gu_b"][0], glu=glu)
+                gu = lin(h, L.gate_up[0], L.post_norm, self.eps, bias=L.gate_up_bias[0], glu=glu)
             else:
-                gu = self._lin(_rms(h, L["post"], self.eps), L["gu"], L["gu_b"])
+                gu = self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias)
             if glu:
                 if "down" in ops:
-                    h = lin(gu, L["down"], bias=L["down_b"], residual=h)
+                    h = lin(gu, L.down, bias=L.down_bias, residual=h)
                 else:
-                    h = h + F.linear(gu, L["down"], L["down_b"])
+                    h = h + F.linear(gu, L.down, L.down_bias)
             elif fold_act:  # silu(gate) * up folded into the down projection
-                h = K.gemv(gu, L["down"], bias=L["down_b"], residual=h, act_mul=True)
+                h = K.gemv(gu, L.down, bias=L.down_bias, residual=h, act_mul=True)
             else:
                 g, u = gu.chunk(2, -1)
                 if "down" in ops:
-                    h = lin(self.act(g) * u, L["down"], bias=L["down_b"], residual=h)
+                    h = lin(self.act(g) * u, L.down, bias=L.down_bias, residual=h)
                 else:
-                    h = h + F.linear(self.act(g) * u, L["down"], L["down_b"])
+                    h = h + F.linear(self.act(g) * u, L.down, L.down_bias)
             if want_aux and i in self.aux_layers:
                 aux[i] = h
         aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
@@ -481,5 +500,5 @@ def rope_table(cfg, max_len: int, device, rotary_module=None):
     return emb.cos(), emb.sin()
 
 
-__all__ = ["LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES",
+__all__ = ["LayerWeights", "LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES",
            "ATTENTION_IMPLS", "TRITON_OPS"]
