@@ -259,17 +259,17 @@ def lm_head_remap(drafter, target, chunk: int = 4096) -> torch.Tensor | None:
     dh = drafter.lm_head.weight
     if head.shape[1] != dh.shape[1]:
         return None
-    dn = torch.nn.functional.normalize(dh.float().cpu(), dim=-1)
-    tn = torch.nn.functional.normalize(head.float().cpu(), dim=-1)
-    best = torch.full((dn.shape[0],), -2.0)
-    arg = torch.zeros(dn.shape[0], dtype=torch.long)
-    for i in range(0, tn.shape[0], chunk):
-        sim = dn @ tn[i: i + chunk].T
-        v, j = sim.max(-1)
+    dev = head.device  # [V_d, H] x [H, V]: on the target's device, in row chunks of the target's vocab
+    dn = torch.nn.functional.normalize(dh.detach().to(dev, torch.float32), dim=-1)
+    best = torch.full((dn.shape[0],), -2.0, device=dev)
+    arg = torch.zeros(dn.shape[0], dtype=torch.long, device=dev)
+    for i in range(0, head.shape[0], chunk):
+        tn = torch.nn.functional.normalize(head[i: i + chunk].detach().float(), dim=-1)
+        v, j = (dn @ tn.T).max(-1)
         better = v > best
         best = torch.where(better, v, best)
         arg = torch.where(better, j + i, arg)
-    return arg
+    return arg.cpu()
 
 
 def prompt_half(i: int) -> int:

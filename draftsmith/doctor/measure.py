@@ -4,7 +4,7 @@ Why simulate instead of decoding: doctor scores the configuration and a dozen mi
 decode run per variant would cost a dozen generations. Greedy speculative decoding is deterministic given the
 target's greedy continuation, so one pass is enough:
 
-1. `trace_prompt`: greedy-generate the continuation (plain HF generation), then run the target ONCE over
+1. `trace_prompt`: greedy-generate the continuation (the HF module with its own KV cache), then run the target ONCE over
    prompt + continuation with forward hooks on every decoder layer (`draftsmith.capture.AuxCapture`: the
    residual stream after each layer, BEFORE any final norm -- what the engines capture) and keep the argmax
    of its logits at every position (the token greedy verification accepts there).
@@ -47,17 +47,20 @@ class Trace:
 
 @torch.no_grad()
 def greedy_continuation(model, prompt_ids: Sequence[int], new_tokens: int, device) -> list[int]:
-    """Plain greedy decoding with the HF module's own KV cache (what the engine's output equals)."""
+    """Plain greedy decoding with the HF module and a DynamicCache (what the engine's greedy output equals)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    # the cache argument was renamed in transformers 5.2x
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
+    nxt = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1].float().argmax()
     tokens: list[int] = []
-    nxt = out.logits[0, -1].float().argmax()
     for _ in range(new_tokens):
         tokens.append(int(nxt))
-        out = model(input_ids=nxt.view(1, 1), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        nxt = out.logits[0, -1].float().argmax()
+        nxt = model(input_ids=nxt.view(1, 1), use_cache=True, **{kw: cache}).logits[0, -1].float().argmax()
     return tokens
 
 

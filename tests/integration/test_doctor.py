@@ -95,6 +95,21 @@ def test_planted_fault_is_named_with_its_fix(kind, target, traces, clean, tmp_pa
     assert f["acceptance_rate"] == rep["acceptance_rate"]
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+def test_chat_template_the_drafter_was_not_trained_with(target, traces, clean, monkeypatch):
+    """The target's tokenizer gains a chat template the drafter never saw (it was trained on raw prompts): prompts
+    are measured through the template (as `draftsmith eval` would send them), and the raw variant is named."""
+    monkeypatch.setattr(target.tokenizer, "chat_template", CHAT_TEMPLATE)
+    cache = dict(traces)  # raw traces reused; the templated ones are computed for this test only
+    rep = _diagnose(target, cache, clean)
+    assert rep["chat_template"] is True
+    assert [f["fault"] for f in rep["likely_faults"]] == ["chat_template"], rep["likely_faults"]
+    assert "without the chat template" in rep["likely_faults"][0]["fix"]
+
+
 def test_simulated_acceptance_equals_the_decode_engine(target, traces, clean):
     """The rounds doctor simulates from one target pass are the rounds draftsmith.decode runs (greedy chain)."""
     from draftsmith.decode import DecodeMode, SpeculativeDecoder

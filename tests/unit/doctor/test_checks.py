@@ -96,3 +96,22 @@ def test_rounds_and_summary():
     s = summarize([[2, 0]], 3)
     assert s["acceptance_rate"] == pytest.approx(2 / 6) and s["tau"] == pytest.approx(2.0)
     assert s["p_at_least"] == [0.5, 0.5, 0.0]
+
+
+def test_suggestions_read_tau_sim_of_the_run_and_the_fall_off(tmp_path):
+    from draftsmith.doctor.checks import read_tau_sim
+    from draftsmith.doctor.diagnosis import suggestions
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    recs = [{"step": 10, "tau_sim": 1.0, "acc": [0.5] * 7},
+            {"step": 20, "tau_sim": 2.9, "acc": [0.9] * 7, "eval_tau_sim": 2.5, "eval_acc": [0.9, 0.8, 0.8, 0.7]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ts = read_tau_sim(str(run / "final"))
+    assert ts["held_out"] and ts["step"] == 20 and ts["tau_sim"] == 2.5
+    config = {"tau": 1.3, "conditional": [0.25, 0.3, 0.1, 0.0]}
+    out = " | ".join(suggestions(config, 0.99, ts, 4))
+    # 1 + 0.9 + 0.72 + 0.576 + 0.4032 = 3.60 expected from the held-out per-step accuracies
+    assert "τ ≈ 3.60" in out and "well below" in out
+    assert "first draft is accepted only 25%" in out and "falls off fast" in out
+    assert read_tau_sim(str(tmp_path)) is None
