@@ -230,9 +230,8 @@ def candidate_variants(info: dict, target, base: Variant, template_available: bo
 
 # ------------------------------------------------------------------------------------------ measuring
 def _aux_inputs(trace: M.Trace, v: Variant, final_norm) -> torch.Tensor:
-    states = trace.layer_states[:, v.aux_layers, :]  # [T, k, H]
+    states = trace.layer_states[:, v.aux_layers, :].float()  # [T, k, H]
     if v.normed_slots:
-        states = states.clone()
         w = next(final_norm.parameters(), None)
         dt = w.dtype if w is not None else torch.float32
         dev = w.device if w is not None else torch.device("cpu")
@@ -350,7 +349,7 @@ def suggestions(config: dict, coverage: float, tau_sim: dict | None, K: int) -> 
     if cond and cond[0] < 0.3:
         out.append(f"the first draft is accepted only {cond[0]:.0%} of the time: undertrained, or trained on "
                    "different data than these prompts")
-    if len(cond) > 1 and cond[0] > 0 and min(cond[1:]) < 0.6 * cond[0]:
+    if len(cond) > 1 and cond[0] >= 0.3 and min(cond[1:]) < 0.6 * cond[0]:
         out.append("acceptance falls off fast with draft position (α_i " + " ".join(f"{c:.2f}" for c in cond)
                    + "): undertrained for later steps (more data / steps, or more TTT steps)")
     if not out:

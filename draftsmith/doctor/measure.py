@@ -36,7 +36,7 @@ class Trace:
 
     input_ids: torch.Tensor  # [T] long: prompt + greedy continuation (+ K look-ahead tokens)
     prompt_len: int
-    layer_states: torch.Tensor  # [T, N, H] fp32: output of decoder layer k (pre-norm) at [:, k]
+    layer_states: torch.Tensor  # [T, N, H] (target dtype, CPU): output of decoder layer k (pre-norm) at [:, k]
     target_next: torch.Tensor  # [T] long: argmax of the target's logits at each position
     max_new_tokens: int  # the continuation length a decode run of this prompt would emit
 
@@ -81,7 +81,7 @@ def trace_prompt(target, prompt_ids: Sequence[int], max_new_tokens: int, lookahe
     cap = AuxCapture(target, list(range(n)), capture_final=False)
     with cap:
         logits = model(input_ids=ids).logits[0]
-    states = cap.aux[0].float().view(len(seq), n, -1).cpu()
+    states = cap.aux[0].view(len(seq), n, -1).cpu()  # the target's dtype: every layer of a large target is big
     return Trace(input_ids=ids[0].cpu(), prompt_len=len(prompt_ids), layer_states=states,
                  target_next=logits.float().argmax(-1).cpu(), max_new_tokens=emitted)
 
