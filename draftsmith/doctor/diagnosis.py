@@ -389,6 +389,9 @@ def diagnose(target, drafter_path: str, prompts_file: str | None = None, store: 
     remap = lm_head_remap(drafter, target)
     if remap is not None:
         tables["remap"] = remap
+    if info["config"].aux_layer_ids is None:
+        bad = next(c for c in checks if c["name"] == "aux_ids")
+        raise DraftsmithError(f"{drafter_path}: cannot measure without aux layer ids: {bad['detail']}")
     cfg_variant = Variant(None, "as configured", "", list(info["config"].aux_layer_ids))
     say("measuring the configuration")
     config = measure_variant(cfg_variant, traces, drafter, tables, K, target.final_norm)
