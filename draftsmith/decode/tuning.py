@@ -24,10 +24,11 @@ from draftsmith.common.errors import DraftsmithError
 from draftsmith.decode.engine import DecodeMode
 from draftsmith.decode.sampling import SamplingParams
 
-# a handful of shapes that span the useful range: short/long chains for launch-bound or CPU targets, a small and
+# a handful of shapes that span the useful range: short/long chains for launch-bound or CPU targets (on a CPU a
+# chain of 1 costs about one plain step a round, so even a weak drafter's first-token acceptance pays), a small and
 # a deep tree for targets whose verify rows are nearly free
 DEFAULT_CANDIDATES = (
-    DecodeMode("chain", draft_tokens=2), DecodeMode("chain", draft_tokens=3), DecodeMode("chain", draft_tokens=4),
+    DecodeMode("chain", draft_tokens=1), DecodeMode("chain", draft_tokens=2), DecodeMode("chain", draft_tokens=3), DecodeMode("chain", draft_tokens=4),
     DecodeMode("chain", draft_tokens=6), DecodeMode("tree", top_k=4, depth=4, tree_tokens=16),
     DecodeMode("tree", top_k=8, depth=6, tree_tokens=48),
 )

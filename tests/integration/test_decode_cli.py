@@ -273,7 +273,7 @@ def test_tune_falls_back_to_plain_when_nothing_wins():
     """With rounds that are always slower than a plain step, the tuner picks plain and says so."""
     from types import SimpleNamespace
 
-    from draftsmith.decode.tuning import tune
+    from draftsmith.decode.tuning import DEFAULT_CANDIDATES, tune
 
     class SlowRounds:
         max_len, drafter = 4096, object()
@@ -288,7 +288,7 @@ def test_tune_falls_back_to_plain_when_nothing_wins():
 
     res = tune(SlowRounds(), [[1, 2, 3]], max_new_tokens=16)
     assert res.mode.kind == "plain" and res.speedup == 1.0 and "plain decoding" in res.summary()
-    assert len(res.candidates) == 7
+    assert len(res.candidates) == 1 + len(DEFAULT_CANDIDATES)
 
 
 def test_eval_tune_reports_tuned_and_certificate(app, drafter_dir, tmp_path):
