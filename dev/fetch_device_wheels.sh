@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch/transformers but no pydantic, datasets or
-# speculators, and no network) into .whl/ for Python 3.12 x86_64. Used by the device runs in docs/DEVICE_RUNS.md.
+# speculators, and no network) into .whl/ for Python 3.12 x86_64. Used by the device runs in dev/DEVICE_RUNS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -26,7 +26,7 @@ class CaptureConfig:
                        help="Store directory to create (or to resume: rerun the same command).")
     # -- target
     aux_layers: list[int] | None = setting(
-        None, group="target", checks=(NON_NEGATIVE,), default_help="EAGLE-3's low/mid/high [1, N//2-1, N-4]",
+        None, group="target", checks=(NON_NEGATIVE,), default_help="[1, N//2-1, N-4]; distinct below 7 layers",
         help="Aux layers as LAYER-OUTPUT ids (0-based decoder layer whose output is captured; the HF "
              "output_hidden_states index is this + 1), e.g. '1,15,28'. Any count >= 1.")
     model_dtype: str = setting("auto", group="target", checks=(one_of(*dtypes.WITH_AUTO),),

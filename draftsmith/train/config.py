@@ -62,7 +62,7 @@ class TrainConfig:
                                            help="Draft vocab V_d: the most frequent loss-masked target tokens.")
     num_layers: int = setting(1, group="drafter", checks=(AT_LEAST_ONE,), help="Drafter decoder layers.")
     aux_layers: list[int] | None = setting(None, group="drafter", checks=(NON_NEGATIVE,),
-                                           default_help="[1, N//2-1, N-4]; offline: the store's",
+                                           default_help="[1, N//2-1, N-4] (distinct <7 layers); offline: store's",
                                            help="Online mode: aux layers as LAYER-OUTPUT ids, e.g. '1,4,7'.")
     freeze_lm_head: bool = setting(False, group="drafter",
                                    help="Keep lm_head at the target's rows of the draft vocab.")
