@@ -84,8 +84,7 @@ def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
              memory-efficient one parallelises over heads x query blocks only: at decode (a few query rows,
              8 KV heads) a handful of CTAs walk the whole cache);
       bmm    two batched matmuls around an fp32 softmax (HF "eager" numerics; cuBLAS tiles over the keys);
-      split  flash-decoding in plain torch: the keys in chunks, per-chunk max/sum, one weighted combine, so
-             every chunk of every head is its own block of work.
+      split  flash-decoding in plain torch (experimental: `draftsmith.decode.experimental.split_attention`).
     """
     _, nh, t, d = q.shape
     nkv = k_cache.shape[1]
@@ -97,8 +96,10 @@ def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
         out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
     elif impl == "bmm":
         out = _bmm_attention(q[0], k_cache[0], v_cache[0], mask[0, 0], scale)[None]
-    elif impl == "split":
-        out = _split_attention(q[0], k_cache[0], v_cache[0], mask[0, 0], scale)[None]
+    elif impl == "split":  # experimental (draftsmith.decode.experimental): not chosen by "auto"
+        from draftsmith.decode.experimental.split_attention import split_attention
+
+        out = split_attention(q[0], k_cache[0], v_cache[0], mask[0, 0], scale)[None]
     else:
         raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
     return out.reshape(1, nh, t, d)
@@ -108,36 +109,6 @@ def _bmm_attention(q, k, v, add_mask, scale):
     """q [n, R, d], k/v [n, S, d], add_mask [R, S] additive -> [n, R, d]."""
     s = torch.baddbmm(add_mask.expand(q.shape[0], -1, -1), q, k.transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
-
-
-def _split_chunks(S: int) -> int:
-    for c in (16, 8, 4, 2):
-        if S % c == 0 and S // c >= 64:
-            return c
-    return 1
-
-
-def _split_attention(q, k, v, add_mask, scale):
-    """Flash-decoding with torch ops: the S keys in C chunks of S/C; each (head, chunk) pair gets its own
-    max, sum and partial output, then one rescaled sum. A chunk that is masked out entirely gets weight 0
-    (its max is the mask's finfo.min, far below the real maximum). The engine's caches are sliced to their
-    full length, so the chunk reshapes are views; a shorter slice would copy the cache."""
-    n, R, d = q.shape
-    S = k.shape[1]
-    C = _split_chunks(S)
-    if C == 1:
-        return _bmm_attention(q, k, v, add_mask, scale)
-    Sc = S // C
-    qc = q[:, None].expand(n, C, R, d).reshape(n * C, R, d)
-    mc = add_mask.view(R, C, Sc).transpose(0, 1)[None].expand(n, C, R, Sc).reshape(n * C, R, Sc)
-    s = torch.baddbmm(mc, qc, k.reshape(n * C, Sc, d).transpose(1, 2), alpha=scale).float()
-    m = s.amax(-1, keepdim=True)  # [nC, R, 1]
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    o = torch.bmm(p.to(q.dtype), v.reshape(n * C, Sc, d)).float()  # [nC, R, d]
-    m, l, o = m.view(n, C, R, 1), l.view(n, C, R, 1), o.view(n, C, R, d)
-    w = torch.exp(m - m.amax(1, keepdim=True))
-    return ((w * o).sum(1) / (w * l).sum(1)).to(q.dtype)
 
 
 @dataclasses.dataclass
