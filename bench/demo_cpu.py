@@ -41,7 +41,9 @@ def main() -> None:
     ap.add_argument("--target", default="assets/pycode-tiny")
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--context", type=int, default=128, help="committed tokens before the timed steps")
+    ap.add_argument("--context", type=int, default=64, help="committed tokens before the timed steps")
+    ap.add_argument("--max-len", type=int, default=160, help="the engine's cache capacity: the masks and attention "
+                    "span it (eval sizes it to the longest prompt + --max-new-tokens + a round)")
     ap.add_argument("--draft-tokens", default="1,2,3,4,6")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--no-record", action="store_true")
@@ -63,7 +65,7 @@ def main() -> None:
     rows = []
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        eng = SpeculativeDecoder(t, d, max_len=args.context + 512)
+        eng = SpeculativeDecoder(t, d, max_len=max(args.max_len, args.context + 16))
         prompt = list(range(2, 2 + args.context))
         with torch.no_grad():
             eng.prefill(prompt, sp)
