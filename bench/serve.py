@@ -52,80 +52,117 @@ def load_prompts(path: str | None, limit: int) -> list[str]:
     return out
 
 
-def engine_run(target, drafter, prompts, args, max_model_len):
-    """The engine's own generate on every prompt: [(token_ids, seconds)]; as `draftsmith serve` builds it."""
-    import torch
+class EngineDirect:
+    """The engine in this process, built as `draftsmith serve` builds it (same cache size and settings)."""
 
-    from draftsmith.decode.cli import _engine, _load, _mode
-    from draftsmith.decode.engine import DecodeMode
-    from draftsmith.decode.sampling import SamplingParams
+    def __init__(self, target, drafter, args, max_model_len):
+        from draftsmith.decode.cli import _engine, _load, _mode
+        from draftsmith.decode.engine import DecodeMode
+        from draftsmith.decode.sampling import SamplingParams
 
-    t, d = _load(target, drafter, args.device, "auto")
-    mode = _mode(drafter is None, False, args.draft_tokens, 8, 5, 32, d)
-    eng = _engine(t, d, max_model_len + mode.cache_need + 2, "auto", True)
-    sp = SamplingParams()
-    eng.warmup(mode, sp)
-    if mode.kind != "plain":
-        eng.warmup(DecodeMode("plain"), sp)
-    ids = [t.tokenizer(p)["input_ids"] for p in prompts]
-    for p in ids[:2]:
-        eng.generate(p, min(32, args.new_tokens), sampling=sp, mode=mode)
-    out = []
-    for p in ids:
-        r = eng.generate(p, args.new_tokens, sampling=sp, mode=mode)
-        out.append((r.token_ids, r.prefill_s + r.decode_s, r.tau))
-    del eng, t, d
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return out
+        self.t, d = _load(target, drafter, args.device, "auto")
+        self.mode = _mode(drafter is None, False, args.draft_tokens, 8, 5, 32, d)
+        self.eng = _engine(self.t, d, max_model_len + self.mode.cache_need + 2, "auto", True)
+        self.sp = SamplingParams()
+        self.eng.warmup(self.mode, self.sp)
+        if self.mode.kind != "plain":
+            self.eng.warmup(DecodeMode("plain"), self.sp)
+        self.new_tokens = args.new_tokens
+
+    def run(self, prompt: str, new_tokens: int | None = None):
+        """(token_ids, prefill + decode seconds, tau)"""
+        ids = self.t.tokenizer(prompt)["input_ids"]
+        r = self.eng.generate(ids, new_tokens or self.new_tokens, sampling=self.sp, mode=self.mode)
+        return r.token_ids, r.prefill_s + r.decode_s, r.tau
 
 
-def http_run(target, drafter, prompts, args, max_model_len, capture_to=None):
-    """A `draftsmith serve` process; the prompts one at a time, streamed. Returns (rows, wall_s, log text)."""
-    import httpx
+class Served:
+    """A `draftsmith serve` process on loopback; `request(prompt)` sends one streamed greedy completion."""
 
-    from draftsmith.serve.bench_endpoint import one_request
+    def __init__(self, target, drafter, args, max_model_len, capture_to=None):
+        import httpx
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "draftsmith", "serve", "--target", target, "--port", str(port), "--device",
-           args.device, "--max-model-len", str(max_model_len), "--log-level", "info"]
-    if drafter:
-        cmd += ["--drafter", drafter, "--draft-tokens", str(args.draft_tokens)]
-    if capture_to:
-        cmd += ["--capture-to", str(capture_to)]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "draftsmith", "serve", "--target", target, "--port", str(self.port), "--device",
+               args.device, "--max-model-len", str(max_model_len), "--log-level", "info"]
+        if drafter:
+            cmd += ["--drafter", drafter, "--draft-tokens", str(args.draft_tokens)]
+        if capture_to:
+            cmd += ["--capture-to", str(capture_to)]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.client = httpx.Client(timeout=600)
+        self.new_tokens = args.new_tokens
+
+    def wait_ready(self) -> None:
+        import httpx
+
         deadline = time.time() + 300
         while True:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start:\n{Path(log.name).read_text()[-3000:]}")
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start:\n{self.log_text()[-3000:]}")
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+                if self.client.get(self.base[:-3] + "/health", timeout=2).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        with httpx.Client(timeout=600) as client:
-            for p in prompts[:2]:  # warm-up (first-request costs: allocator, tokenizer caches)
-                one_request(client, base + "/v1", None, {"prompt": p}, min(32, args.new_tokens), 0.0, False, {})
-            rows = []
-            t0 = time.perf_counter()
-            for p in prompts:
-                r = one_request(client, base + "/v1", None, {"prompt": p}, args.new_tokens, 0.0, False, {})
-                if not r["ok"]:
-                    raise RuntimeError(f"request failed: {r['error']}")
-                rows.append(r)
-            wall = time.perf_counter() - t0
+
+    def request(self, prompt: str, new_tokens: int | None = None) -> dict:
+        from draftsmith.serve.bench_endpoint import one_request
+
+        r = one_request(self.client, self.base, None, {"prompt": prompt}, new_tokens or self.new_tokens, 0.0, False,
+                        {})
+        if not r["ok"]:
+            raise RuntimeError(f"request failed: {r['error']}")
+        return r
+
+    def stop(self) -> str:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.log_text()
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
+
+
+def measure(target, drafter, prompts, args, max_model_len, capture_to=None):
+    """Engine and server on the same prompts, interleaved prompt by prompt (a drift in the machine's load hits both
+    alike); with capture_to, a second server that records, timed in back-to-back blocks alternating with the first
+    (its states forward runs between requests, so only back-to-back timing shows it)."""
+    import torch
+
+    servers = [Served(target, drafter, args, max_model_len)]
+    if capture_to:
+        servers.append(Served(target, drafter, args, max_model_len, capture_to))
+    try:
+        eng = EngineDirect(target, drafter, args, max_model_len)
+        for srv in servers:
+            srv.wait_ready()
+        for p in prompts[:2]:  # warm-up (first-request costs: allocator, tokenizer caches)
+            eng.run(p, min(32, args.new_tokens))
+            for srv in servers:
+                srv.request(p, min(32, args.new_tokens))
+        pairs = [(eng.run(p), servers[0].request(p)) for p in prompts]
+        blocks = {i: [0, 0.0] for i in range(len(servers))}  # server -> [tokens, seconds] back to back
+        for _ in range(2):
+            for i, srv in enumerate(servers):
+                t0 = time.perf_counter()
+                blocks[i][0] += sum(srv.request(p)["tokens"] for p in prompts)
+                blocks[i][1] += time.perf_counter() - t0
+        del eng
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return rows, wall, Path(log.name).read_text()
+        logs = [srv.stop() for srv in servers]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return pairs, {i: b[0] / b[1] for i, b in blocks.items()}, logs
 
 
 def main() -> None:
@@ -189,49 +226,37 @@ def main() -> None:
     settings = [("plain", None)] + ([(f"chain {args.draft_tokens}", drafter)] if drafter else [])
     rows, data = [], {"settings": [], "drafter": drafter_note, "prompts": len(prompts), "new_tokens": args.new_tokens}
     for name, d in settings:
+        cap = work / f"store_{len(rows)}" if d and not args.no_capture else None
         try:
-            eng = engine_run(args.target, d, prompts, args, max_model_len)
+            pairs, b2b, logs = measure(args.target, d, prompts, args, max_model_len, capture_to=cap)
         except Exception as e:  # record what was measured, say what failed
-            data.setdefault("errors", []).append(f"{name}: engine: {type(e).__name__}: {e}")
+            data.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
             continue
-        runs = [("", None)]
-        if d and not args.no_capture:
-            runs.append((" + capture", work / f"store_{len(rows)}"))
-        for suffix, cap in runs:
-            try:
-                http, wall, log = http_run(args.target, d, prompts, args, max_model_len, capture_to=cap)
-            except Exception as e:
-                data.setdefault("errors", []).append(f"{name}{suffix}: server: {type(e).__name__}: {str(e)[-500:]}")
-                continue
-            eng_tps = [len(ids) / s for ids, s, _ in eng]
-            http_tps = [r["tokens"] / r["elapsed"] for r in http]
-            same_tokens = sum(len(ids) == r["tokens"] for (ids, _, _), r in zip(eng, http))
-            eng_mean, http_mean = sum(eng_tps) / len(eng_tps), sum(http_tps) / len(http_tps)
-            ttft_ms = 1e3 * sum(r["ttft"] for r in http) / len(http)
-            extra_ms = 1e3 * sum(r["elapsed"] - s for (_, s, _), r in zip(eng, http)) / len(http)
+        eng_tps = [len(ids) / sec for (ids, sec, _), _ in pairs]
+        http_tps = [r["tokens"] / r["elapsed"] for _, r in pairs]
+        eng_mean, http_mean = sum(eng_tps) / len(eng_tps), sum(http_tps) / len(http_tps)
+        row = {"setting": name, "engine_tok_s": eng_mean, "http_tok_s": http_mean, "ratio": http_mean / eng_mean,
+               "b2b_tok_s": b2b[0], "http_ttft_ms": 1e3 * sum(r["ttft"] for _, r in pairs) / len(pairs),
+               "http_extra_ms_per_req": 1e3 * sum(r["elapsed"] - sec for (_, sec, _), r in pairs) / len(pairs),
+               "tau": sum(e[2] for e, _ in pairs) / len(pairs),
+               "same_len": f"{sum(len(e[0]) == r['tokens'] for e, r in pairs)}/{len(pairs)}"}
+        if cap is not None:
             capture_s = None
-            if cap:
-                for ln in log.splitlines():
-                    if "states forward" in ln:
-                        capture_s = float(ln.split("states forward")[1].split()[0])
-            row = {"setting": name + suffix, "engine_tok_s": eng_mean, "http_tok_s": http_mean,
-                   "ratio": http_mean / eng_mean, "b2b_tok_s": sum(r["tokens"] for r in http) / wall,
-                   "http_ttft_ms": ttft_ms, "http_extra_ms_per_req": extra_ms,
-                   "tau": sum(t for _, _, t in eng) / len(eng), "same_len": f"{same_tokens}/{len(http)}",
-                   "capture_forward_s": capture_s}
-            rows.append(row)
-            data["settings"].append(row)
-            print(json.dumps(row), flush=True)
-    base = {r["setting"]: r for r in rows}
-    for r in rows:
-        if r["setting"].endswith(" + capture") and r["setting"][: -len(" + capture")] in base:
-            ref = base[r["setting"][: -len(" + capture")]]
-            r["capture_b2b_vs_plain_serve"] = r["b2b_tok_s"] / ref["b2b_tok_s"]
-    cols = ["setting", "engine_tok_s", "http_tok_s", "ratio", "b2b_tok_s", "http_ttft_ms", "http_extra_ms_per_req",
-            "tau", "same_len", "capture_forward_s", "capture_b2b_vs_plain_serve"]
+            for ln in logs[1].splitlines():
+                if "states forward" in ln:
+                    capture_s = float(ln.split("states forward")[1].split()[0])
+            row.update({"b2b_capture_tok_s": b2b[1], "capture_vs_no_capture": b2b[1] / b2b[0],
+                        "capture_forward_s": capture_s})
+        rows.append(row)
+        data["settings"].append(row)
+        print(json.dumps(row), flush=True)
+    cols = ["setting", "engine_tok_s", "http_tok_s", "ratio", "http_ttft_ms", "http_extra_ms_per_req", "tau",
+            "same_len", "b2b_tok_s", "b2b_capture_tok_s", "capture_vs_no_capture", "capture_forward_s"]
     body = (f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
-            f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (per request, mean); b2b = "
-            "back-to-back throughput of the sequential run; capture: served with --capture-to.\n\n"
+            f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (per request, mean; engine and "
+            "HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
+            "blocks per server, alternating), without and with --capture-to; capture_forward_s = the server's total "
+            "time in the states forward.\n\n"
             + markdown_table(rows, cols) + "".join(f"\n\nfailed: {e}" for e in data.get("errors", [])))
     record("serve", f"serve: HTTP vs engine tokens/s, capture while serving ({Path(args.target).name})", body, data,
            "python bench/serve.py " + " ".join(sys.argv[1:]))
