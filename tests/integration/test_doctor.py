@@ -129,6 +129,15 @@ def test_simulated_acceptance_equals_the_decode_engine(target, traces, clean):
         assert r.token_ids == tr.input_ids[tr.prompt_len: tr.prompt_len + len(r.token_ids)].tolist()
         assert r.accepted == sim_rounds
     assert M.summarize(sim["rounds_per_prompt"], K)["rounds"] > 20
+    # the drafts themselves (also after a rejection, where acceptance no longer looks) equal a from-scratch chain
+    from decode_helpers import reference_chain_drafts
+
+    tr = trs[0]
+    starts = M.round_starts(tr, K)[::3]
+    aux = tr.layer_states[:, d.config.aux_layer_ids].reshape(tr.length, -1)
+    drafts, _ = M.chain_drafts(d, aux, tr.input_ids, starts, K, d.draft_target_ids)
+    for row, n in zip(drafts.tolist(), starts.tolist()):
+        assert row == reference_chain_drafts(eng, d, tr.input_ids[: n + 1].tolist(), K)
 
 
 def test_cli_json_contract_and_plot(target, clean, tmp_path, monkeypatch):

@@ -116,3 +116,30 @@ def test_suggestions_read_tau_sim_of_the_run_and_the_fall_off(tmp_path):
     assert "τ ≈ 3.60" in out and "well below" in out
     assert "first draft is accepted only 25%" in out and "falls off fast" not in out
     assert read_tau_sim(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_chain_drafts_equal_a_from_scratch_reference(layers):
+    """Batched chain drafts (every round start at once, cached step-0 keys) equal the drafts recomputed from scratch
+    for each start (decode_helpers.reference_chain_drafts), also for drafters with more than one layer."""
+    from decode_helpers import random_drafter, reference_chain_drafts, tiny_llama
+
+    from draftsmith.decode import SpeculativeDecoder
+    from draftsmith.doctor.measure import chain_drafts, trace_prompt
+    from draftsmith.target_model import target_from_model
+
+    model = tiny_llama(vocab_size=64, layers=4, hidden=32)
+    d = random_drafter(model, num_hidden_layers=layers)
+    with torch.no_grad():  # attention outweighs everything else: drafts depend on the keys and their positions
+        d.reset_parameters(std=0.3)
+        for layer in d.layers:
+            layer.self_attn.o_proj.weight.mul_(10)
+            layer.mlp.down_proj.weight.zero_()
+    tr = trace_prompt(target_from_model(model), [3, 7, 1, 9, 4], max_new_tokens=12, lookahead=3)
+    starts = torch.tensor([5, 8, 11])
+    table = d.draft_target_ids
+    drafts, _ = chain_drafts(d, tr.layer_states[:, d.config.aux_layer_ids].reshape(tr.length, -1), tr.input_ids,
+                             starts, 3, table)
+    eng = SpeculativeDecoder(model, d, max_len=64)
+    for row, n in zip(drafts.tolist(), starts.tolist()):
+        assert row == reference_chain_drafts(eng, d, tr.input_ids[: n + 1].tolist(), 3)
