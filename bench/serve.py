@@ -1,13 +1,14 @@
 """`draftsmith serve` overhead: streamed HTTP tokens/s against the engine's own `generate` tokens/s on the same
 prompts and settings, and the cost of capture while serving.
 
-For each setting (plain decoding; a drafter's chain rounds): the engine in this process generates every prompt
-(greedy, the same cache size and settings the server uses), then a `draftsmith serve` process on loopback gets the
-same prompts one at a time as streamed /v1/completions requests. Per request: engine tokens/s = new tokens /
-(prefill + decode seconds); HTTP tokens/s = completion tokens / (last chunk received - request sent), so the HTTP
-figure carries everything the server adds (JSON, tokenization, the queue hand-off, per-round SSE chunks, the
-client's parsing). Capture: the drafter setting again with --capture-to; back-to-back throughput (total tokens /
-wall time of the sequential run) includes its per-request states forward, which runs after each response.
+For each setting (plain decoding; a drafter's chain rounds): the engine in this process (greedy, the same cache
+size and settings the server uses) and a `draftsmith serve` process on loopback (streamed /v1/completions) take
+the same prompts, interleaved prompt by prompt. Engine tokens/s = new tokens / (prefill + decode seconds); HTTP
+tokens/s = completion tokens / (last chunk received - request sent), both summed over the prompts before
+dividing, so the HTTP figure carries everything the server adds (JSON, tokenization, the queue hand-off, per-round
+SSE chunks, the client's parsing). Capture: a second server of the drafter setting with --capture-to, timed
+back to back (its states forward runs after each response, so only a request that follows at once waits for it)
+in blocks alternating with the first server's.
 
     python bench/serve.py --target T --drafter D [--prompts humaneval.jsonl] [--num-prompts 8] [--new-tokens 256]
     python bench/serve.py --target T --train-drafter-s 90 --train-data DIR   # train a drafter online first
@@ -34,6 +35,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def load_prompts(path: str | None, limit: int) -> list[str]:
@@ -232,11 +237,12 @@ def main() -> None:
         except Exception as e:  # record what was measured, say what failed
             data.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
             continue
-        eng_tps = [len(ids) / sec for (ids, sec, _), _ in pairs]
-        http_tps = [r["tokens"] / r["elapsed"] for _, r in pairs]
-        eng_mean, http_mean = sum(eng_tps) / len(eng_tps), sum(http_tps) / len(http_tps)
+        # tokens / seconds over all requests (a mean of per-request rates would let a prompt that ends at once on
+        # EOS, all prefill, weigh as much as a full response)
+        eng_mean = sum(len(ids) for (ids, _, _), _ in pairs) / sum(sec for (_, sec, _), _ in pairs)
+        http_mean = sum(r["tokens"] for _, r in pairs) / sum(r["elapsed"] for _, r in pairs)
         row = {"setting": name, "engine_tok_s": eng_mean, "http_tok_s": http_mean, "ratio": http_mean / eng_mean,
-               "b2b_tok_s": b2b[0], "http_ttft_ms": 1e3 * sum(r["ttft"] for _, r in pairs) / len(pairs),
+               "b2b_tok_s": b2b[0], "http_ttft_ms": 1e3 * _mean([r["ttft"] for _, r in pairs if r["ttft"] is not None]),
                "http_extra_ms_per_req": 1e3 * sum(r["elapsed"] - sec for (_, sec, _), r in pairs) / len(pairs),
                "tau": sum(e[2] for e, _ in pairs) / len(pairs),
                "same_len": f"{sum(len(e[0]) == r['tokens'] for e, r in pairs)}/{len(pairs)}"}
@@ -253,8 +259,8 @@ def main() -> None:
     cols = ["setting", "engine_tok_s", "http_tok_s", "ratio", "http_ttft_ms", "http_extra_ms_per_req", "tau",
             "same_len", "b2b_tok_s", "b2b_capture_tok_s", "capture_vs_no_capture", "capture_forward_s"]
     body = (f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
-            f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (per request, mean; engine and "
-            "HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
+            f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (all tokens / all seconds; "
+            "engine and HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
             "blocks per server, alternating), without and with --capture-to; capture_forward_s = the server's total "
             "time in the states forward.\n\n"
             + markdown_table(rows, cols) + "".join(f"\n\nfailed: {e}" for e in data.get("errors", [])))
