@@ -165,3 +165,21 @@ def test_recorder_appends_after_restart_and_refuses_other_settings(tiny_path, tm
     assert aux.shape == (5, 3 * t.hidden_size) and aux.dtype == torch.bfloat16
     with pytest.raises(DraftsmithError, match="aux_layers"):
         ServeRecorder(out, t, [1, 2], flush_s=60)
+
+
+@pytest.mark.parametrize("cmd,flags", [
+    ("serve", ["--target", "--drafter", "--host", "--port", "--api-key", "--max-queue", "--queue-timeout", "--tree",
+               "--draft-tokens", "--kernels", "--compile", "--capture-to", "--capture-max-tokens"]),
+    ("bench-endpoint", ["--url", "--model", "--prompts", "--max-tokens", "--concurrency", "--requests", "--label",
+                        "--out", "--api-key"]),
+])
+def test_contract_flags(cmd, flags):
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    r = CliRunner().invoke(app, [cmd, "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert all(f in r.output for f in flags), [f for f in flags if f not in r.output]
+    if cmd == "serve":
+        assert "127.0.0.1" in r.output  # loopback by default
