@@ -178,7 +178,7 @@ def test_contract_flags(cmd, flags):
 
     from draftsmith.cli import app
 
-    r = CliRunner().invoke(app, [cmd, "--help"], terminal_width=200)
+    r = CliRunner().invoke(app, [cmd, "--help"], terminal_width=240, env={"COLUMNS": "240"})
     assert r.exit_code == 0, r.output
     assert all(f in r.output for f in flags), [f for f in flags if f not in r.output]
     if cmd == "serve":
