@@ -92,10 +92,11 @@ class TrainConfig:
                              help="Training-time-test unroll depth K.")
     step_weight: float = setting(0.8, group="ttt", checks=(POSITIVE,),
                                  help="Loss weight of TTT step k is this**k.")
-    attn_backend: str = setting("auto", group="ttt", checks=(one_of("auto", "flex", "chunked"),),
-                                help="TTT attention: auto (chunked on CPU; on GPU flex, compiled in the background "
-                                     "-- with --compile auto the whole unroll -- while the first steps run chunked), "
-                                     "flex (compiled before step 1), chunked.")
+    attn_backend: str = setting("auto", group="ttt", checks=(one_of("auto", "flex", "chunked", "background"),),
+                                help="TTT attention: auto (flex on GPU, compiled before step 1; chunked on CPU), flex, "
+                                     "chunked, or background (experimental: the first steps run chunked while flex -- "
+                                     "with --compile auto the whole unroll -- compiles in a background thread; step 1 "
+                                     "in seconds, but torch's tracer is not thread-safe and a step can fail meanwhile).")
     attn_chunk: int = setting(0, group="ttt", checks=(NON_NEGATIVE,),
                               default_help="0 = auto: about the longest document, >= 1024 rows on GPU, within a "
                                            "memory budget",

@@ -79,13 +79,14 @@ def evaluate_drafter(
     should be opened as the trainer opens it (`open_store`: fp32 on CPU, bf16 on CUDA) to reproduce its numbers.
     max_batches: the trainer's `eval_max_batches` cap (None: all rows)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = TrainConfig(ttt_steps=ttt_steps, step_weight=step_weight, attn_backend=attn_backend, attn_chunk=attn_chunk,
+    cfg = TrainConfig(ttt_steps=ttt_steps, step_weight=step_weight,
+                      attn_backend="flex" if attn_backend == "background" else attn_backend, attn_chunk=attn_chunk,
                       loss_chunk=loss_chunk, batch_tokens=batch_tokens)
     drafter = drafter.to(dev)
     model = TTTModel(drafter, cfg)
     model.eval()
     amp = amp_dtype(dtype, dev)
-    backend = attn_backend if attn_backend != "auto" else ("flex" if dev.type == "cuda" else "chunked")
+    backend = attn_backend if attn_backend not in ("auto", "background") else ("flex" if dev.type == "cuda" else "chunked")
     pad = pad_to_budget if pad_to_budget is not None else backend == "flex"
     pad_to = (-(-batch_tokens // 128) * 128) if pad else 1  # = Trainer._pad_to
 

@@ -64,7 +64,8 @@ class TTTModel(nn.Module):
         self.drafter = drafter
         self.ttt_steps = cfg.ttt_steps
         self.step_weight = cfg.step_weight
-        self.backend = cfg.attn_backend
+        # 'background' is flex attention compiled off the training thread (`warmup.py`): flex once it is ready
+        self.backend = "flex" if cfg.attn_backend == "background" else cfg.attn_backend
         self.chunk = cfg.attn_chunk
         self.loss_chunk = cfg.loss_chunk
         self.compiled = None  # set by `enable_compile`
@@ -304,8 +305,8 @@ class Trainer:
         """Rows padded to the token budget (a multiple of flex attention's 128-token blocks) when the flex backend
         runs: static shapes, one compile of flex attention per TTT step."""
         cfg = self.cfg
-        backend = cfg.attn_backend if cfg.attn_backend != "auto" else ("flex" if self.device.type == "cuda" else
-                                                                        "chunked")
+        backend = cfg.attn_backend if cfg.attn_backend not in ("auto", "background") else (
+            "flex" if self.device.type == "cuda" else "chunked")
         pad = cfg.pad_to_budget if cfg.pad_to_budget is not None else backend == "flex"
         return (-(-cfg.batch_tokens // 128) * 128) if pad else 1
 
@@ -500,7 +501,10 @@ class Trainer:
 
     def _background_compile_wanted(self) -> bool:
         c = self.cfg.compile
-        return self.device.type == "cuda" and self.cfg.attn_backend == "auto" and c in ("auto", "off", False)
+        # Opt-in only: torch's FX tracer, which the compile runs, patches nn.Module.__call__ for every thread while it
+        # traces, so a training step that calls a module at that moment can fail (seen once on the GPU). The default
+        # compiles before step 1; docs/LOG.md has the measurements.
+        return self.device.type == "cuda" and self.cfg.attn_backend == "background" and c in ("auto", "off", False)
 
     def _log_setup(self) -> None:
         cfg, plan = self.cfg, self.plan
@@ -713,7 +717,7 @@ class Trainer:
                      f"on with the chunked attention")
             return
         self.model.compiled = self._pending_compiled
-        self.model.backend = self.cfg.attn_backend
+        self.model.backend = "flex"
         self.log(f"step {step_index + 1}: the compiled {what} is ready ({bg.seconds:.0f}s in the background); "
                  f"the steps from here on use it")
 
@@ -742,7 +746,7 @@ class Trainer:
             c = self.cfg.compile = "on" if c else "off"
         if c not in ("auto", "on", "unroll", "step", "off"):
             raise DraftsmithError(f"--compile: unknown {c!r} (auto, unroll, step, on = unroll, off)")
-        flex = b == "flex" or (b == "auto" and device.type == "cuda")
+        flex = b == "flex" or (b in ("auto", "background") and device.type == "cuda")
         if c in ("on", "unroll", "step"):
             if not flex or device.type != "cuda":
                 raise DraftsmithError(f"--compile {c}: needs a CUDA device and the flex attention backend "
