@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, record  # noqa: E402
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import markdown_table, record  # noqa: E402
 
 PEAK_BF16 = 790e12  # measured 8192^3 bf16 matmul on the device (GUIDE §8)
 
@@ -70,8 +69,8 @@ def take_tokens(samples, n_tokens: int):
 
 
 def run_model(name, target, samples, variants, batch_tokens, workdir: Path) -> list[dict]:
-    from draftsmith.store import format as fmt
     from draftsmith.capture.job import CaptureConfig, run_capture
+    from draftsmith.store import format as fmt
 
     H, N = target.hidden_size, target.num_layers
     n_params = sum(p.numel() for p in target.decoder.parameters()) - target.embed_tokens.weight.numel()
@@ -82,26 +81,49 @@ def run_model(name, target, samples, variants, batch_tokens, workdir: Path) -> l
     bpt_guess = fmt.bytes_per_token(H, 3, "bf16")
     shard_tokens = max(1024, int(1024 * 2**20 // bpt_guess))
     t_bare = bare_forward(target, samples, batch_tokens, shard_tokens, pad_id)
-    rows = [{"model": name, "mode": "bare forward (no hooks)", "tokens": tokens, "tok/s": tokens / t_bare,
-             "vs bare": 1.0, "MFU": flops / t_bare / PEAK_BF16}]
+    rows = [
+        {
+            "model": name,
+            "mode": "bare forward (no hooks)",
+            "tokens": tokens,
+            "tok/s": tokens / t_bare,
+            "vs bare": 1.0,
+            "MFU": flops / t_bare / PEAK_BF16,
+        }
+    ]
     specforge = 8 * H + 16
     for dtype, graphs in variants:
         out = workdir / f"{name}-{dtype}-{int(graphs)}"
         stats: dict = {}
-        cfg = CaptureConfig(target=name, data="<preloaded>", out=str(out), dtype=dtype, batch_tokens=batch_tokens,
-                            device=str(target.device),
-                            max_length=2048, cuda_graphs=graphs, progress=False,
-                            shard_tokens=max(1024, int(1024 * 2**20 // fmt.bytes_per_token(H, 3, dtype))))
+        cfg = CaptureConfig(
+            target=name,
+            data="<preloaded>",
+            out=str(out),
+            dtype=dtype,
+            batch_tokens=batch_tokens,
+            device=str(target.device),
+            max_length=2048,
+            cuda_graphs=graphs,
+            progress=False,
+            shard_tokens=max(1024, int(1024 * 2**20 // fmt.bytes_per_token(H, 3, dtype))),
+        )
         if dtype == "bf16":  # same shard plan as the bare forward => the same batches
             cfg.shard_tokens = shard_tokens
         m = run_capture(cfg, log=lambda *a: None, target=target, stats=stats, samples=samples)
         t = stats["capture_s"]
-        rows.append({
-            "model": name, "mode": f"capture {dtype}{' +graphs' if graphs else ''}", "tokens": tokens,
-            "tok/s": tokens / t, "vs bare": t_bare / t, "MFU": flops / t / PEAK_BF16,
-            "write GB/s": stats["bytes_written"] / max(stats["write_s"], 1e-9) / 1e9,
-            "bytes/token": m["bytes_per_token"], "vs 8H+16": m["bytes_per_token"] / specforge,
-        })
+        rows.append(
+            {
+                "model": name,
+                "mode": f"capture {dtype}{' +graphs' if graphs else ''}",
+                "tokens": tokens,
+                "tok/s": tokens / t,
+                "vs bare": t_bare / t,
+                "MFU": flops / t / PEAK_BF16,
+                "write GB/s": stats["bytes_written"] / max(stats["write_s"], 1e-9) / 1e9,
+                "bytes/token": m["bytes_per_token"],
+                "vs 8H+16": m["bytes_per_token"] / specforge,
+            }
+        )
         shutil.rmtree(out, ignore_errors=True)
     return rows
 
@@ -126,9 +148,14 @@ def main() -> None:
     t = time.time()
     samples, rep = load_samples(args.corpus, small.tokenizer, max_length=2048, on_bad="skip")
     print(f"corpus {args.corpus}: {rep.summary()} in {time.time() - t:.1f}s", flush=True)
-    rows = run_model("pycode-small", small, take_tokens(samples, args.tokens),
-                     [("bf16", False), ("fp8", False)] + ([("bf16", True)] if args.device == "cuda" else []),
-                     args.batch_tokens, workdir)
+    rows = run_model(
+        "pycode-small",
+        small,
+        take_tokens(samples, args.tokens),
+        [("bf16", False), ("fp8", False)] + ([("bf16", True)] if args.device == "cuda" else []),
+        args.batch_tokens,
+        workdir,
+    )
     print(markdown_table(rows, list(rows[0].keys())), flush=True)
     if not args.skip_8b:
         from models import llama31_8b_config, random_model
@@ -136,8 +163,14 @@ def main() -> None:
         del small.model
         torch.cuda.empty_cache()
         big = target_from_model(random_model(llama31_8b_config()), tokenizer=small.tokenizer, path="llama-3.1-8b-shape")
-        rows += run_model("llama-3.1-8B shape", big, take_tokens(samples, args.tokens_8b),
-                          [("bf16", False), ("fp8", False)], args.batch_tokens, workdir)
+        rows += run_model(
+            "llama-3.1-8B shape",
+            big,
+            take_tokens(samples, args.tokens_8b),
+            [("bf16", False), ("fp8", False)],
+            args.batch_tokens,
+            workdir,
+        )
     cols = ["model", "mode", "tokens", "tok/s", "vs bare", "MFU", "write GB/s", "bytes/token", "vs 8H+16"]
     body = markdown_table(rows, cols) + (
         "\n\nMFU = useful FLOPs (2·params·tokens + causal attention) ÷ time ÷ 790 TFLOP/s. 'vs bare' = capture "
@@ -146,8 +179,13 @@ def main() -> None:
         "bytes (goal ≤ 1.0 bf16, ≤ 0.5 fp8). write GB/s = shard bytes ÷ time in the writer thread (serialize, "
         "sha256, write, fsync, rename), which overlaps the GPU work."
     )
-    record("capture", "Capture throughput (bench/capture.py)", body, {"rows": rows},
-           "python bench/capture.py " + " ".join(sys.argv[1:]))
+    record(
+        "capture",
+        "Capture throughput (bench/capture.py)",
+        body,
+        {"rows": rows},
+        "python bench/capture.py " + " ".join(sys.argv[1:]),
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ def commit() -> str:
     if os.environ.get("DRAFTSMITH_COMMIT"):
         return os.environ["DRAFTSMITH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         return "unknown"
 
@@ -86,5 +87,6 @@ def record(name: str, title: str, body_md: str, data: dict, command: str) -> Non
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.md").write_text(section)
-        (Path(out) / f"{name}.json").write_text(json.dumps({**data, "date": when, "commit": commit(),
-                                                             "device": device_description()}, indent=2))
+        (Path(out) / f"{name}.json").write_text(
+            json.dumps({**data, "date": when, "commit": commit(), "device": device_description()}, indent=2)
+        )

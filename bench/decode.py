@@ -80,14 +80,34 @@ def llama8b_config(smoke: bool):
     from transformers import LlamaConfig
 
     if smoke:
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5,
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 8192})
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=4096,
+        )
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
 
 
 def copy_bandwidth(dev, smoke: bool) -> float:
@@ -126,8 +146,11 @@ def kernel_census(fn, dev, top: int = 0):
         fn()
         sync(dev)
     if dev.type == "cuda":
-        evs = [(e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
-               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        evs = [
+            (e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
     else:
         evs = [(e.name, e.cpu_time / 1e3) for e in prof.events() if e.name.startswith("aten::")]
     by = collections.defaultdict(lambda: [0, 0.0])
@@ -214,8 +237,9 @@ def p1(args, dev, dtype, bw):
     for ctx, impl, kn in combos:
         # kernels="triton": the one-token step through draftsmith.decode.kernels (tiles and attention split tuned
         # on this GPU at construction); prefill keeps the torch path and its auto attention
-        eng = SpeculativeDecoder(runner, None, max_len=ctx + steps + 16,
-                                 attn_impl="auto" if kn == "triton" else impl, kernels=kn)
+        eng = SpeculativeDecoder(
+            runner, None, max_len=ctx + steps + 16, attn_impl="auto" if kn == "triton" else impl, kernels=kn
+        )
         prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
         plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
@@ -226,28 +250,45 @@ def p1(args, dev, dtype, bw):
         n_k, busy = kernel_profile(eng.eager_step_fn(DecodeMode("plain"), sp), dev)
         # end-to-end through generate() (host loop, one sync per 8 steps)
         res = eng.generate(prompt, steps, sampling=sp, mode=DecodeMode("plain"), eos_ids=[])
-        row = {"context": ctx, "attention": impl, "kernels": kn, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
-               "tokens_per_s_generate": (len(res.token_ids) - 1) / max(res.decode_s, 1e-9),
-               "weight_bytes": wbytes, "kv_bytes": kvtok * L_avg, "achieved_bytes_per_s": ach,
-               "fraction_of_copy_bw": ach / bw, "kernels_per_step": n_k,
-               "kernel_ms_per_step": None if busy is None else busy * 1e3}
+        row = {
+            "context": ctx,
+            "attention": impl,
+            "kernels": kn,
+            "step_ms": t_step * 1e3,
+            "tokens_per_s_graph": 1 / t_step,
+            "tokens_per_s_generate": (len(res.token_ids) - 1) / max(res.decode_s, 1e-9),
+            "weight_bytes": wbytes,
+            "kv_bytes": kvtok * L_avg,
+            "achieved_bytes_per_s": ach,
+            "fraction_of_copy_bw": ach / bw,
+            "kernels_per_step": n_k,
+            "kernel_ms_per_step": None if busy is None else busy * 1e3,
+        }
         rows.append(row)
-        log(f"P1 ctx={ctx} {impl} {kn}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
-            f"generate() {row['tokens_per_s_generate']:.1f} tok/s")
+        log(
+            f"P1 ctx={ctx} {impl} {kn}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
+            f"generate() {row['tokens_per_s_generate']:.1f} tok/s"
+        )
     RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
     LINES.append("### P1 — plain decode, bs=1, bf16, Llama-3.1-8B shape (random weights)")
     LINES.append(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s; weights {wbytes / 1e9:.2f} GB\n")
-    LINES.append("| context | attention | step kernels | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | "
-                 "(W+KV) TB/s | ÷ copy bw | kernels/step | kernel ms/step |")
+    LINES.append(
+        "| context | attention | step kernels | ms/step (graph) | tok/s (graph) | tok/s (generate loop) | "
+        "(W+KV) TB/s | ÷ copy bw | kernels/step | kernel ms/step |"
+    )
     LINES.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         km = "-" if r["kernel_ms_per_step"] is None else f"{r['kernel_ms_per_step']:.3f}"
-        LINES.append(f"| {r['context']} | {r['attention']} | {r['kernels']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
-                     f"{r['tokens_per_s_generate']:.1f} | {r['achieved_bytes_per_s'] / 1e12:.2f} | "
-                     f"{r['fraction_of_copy_bw']:.3f} | {r['kernels_per_step']} | {km} |")
-    LINES.append("\nkernels/step and kernel ms/step: one eager step under the profiler (what a graph replay launches; "
-                 "kernel ms = the sum of kernel durations, so ms/step minus it is launch gaps). step kernels: torch "
-                 "(cuBLAS + aten, attention as named) or triton (draftsmith.decode.kernels, 7 per layer).")
+        LINES.append(
+            f"| {r['context']} | {r['attention']} | {r['kernels']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
+            f"{r['tokens_per_s_generate']:.1f} | {r['achieved_bytes_per_s'] / 1e12:.2f} | "
+            f"{r['fraction_of_copy_bw']:.3f} | {r['kernels_per_step']} | {km} |"
+        )
+    LINES.append(
+        "\nkernels/step and kernel ms/step: one eager step under the profiler (what a graph replay launches; "
+        "kernel ms = the sum of kernel durations, so ms/step minus it is launch gaps). step kernels: torch "
+        "(cuBLAS + aten, attention as named) or triton (draftsmith.decode.kernels, 7 per layer)."
+    )
     return runner, eng
 
 
@@ -270,9 +311,18 @@ def p1_compiled(args, dev, dtype, bw, runner):
         n_k, busy = kernel_profile(eng.eager_step_fn(DecodeMode("plain"), sp), dev)
         L_avg = ctx + 1 + steps / 2 + 0.5
         ach = (runner.weight_bytes() + runner.kv_bytes_per_token() * L_avg) / t_step
-        rows.append({"context": ctx, "step_ms": t_step * 1e3, "tokens_per_s_graph": 1 / t_step,
-                     "achieved_bytes_per_s": ach, "fraction_of_copy_bw": ach / bw, "compile_and_capture_s": compile_s,
-                     "kernels_per_step": n_k, "kernel_ms_per_step": None if busy is None else busy * 1e3})
+        rows.append(
+            {
+                "context": ctx,
+                "step_ms": t_step * 1e3,
+                "tokens_per_s_graph": 1 / t_step,
+                "achieved_bytes_per_s": ach,
+                "fraction_of_copy_bw": ach / bw,
+                "compile_and_capture_s": compile_s,
+                "kernels_per_step": n_k,
+                "kernel_ms_per_step": None if busy is None else busy * 1e3,
+            }
+        )
         log(f"P1c ctx={ctx}: {t_step * 1e3:.3f} ms/step, {ach / bw:.3f} of copy bw (compile {compile_s:.0f}s)")
     RESULTS["sections"]["P1_compiled"] = {"rows": rows}
     LINES.append("\n### P1 (compiled) — same, step forward torch.compile'd inside the CUDA graph")
@@ -280,9 +330,11 @@ def p1_compiled(args, dev, dtype, bw, runner):
     LINES.append("|---|---|---|---|---|---|---|")
     for r in rows:
         km = "-" if r["kernel_ms_per_step"] is None else f"{r['kernel_ms_per_step']:.3f}"
-        LINES.append(f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
-                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy_bw']:.3f} | "
-                     f"{r['kernels_per_step']} | {km} |")
+        LINES.append(
+            f"| {r['context']} | {r['step_ms']:.3f} | {r['tokens_per_s_graph']:.1f} | "
+            f"{r['achieved_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy_bw']:.3f} | "
+            f"{r['kernels_per_step']} | {km} |"
+        )
 
 
 def humaneval_prompts(path, tok, limit):
@@ -318,8 +370,9 @@ def p2a(args, dev, dtype):
     d.requires_grad_(False)
     prompts = humaneval_prompts(args.prompts, t.tokenizer, args.num_prompts)
     new = args.new_tokens
-    settings = ([DecodeMode("chain", draft_tokens=k) for k in args.chain_k] +
-                [DecodeMode("tree", top_k=a, depth=b, tree_tokens=c) for a, b, c in args.tree_cfgs])
+    settings = [DecodeMode("chain", draft_tokens=k) for k in args.chain_k] + [
+        DecodeMode("tree", top_k=a, depth=b, tree_tokens=c) for a, b, c in args.tree_cfgs
+    ]
     rows = []
     plain_tps = {}
     max_len = max(len(p) for p in prompts) + new + 80
@@ -337,17 +390,27 @@ def p2a(args, dev, dtype):
         for temp, e in rep["temperatures"].items():
             s = e["speculative"]
             plain_tps[temp] = e["plain"]["tokens_per_s"]
-            row = {"attention": eng.attn_impl, "mode": mode.kind, "K": mode.draft_tokens if mode.kind == "chain" else None,
-                   "tree": [mode.top_k, mode.depth, mode.tree_tokens] if mode.kind == "tree" else None,
-                   "T": float(temp), "tau": s["tau"], "acceptance_rate": s["acceptance_rate"],
-                   "p_at_least": s["p_at_least"], "spec_tok_s": s["tokens_per_s"],
-                   "plain_tok_s": e["plain"]["tokens_per_s"], "speedup_vs_plain": e["speedup"],
-                   "greedy_mismatches": e.get("greedy_mismatches")}
+            row = {
+                "attention": eng.attn_impl,
+                "mode": mode.kind,
+                "K": mode.draft_tokens if mode.kind == "chain" else None,
+                "tree": [mode.top_k, mode.depth, mode.tree_tokens] if mode.kind == "tree" else None,
+                "T": float(temp),
+                "tau": s["tau"],
+                "acceptance_rate": s["acceptance_rate"],
+                "p_at_least": s["p_at_least"],
+                "spec_tok_s": s["tokens_per_s"],
+                "plain_tok_s": e["plain"]["tokens_per_s"],
+                "speedup_vs_plain": e["speedup"],
+                "greedy_mismatches": e.get("greedy_mismatches"),
+            }
             rows.append(row)
             RESULTS["sections"]["P2a_rows_so_far"] = rows
             flush()
-            log(f"P2a {impl} {mode.kind} {row['K'] or row['tree']} T={temp}: tau={s['tau']:.2f} "
-                f"acc={s['acceptance_rate']:.2f} {s['tokens_per_s']:.1f} tok/s ({e['speedup']:.2f}x plain)")
+            log(
+                f"P2a {impl} {mode.kind} {row['K'] or row['tree']} T={temp}: tau={s['tau']:.2f} "
+                f"acc={s['acceptance_rate']:.2f} {s['tokens_per_s']:.1f} tok/s ({e['speedup']:.2f}x plain)"
+            )
     # transformers generate() baselines (few prompts/tokens: they are slow)
     hf = {}
     x = torch.tensor([prompts[0]], device=dev)
@@ -358,8 +421,15 @@ def p2a(args, dev, dtype):
             log(f"P2a: skipping generate({name}) (time budget)")
             continue
         try:
-            gen = lambda: hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_hf,  # noqa
-                                           min_new_tokens=n_hf, do_sample=False, pad_token_id=0, **kw)
+            gen = lambda: hf_model.generate(  # noqa: E731
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n_hf,  # noqa
+                min_new_tokens=n_hf,
+                do_sample=False,
+                pad_token_id=0,
+                **kw,
+            )
             gen()
             sync(dev)
             t0 = time.perf_counter()
@@ -377,8 +447,10 @@ def p2a(args, dev, dtype):
 
     # ... and against the fastest plain decode of any attention implementation (the honest baseline)
     for r in rows:
-        meds = [statistics.median(x["plain_tok_s"] for x in rows if x["T"] == r["T"] and x["attention"] == a)
-                for a in {x["attention"] for x in rows if x["T"] == r["T"]}]
+        meds = [
+            statistics.median(x["plain_tok_s"] for x in rows if x["T"] == r["T"] and x["attention"] == a)
+            for a in {x["attention"] for x in rows if x["T"] == r["T"]}
+        ]
         r["speedup_vs_plain_median"] = r["spec_tok_s"] / max(meds) if meds else None
     best = {}
     for kind in ("chain", "tree"):
@@ -390,23 +462,39 @@ def p2a(args, dev, dtype):
         for name, v in hf.items():
             r[f"speedup_vs_generate_{name}"] = r["spec_tok_s"] / v if v else None
     RESULTS["sections"].pop("P2a_rows_so_far", None)
-    RESULTS["sections"]["P2a"] = {"rows": rows, "generate_tok_s": hf, "plain_tok_s": plain_tps, "best": best,
-                                  "prompts": len(prompts), "new_tokens": new, "cuda_graphs": eng.cuda_graphs}
-    LINES.append(f"\n### P2a — {Path(args.target).name} + drafter, HumanEval code prompts ({len(prompts)}), "
-                 f"{new} new tokens")
-    LINES.append("| setting | attention | T | τ | accept rate | spec tok/s | plain tok/s | × plain | × best plain | "
-                 "× generate dyn | × generate static |")
+    RESULTS["sections"]["P2a"] = {
+        "rows": rows,
+        "generate_tok_s": hf,
+        "plain_tok_s": plain_tps,
+        "best": best,
+        "prompts": len(prompts),
+        "new_tokens": new,
+        "cuda_graphs": eng.cuda_graphs,
+    }
+    LINES.append(
+        f"\n### P2a — {Path(args.target).name} + drafter, HumanEval code prompts ({len(prompts)}), {new} new tokens"
+    )
+    LINES.append(
+        "| setting | attention | T | τ | accept rate | spec tok/s | plain tok/s | × plain | × best plain | "
+        "× generate dyn | × generate static |"
+    )
     LINES.append("|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
         name = f"chain K={r['K']}" if r["mode"] == "chain" else "tree k={} d={} n={}".format(*r["tree"])
-        LINES.append(f"| {name} | {r['attention']} | {r['T']:g} | {f(r['tau'])} | {f(r['acceptance_rate'])} | {f(r['spec_tok_s'], 1)} | "
-                     f"{f(r['plain_tok_s'], 1)} | {f(r['speedup_vs_plain'])} | {f(r['speedup_vs_plain_median'])} | "
-                     f"{f(r.get('speedup_vs_generate_dynamic'))} | {f(r.get('speedup_vs_generate_static'))} |")
-    LINES.append("× plain: against the same engine's plain decode in that row; × best plain: against the median plain "
-                 "rate of the fastest attention implementation.")
-    LINES.append(f"generate() tok/s ({n_hf} tokens, greedy): dynamic cache {f(hf.get('dynamic'), 1)}, static cache "
-                 f"{f(hf.get('static'), 1)} (transformers compiles the static-cache forward on CUDA by default)")
+        LINES.append(
+            f"| {name} | {r['attention']} | {r['T']:g} | {f(r['tau'])} | {f(r['acceptance_rate'])} | {f(r['spec_tok_s'], 1)} | "
+            f"{f(r['plain_tok_s'], 1)} | {f(r['speedup_vs_plain'])} | {f(r['speedup_vs_plain_median'])} | "
+            f"{f(r.get('speedup_vs_generate_dynamic'))} | {f(r.get('speedup_vs_generate_static'))} |"
+        )
+    LINES.append(
+        "× plain: against the same engine's plain decode in that row; × best plain: against the median plain "
+        "rate of the fastest attention implementation."
+    )
+    LINES.append(
+        f"generate() tok/s ({n_hf} tokens, greedy): dynamic cache {f(hf.get('dynamic'), 1)}, static cache "
+        f"{f(hf.get('static'), 1)} (transformers compiles the static-cache forward on CUDA by default)"
+    )
     del eng, t, d
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -421,11 +509,21 @@ def p2b(args, dev, dtype, runner, best):
     H = cfg.hidden_size
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or H // nh
-    dcfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=cfg.intermediate_size,
-                         num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
-                         rope_theta=500000.0, vocab_size=cfg.vocab_size,
-                         draft_vocab_size=min(32000, cfg.vocab_size), num_hidden_layers=1,
-                         aux_layer_ids=runner.aux_layers, target_num_layers=cfg.num_hidden_layers)
+    dcfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=H,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=min(32000, cfg.vocab_size),
+        num_hidden_layers=1,
+        aux_layer_ids=runner.aux_layers,
+        target_num_layers=cfg.num_hidden_layers,
+    )
     torch.manual_seed(0)
     with torch.device(dev):
         d = Drafter(dcfg)
@@ -437,8 +535,11 @@ def p2b(args, dev, dtype, runner, best):
     # the fastest on the 8B shape, where a round's drafting costs relatively less)
     settings, seen = [], set()
     for r in sorted(best.get("all", []), key=lambda r: -r["spec_tok_s"]):
-        mode = (DecodeMode("chain", draft_tokens=r["K"]) if r["mode"] == "chain" else
-                DecodeMode("tree", top_k=r["tree"][0], depth=r["tree"][1], tree_tokens=r["tree"][2]))
+        mode = (
+            DecodeMode("chain", draft_tokens=r["K"])
+            if r["mode"] == "chain"
+            else DecodeMode("tree", top_k=r["tree"][0], depth=r["tree"][1], tree_tokens=r["tree"][2])
+        )
         if mode.key() not in seen:
             seen.add(mode.key())
             settings.append((mode, r["tau"]))
@@ -447,11 +548,19 @@ def p2b(args, dev, dtype, runner, best):
             spec, tau = item.split("=")
             kind, _, val = spec.partition(":")
             v = [int(x) for x in val.split("/")]
-            settings.append((DecodeMode("chain", draft_tokens=v[0]) if kind == "chain" else
-                             DecodeMode("tree", top_k=v[0], depth=v[1], tree_tokens=v[2]), float(tau)))
+            settings.append(
+                (
+                    DecodeMode("chain", draft_tokens=v[0])
+                    if kind == "chain"
+                    else DecodeMode("tree", top_k=v[0], depth=v[1], tree_tokens=v[2]),
+                    float(tau),
+                )
+            )
     if not settings:  # no P2a: report round costs of default settings with τ unknown
-        settings = [(DecodeMode("chain", draft_tokens=4), None), (DecodeMode("tree", top_k=8, depth=6,
-                                                                            tree_tokens=48), None)]
+        settings = [
+            (DecodeMode("chain", draft_tokens=4), None),
+            (DecodeMode("tree", top_k=8, depth=6, tree_tokens=48), None),
+        ]
     n = 8 if args.smoke else 32
     need = max(m.cache_need for m, _ in settings)
     max_acc = max(m.max_accept for m, _ in settings)
@@ -487,19 +596,31 @@ def p2b(args, dev, dtype, runner, best):
             pos = Lt + torch.arange(T, device=dev)
             mask = causal_mask(eng.max_len, pos, dev)
             ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
-            verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731
+            verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731, F821 (eng is bound above)
             t_verify = time_steps(eng, graphed(verify, dev), n, dev)
             Td = 1 if mode.kind == "chain" else mode.top_k
             dpos = Lt + torch.arange(Td, device=dev)
             dmask = causal_mask(eng.max_len, dpos, dev)
             hid = torch.zeros(Td, H, dtype=dtype, device=dev)
-            dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731
+            dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731, F821
             t_draft = time_steps(eng, graphed(dstep, dev), n, dev)
             census = round_census(eng.eager_step_fn(mode, sp), dev) if args.round_census else None
-            rows.append({"mode": mode.kind, "setting": mode.__dict__, "attention": impl, "kernels": kn,
-                         "context": ctx, "cache_slots": eng.max_len, "t_plain_own_ms": t_own * 1e3,
-                         "t_round_ms": t_round * 1e3, "t_verify_ms": t_verify * 1e3,
-                         "t_draft_step_ms": t_draft * 1e3, "tau_from_P2a": tau, "census": census})
+            rows.append(
+                {
+                    "mode": mode.kind,
+                    "setting": mode.__dict__,
+                    "attention": impl,
+                    "kernels": kn,
+                    "context": ctx,
+                    "cache_slots": eng.max_len,
+                    "t_plain_own_ms": t_own * 1e3,
+                    "t_round_ms": t_round * 1e3,
+                    "t_verify_ms": t_verify * 1e3,
+                    "t_draft_step_ms": t_draft * 1e3,
+                    "tau_from_P2a": tau,
+                    "census": census,
+                }
+            )
             log(f"P2b {kn} {impl} {mode}: round {t_round * 1e3:.2f} ms (own plain {t_own * 1e3:.2f} ms)")
         graphs = eng.cuda_graphs
         del eng
@@ -510,48 +631,76 @@ def p2b(args, dev, dtype, runner, best):
         row["projected_speedup"] = tau * t_plain / (row["t_round_ms"] / 1e3) if tau else None
         row["projected_speedup_own_plain"] = tau * row["t_plain_own_ms"] / row["t_round_ms"] if tau else None
         row["breakeven_tau"] = row["t_round_ms"] / 1e3 / t_plain
-        log(f"P2b {row['attention']} {row['mode']} {row['setting']}: t_plain {t_plain * 1e3:.2f} ms, t_round "
-            f"{row['t_round_ms']:.2f} ms, projected {row['projected_speedup'] or float('nan'):.2f}x (τ={tau})")
-    RESULTS["sections"]["P2b"] = {"rows": rows, "cuda_graphs": graphs, "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()}}
-    LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, "
-                 f"context {ctx}")
+        log(
+            f"P2b {row['attention']} {row['mode']} {row['setting']}: t_plain {t_plain * 1e3:.2f} ms, t_round "
+            f"{row['t_round_ms']:.2f} ms, projected {row['projected_speedup'] or float('nan'):.2f}x (τ={tau})"
+        )
+    RESULTS["sections"]["P2b"] = {
+        "rows": rows,
+        "cuda_graphs": graphs,
+        "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()},
+    }
+    LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, context {ctx}")
     LINES.append(f"Rounds {'torch.compiled' if args.compile else 'eager'}, replayed from CUDA graphs.")
     if args.p2b_tau and not best.get("all"):
         LINES.append(f"τ of each setting from an earlier P2a run (`--p2b-tau {args.p2b_tau}`), not this one.")
-    LINES.append("plain step (graph): " + ", ".join(f"{a} {v * 1e3:.2f} ms" for a, v in t_plains.items()) +
-                 f"; t_plain = the fastest, {t_plain * 1e3:.2f} ms. Cache {rows[0]['cache_slots'] if rows else '-'} "
-                 "slots.\n")
-    LINES.append("| setting | attention | step kernels | own plain ms | t_round ms (graph) | verify ms (graph) | "
-                 "draft step ms (graph) | τ (P2a) | break-even τ | projected × (fastest plain) | projected × (own plain) |")
+    LINES.append(
+        "plain step (graph): "
+        + ", ".join(f"{a} {v * 1e3:.2f} ms" for a, v in t_plains.items())
+        + f"; t_plain = the fastest, {t_plain * 1e3:.2f} ms. Cache {rows[0]['cache_slots'] if rows else '-'} "
+        "slots.\n"
+    )
+    LINES.append(
+        "| setting | attention | step kernels | own plain ms | t_round ms (graph) | verify ms (graph) | "
+        "draft step ms (graph) | τ (P2a) | break-even τ | projected × (fastest plain) | projected × (own plain) |"
+    )
     LINES.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["setting"]
-        name = f"chain K={s['draft_tokens']}" if r["mode"] == "chain" else \
-            f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+        name = (
+            f"chain K={s['draft_tokens']}"
+            if r["mode"] == "chain"
+            else f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+        )
         tau = "-" if r["tau_from_P2a"] is None else f"{r['tau_from_P2a']:.2f}"
         proj = "-" if r["projected_speedup"] is None else f"{r['projected_speedup']:.2f}"
         own = "-" if r["projected_speedup_own_plain"] is None else f"{r['projected_speedup_own_plain']:.2f}"
-        LINES.append(f"| {name} | {r['attention']} | {r['kernels']} | {r['t_plain_own_ms']:.2f} | {r['t_round_ms']:.2f} | "
-                     f"{r['t_verify_ms']:.2f} | {r['t_draft_step_ms']:.2f} | {tau} | {r['breakeven_tau']:.2f} | "
-                     f"{proj} | {own} |")
+        LINES.append(
+            f"| {name} | {r['attention']} | {r['kernels']} | {r['t_plain_own_ms']:.2f} | {r['t_round_ms']:.2f} | "
+            f"{r['t_verify_ms']:.2f} | {r['t_draft_step_ms']:.2f} | {tau} | {r['breakeven_tau']:.2f} | "
+            f"{proj} | {own} |"
+        )
     census_rows = [r for r in rows if r.get("census")]
     if census_rows:
-        LINES.append("\nOne round under the profiler (its kernels are what the round's graph replays; ms = summed kernel "
-                     "time by kind, so t_round minus their total is launch gaps):\n")
+        LINES.append(
+            "\nOne round under the profiler (its kernels are what the round's graph replays; ms = summed kernel "
+            "time by kind, so t_round minus their total is launch gaps):\n"
+        )
         kinds = list(dict.fromkeys(k for r in census_rows for k in r["census"]["by_kind"]))
-        LINES.append("| setting | step kernels | kernels | kernel ms | " + " | ".join(f"{k} ms (n)" for k in kinds) + " |")
+        LINES.append(
+            "| setting | step kernels | kernels | kernel ms | " + " | ".join(f"{k} ms (n)" for k in kinds) + " |"
+        )
         LINES.append("|---|---|---|---|" + "---|" * len(kinds))
         for r in census_rows:
             c, s = r["census"], r["setting"]
-            name = f"chain K={s['draft_tokens']}" if r["mode"] == "chain" else \
-                f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+            name = (
+                f"chain K={s['draft_tokens']}"
+                if r["mode"] == "chain"
+                else f"tree k={s['top_k']} d={s['depth']} n={s['tree_tokens']}"
+            )
             cells = [f"{c['by_kind'][k][1]:.3f} ({c['by_kind'][k][0]})" if k in c["by_kind"] else "-" for k in kinds]
-            LINES.append(f"| {name} | {r['kernels']} | {c['kernels']} | {c['kernel_ms']:.3f} | " + " | ".join(cells) + " |")
+            LINES.append(
+                f"| {name} | {r['kernels']} | {c['kernels']} | {c['kernel_ms']:.3f} | " + " | ".join(cells) + " |"
+            )
         for r in census_rows:
-            LINES.append(f"- {r['mode']} {r['kernels']} top: " + "; ".join(
-                f"{nm[:50]} x{cnt} {ms:.3f} ms" for nm, cnt, ms in r["census"]["top"][:8]))
-    LINES.append(f"\nt_plain (fastest plain step of all engines above) = {t_plain * 1e3:.2f} ms; break-even τ against it. "
-                 "own plain: the plain step of the row's own engine (same kernels, attention, compile).")
+            LINES.append(
+                f"- {r['mode']} {r['kernels']} top: "
+                + "; ".join(f"{nm[:50]} x{cnt} {ms:.3f} ms" for nm, cnt, ms in r["census"]["top"][:8])
+            )
+    LINES.append(
+        f"\nt_plain (fastest plain step of all engines above) = {t_plain * 1e3:.2f} ms; break-even τ against it. "
+        "own plain: the plain step of the row's own engine (same kernels, attention, compile)."
+    )
 
 
 def flush(partial: bool = True) -> None:
@@ -568,46 +717,88 @@ def flush(partial: bool = True) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
-    ap.add_argument("--drafter", default=None, help="drafter trained for --target (P2a); 'random' = an untrained one (timings only, τ≈1)")
+    ap.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter trained for --target (P2a); 'random' = an untrained one (timings only, τ≈1)",
+    )
     ap.add_argument("--prompts", default=None, help="humaneval.jsonl (EAGLE question format)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--chain-k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 5])
-    ap.add_argument("--tree-cfgs", type=lambda s: [tuple(int(y) for y in x.split("/")) for x in s.split(",")],
-                    default=[(4, 4, 16), (8, 5, 32), (8, 6, 48)], help="top_k/depth/tokens,...")
-    ap.add_argument("--attn-impls", type=lambda s: s.split(","), default=["sdpa", "bmm"],
-                    help="attention implementations measured side by side in P1, P2a and P2b (sdpa, bmm, split, auto)")
-    ap.add_argument("--kernels", type=lambda s: s.split(","), default=["torch", "triton"],
-                    help="P1: step kernels to measure side by side (triton rows only where triton runs on CUDA)")
-    ap.add_argument("--p2b-tau", default=None, help="P2b without P2a: settings and their τ measured by an earlier "
-                    "P2a, e.g. 'chain:4=3.51,tree:10/7/64=5.91' (the projection says so)")
+    ap.add_argument(
+        "--tree-cfgs",
+        type=lambda s: [tuple(int(y) for y in x.split("/")) for x in s.split(",")],
+        default=[(4, 4, 16), (8, 5, 32), (8, 6, 48)],
+        help="top_k/depth/tokens,...",
+    )
+    ap.add_argument(
+        "--attn-impls",
+        type=lambda s: s.split(","),
+        default=["sdpa", "bmm"],
+        help="attention implementations measured side by side in P1, P2a and P2b (sdpa, bmm, split, auto)",
+    )
+    ap.add_argument(
+        "--kernels",
+        type=lambda s: s.split(","),
+        default=["torch", "triton"],
+        help="P1: step kernels to measure side by side (triton rows only where triton runs on CUDA)",
+    )
+    ap.add_argument(
+        "--p2b-tau",
+        default=None,
+        help="P2b without P2a: settings and their τ measured by an earlier "
+        "P2a, e.g. 'chain:4=3.51,tree:10/7/64=5.91' (the projection says so)",
+    )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; later sections are skipped past it")
-    ap.add_argument("--compile", action="store_true", help="P2a and P2b: torch.compile the round forwards "
-                    "(+compile time; P2b's plain steps stay as measured)")
-    ap.add_argument("--round-census", action="store_true", help="P2b: profile one round of each setting (kernels "
-                    "by kind: matmuls, inductor-fused, draftsmith Triton, sort/topk, other)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="P2a and P2b: torch.compile the round forwards (+compile time; P2b's plain steps stay as measured)",
+    )
+    ap.add_argument(
+        "--round-census",
+        action="store_true",
+        help="P2b: profile one round of each setting (kernels "
+        "by kind: matmuls, inductor-fused, draftsmith Triton, sort/topk, other)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks every code path")
     ap.add_argument("--no-benchmarks-md", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    args.target = args.target or next((p for p in (".carry/pycode-small", "/work/shared/targets/pycode-small",
-                                                   "/work/shared/targets/pycode-tiny") if os.path.isdir(p)), None)
+    args.target = args.target or next(
+        (
+            p
+            for p in (".carry/pycode-small", "/work/shared/targets/pycode-small", "/work/shared/targets/pycode-tiny")
+            if os.path.isdir(p)
+        ),
+        None,
+    )
     if args.smoke:
-        args.target = next((p for p in (".carry/pycode-tiny", "/work/shared/targets/pycode-tiny")
-                            if os.path.isdir(p)), args.target)
-    args.prompts = args.prompts or next((p for p in (".carry/humaneval.jsonl", "/work/shared/data/eval/humaneval.jsonl")
-                                         if os.path.exists(p)), None)
+        args.target = next(
+            (p for p in (".carry/pycode-tiny", "/work/shared/targets/pycode-tiny") if os.path.isdir(p)), args.target
+        )
+    args.prompts = args.prompts or next(
+        (p for p in (".carry/humaneval.jsonl", "/work/shared/data/eval/humaneval.jsonl") if os.path.exists(p)), None
+    )
     if args.smoke:
         args.num_prompts, args.new_tokens = min(args.num_prompts, 2), min(args.new_tokens, 16)
         args.chain_k, args.tree_cfgs = args.chain_k[:1], args.tree_cfgs[:1]
     sections = set(args.sections.split(","))
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    RESULTS.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": dev_name,
-                    "torch": torch.__version__, "commit": common.commit(),
-                    "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])), "smoke": args.smoke})
+    RESULTS.update(
+        {
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": dev_name,
+            "torch": torch.__version__,
+            "commit": common.commit(),
+            "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+            "smoke": args.smoke,
+        }
+    )
     try:
         import transformers
 
@@ -615,6 +806,7 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         pass
     log(f"device {dev_name}, torch {torch.__version__}")
+
     def section(name, fn, need_s: float | None = None):
         """Run one section; a failure (or a spent time budget) is recorded under `name`, the rest still runs."""
         try:

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from draftsmith.decode import kernels as K
     from draftsmith.decode.llama import grouped_attention, prepare_mask
+
     # the tests' reference tree mask (built from parent pointers, independent of the engine's own)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from decode_helpers import tree_mask
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     G = nh // nkv
     kcs = [torch.randn(1, nkv, S, d, device=dev, dtype=dtype) for _ in range(layers)]
     vcs = [torch.randn(1, nkv, S, d, device=dev, dtype=dtype) for _ in range(layers)]
-    scale = d ** -0.5
+    scale = d**-0.5
     rows, best = [], []
 
     def timed(fn):
@@ -83,57 +84,115 @@ def main(argv=None) -> int:
         mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(T)], S, min(ctx, S - T)).to(dev)
         qkv = torch.randn(T, nh + 2 * nkv, d, device=dev, dtype=dtype)
         q = qkv[:, :nh]  # the compact forward's view
-        ref = grouped_attention(q.transpose(0, 1)[None].float(), kcs[0].float(), vcs[0].float(), mask, scale,
-                                "bmm").transpose(1, 2).reshape(T, nh * d)
+        ref = (
+            grouped_attention(q.transpose(0, 1)[None].float(), kcs[0].float(), vcs[0].float(), mask, scale, "bmm")
+            .transpose(1, 2)
+            .reshape(T, nh * d)
+        )
         res = []
         for impl in ("bmm", "sdpa"):  # as the compact forward's torch path runs them: mask prepared once a forward
+
             def run(impl=impl):
                 am = prepare_mask(mask, G, dtype)
                 for kc, vc in zip(kcs, vcs):
                     grouped_attention(q.transpose(0, 1)[None], kc, vc, am, scale, impl).transpose(1, 2).reshape(
-                        T, nh * d)
+                        T, nh * d
+                    )
+
             us, err = timed(run)
-            res.append({"T": T, "path": f"torch {impl}", "block_r": "-", "block_s": "-", "chunks": "-", "warps": "-",
-                        "us/layer": us, "error": err})
+            res.append(
+                {
+                    "T": T,
+                    "path": f"torch {impl}",
+                    "block_r": "-",
+                    "block_s": "-",
+                    "chunks": "-",
+                    "warps": "-",
+                    "us/layer": us,
+                    "error": err,
+                }
+            )
         slots = torch.arange(min(ctx, S - T), min(ctx, S - T) + T, device=dev)  # what the forward wrote
         for br, bs, sl, nw in plans(T, G, S, args.smoke):
             try:
-                o = K.rows_attention(q, kcs[0], vcs[0], mask, scale, slots, split_len=sl, block_s=bs, block_r=br,
-                                     num_warps=nw)
+                o = K.rows_attention(
+                    q, kcs[0], vcs[0], mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw
+                )
                 diff = float((o.float() - ref).abs().max())
             except Exception as e:  # noqa: BLE001 - a plan this GPU cannot run is a row, not the end
-                res.append({"T": T, "path": "rows_attention", "block_r": br, "block_s": bs, "chunks": -(-S // sl),
-                            "warps": nw, "us/layer": None, "error": type(e).__name__})
+                res.append(
+                    {
+                        "T": T,
+                        "path": "rows_attention",
+                        "block_r": br,
+                        "block_s": bs,
+                        "chunks": -(-S // sl),
+                        "warps": nw,
+                        "us/layer": None,
+                        "error": type(e).__name__,
+                    }
+                )
                 continue
 
             def run(br=br, bs=bs, sl=sl, nw=nw):
                 for kc, vc in zip(kcs, vcs):
-                    K.rows_attention(q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br,
-                                     num_warps=nw)
+                    K.rows_attention(q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw)
+
             us, err = timed(run)
-            res.append({"T": T, "path": "rows_attention", "block_r": br, "block_s": bs, "chunks": -(-S // sl),
-                        "warps": nw, "us/layer": us, "max |Δ|": diff, "error": err})
+            res.append(
+                {
+                    "T": T,
+                    "path": "rows_attention",
+                    "block_r": br,
+                    "block_s": bs,
+                    "chunks": -(-S // sl),
+                    "warps": nw,
+                    "us/layer": us,
+                    "max |Δ|": diff,
+                    "error": err,
+                }
+            )
 
         for sl_arg, label in ((slots, "rows_attention (default rule)"), (None, "rows_attention (default, no slots)")):
+
             def run_default(sl_arg=sl_arg):
                 for kc, vc in zip(kcs, vcs):
                     K.rows_attention(q, kc, vc, mask, scale, sl_arg)
+
             us, err = timed(run_default)
-            res.append({"T": T, "path": label, "block_r": "-", "block_s": "-", "chunks": "-", "warps": "-",
-                        "us/layer": us, "error": err})
+            res.append(
+                {
+                    "T": T,
+                    "path": label,
+                    "block_r": "-",
+                    "block_s": "-",
+                    "chunks": "-",
+                    "warps": "-",
+                    "us/layer": us,
+                    "error": err,
+                }
+            )
         ok = sorted((r for r in res if r["us/layer"] is not None), key=lambda r: r["us/layer"])
         rows += res
-        best += ok[: args.top] + [r for r in res if (r["path"].startswith("torch") or "default" in r["path"])
-                                  and r not in ok[: args.top]]
+        best += ok[: args.top] + [
+            r for r in res if (r["path"].startswith("torch") or "default" in r["path"]) and r not in ok[: args.top]
+        ]
         for r in ok[:5]:
             print(r, flush=True)
     cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "us/layer", "max |Δ|", "error"]
-    body = (f"8B attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
-            f"each row one CUDA graph over {layers} layers' caches, us per layer (the fastest {args.top} plans per T, "
-            "then torch's paths and the default rule):\n\n" + markdown_table(best, cols))
+    body = (
+        f"8B attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
+        f"each row one CUDA graph over {layers} layers' caches, us per layer (the fastest {args.top} plans per T, "
+        "then torch's paths and the default rule):\n\n" + markdown_table(best, cols)
+    )
     if not args.smoke:
-        record("decode_attention", "decode attention — multi-token forwards of a round (8B shape)", body,
-               {"rows": rows}, "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        record(
+            "decode_attention",
+            "decode attention — multi-token forwards of a round (8B shape)",
+            body,
+            {"rows": rows},
+            "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        )
     else:
         print(body)
     return 0

@@ -81,12 +81,21 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
 
                 def step(mats=mats, xk=xk, res=res, kw=kw, gemv=K.gemv):
                     for w in mats:
-                        gemv(xk, w, kw.get("norm_weight"), bias=kw.get("bias"), residual=res,
-                             act_mul=kw.get("act_mul", False), glu=kw.get("glu", False))
+                        gemv(
+                            xk,
+                            w,
+                            kw.get("norm_weight"),
+                            bias=kw.get("bias"),
+                            residual=res,
+                            act_mul=kw.get("act_mul", False),
+                            glu=kw.get("glu", False),
+                        )
             else:
+
                 def step(mats=mats, x=x):
                     for w in mats:
                         F.linear(x, w)
+
             t = time_steps(None, _graphed(step, dev), reps, dev)
             row[f"{path} us/matrix"] = t / len(mats) * 1e6
             row[f"{path} ÷ copy bw"] = nbytes / t / bw
@@ -103,14 +112,26 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
         if not ok:
             continue
         best, worst = min(ok, key=lambda r: r["us"]), max(ok, key=lambda r: r["us"])
-        dflt = next((r["us"] for r in ok if (r["BLOCK_N"], r["BLOCK_K"], r["warps"], r["prefetch"]) ==
-                     (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)), None)
+        dflt = next(
+            (
+                r["us"]
+                for r in ok
+                if (r["BLOCK_N"], r["BLOCK_K"], r["warps"], r["prefetch"]) == (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)
+            ),
+            None,
+        )
         nopf = [r["us"] for r in ok if not r["prefetch"]]
-        out.append({"matrix": kind, "best tile (N/K/warps/prefetch)":
-                    f"{best['BLOCK_N']}/{best['BLOCK_K']}/{best['warps']}/{best['prefetch']}",
-                    "best us": best["us"], "best without prefetch us": min(nopf) if nopf else None,
-                    "default us": dflt, "worst us": worst["us"],
-                    "tiles failed": sum(1 for r in rows if r["matrix"] == kind and r["us"] is None)})
+        out.append(
+            {
+                "matrix": kind,
+                "best tile (N/K/warps/prefetch)": f"{best['BLOCK_N']}/{best['BLOCK_K']}/{best['warps']}/{best['prefetch']}",
+                "best us": best["us"],
+                "best without prefetch us": min(nopf) if nopf else None,
+                "default us": dflt,
+                "worst us": worst["us"],
+                "tiles failed": sum(1 for r in rows if r["matrix"] == kind and r["us"] is None),
+            }
+        )
     return out
 
 
@@ -118,8 +139,13 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
     """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured)."""
     key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
     kept = K._TUNED_ATTN.get(key)
-    default = K._attn_plan(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype, dev,
-                           None, None, None) if kept is None else kept
+    default = (
+        K._attn_plan(
+            S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype, dev, None, None, None
+        )
+        if kept is None
+        else kept
+    )
     out = []
     try:
         for plan in K.attention_plans(S):
@@ -129,9 +155,19 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
             eng.prefill(prompt, sp)
             t = time_steps(eng, plain, reps, dev)
             ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
-            out.append({"cache S": S, "pdl": pdl, "split_len": plan[0], "BLOCK_S": plan[1], "warps": plan[2],
-                        "chunks": -(-S // plan[0]), "ms/step": t * 1e3, "÷ copy bw": ach / bw,
-                        "default": "*" if plan == default else ""})
+            out.append(
+                {
+                    "cache S": S,
+                    "pdl": pdl,
+                    "split_len": plan[0],
+                    "BLOCK_S": plan[1],
+                    "warps": plan[2],
+                    "chunks": -(-S // plan[0]),
+                    "ms/step": t * 1e3,
+                    "÷ copy bw": ach / bw,
+                    "default": "*" if plan == default else "",
+                }
+            )
             print(out[-1], flush=True)
     finally:
         if kept is not None:
@@ -146,8 +182,9 @@ def verify_census(runner, T: int, S: int, impl: str, dev, reps: int, bw: float, 
     """One T-token verify forward of the torch path (what a speculative round's verify runs), from a CUDA graph:
     ms, ÷ copy bw of the weight + KV bytes, kernels, the top kernels, and the step's matmuls alone at T rows."""
     ctx = S - T - 8
-    ids = torch.randint(0, runner.vocab_size if hasattr(runner, "vocab_size") else runner.embed.shape[0], (T,),
-                        device=dev)
+    ids = torch.randint(
+        0, runner.vocab_size if hasattr(runner, "vocab_size") else runner.embed.shape[0], (T,), device=dev
+    )
     pos = torch.arange(ctx, ctx + T, device=dev)
     ar = torch.arange(S, device=dev)
     # a tree-ish mask: every node sees the context and the nodes before it with an even offset (not just causal)
@@ -174,9 +211,19 @@ def verify_census(runner, T: int, S: int, impl: str, dev, reps: int, bw: float, 
 
     t_mm = time_steps(None, _graphed(mm, dev), reps, dev)
     kv = runner.kv_bytes_per_token() * (ctx + T)
-    return {"T": T, "attention": impl, "cache S": S, "ms": t * 1e3, "÷ copy bw": (wbytes + kv) / t / bw,
-            "matmuls alone ms": t_mm * 1e3, "matmuls ÷ copy bw": wbytes / t_mm / bw, "kernels": n,
-            "kernel ms": kms, "error": "", "top": top_k}
+    return {
+        "T": T,
+        "attention": impl,
+        "cache S": S,
+        "ms": t * 1e3,
+        "÷ copy bw": (wbytes + kv) / t / bw,
+        "matmuls alone ms": t_mm * 1e3,
+        "matmuls ÷ copy bw": wbytes / t_mm / bw,
+        "kernels": n,
+        "kernel ms": kms,
+        "error": "",
+        "top": top_k,
+    }
 
 
 def logits_gap(eng, runner) -> float:
@@ -195,22 +242,52 @@ def logits_gap(eng, runner) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default=",".join(ATTENTION_IMPLS), help="attention implementations to compare")
-    ap.add_argument("--compile", default="off,on", help="off (eager step in a CUDA graph), on (torch.compile'd step), "
-                    "autotune (torch.compile max-autotune: inductor's Triton GEMMs tried against cuBLAS; slow compile)")
-    ap.add_argument("--gemv", default="torch", help="torch (F.linear + separate norms/adds), triton "
-                    "(draftsmith.decode.kernels.gemv with the norms and residual adds folded in), or both: torch,triton")
-    ap.add_argument("--gemv-blocks", default=None, help="BLOCK_N/BLOCK_K of the Triton gemv for every matrix, e.g. "
-                    "8/1024 (default: tuned per weight kind)")
-    ap.add_argument("--triton-ops", default="all", help="with --gemv triton: the ops that take the Triton kernels "
-                    "(comma list of qkv,rope,attn,o,gate_up,down,lm_head, or all); several routings separated by '/'")
-    ap.add_argument("--pdl", default="on", help="with --gemv triton: programmatic dependent launch of the kernels, "
-                    "off, on or off,on (side by side)")
-    ap.add_argument("--attn-sweep", action="store_true", help="with --gemv triton: also time the whole step with "
-                    "each attention plan of ATTN_CONFIGS forced (the tuning times attention alone)")
-    ap.add_argument("--verify", default="", help="also a T-token verify forward (tree-shaped mask) per T listed, "
-                    "e.g. 8,48,64: ms, ÷ copy bw, kernels and the top kernels, next to the same matmuls alone at T rows")
-    ap.add_argument("--rows-blocks", default="", help="with --verify and --gemv triton: gemm_rows tiles to sweep, "
-                    "BLOCK_N/BLOCK_K/warps comma-separated (default: kernels.ROWS_BLOCK_N/K/NUM_WARPS)")
+    ap.add_argument(
+        "--compile",
+        default="off,on",
+        help="off (eager step in a CUDA graph), on (torch.compile'd step), "
+        "autotune (torch.compile max-autotune: inductor's Triton GEMMs tried against cuBLAS; slow compile)",
+    )
+    ap.add_argument(
+        "--gemv",
+        default="torch",
+        help="torch (F.linear + separate norms/adds), triton "
+        "(draftsmith.decode.kernels.gemv with the norms and residual adds folded in), or both: torch,triton",
+    )
+    ap.add_argument(
+        "--gemv-blocks",
+        default=None,
+        help="BLOCK_N/BLOCK_K of the Triton gemv for every matrix, e.g. 8/1024 (default: tuned per weight kind)",
+    )
+    ap.add_argument(
+        "--triton-ops",
+        default="all",
+        help="with --gemv triton: the ops that take the Triton kernels "
+        "(comma list of qkv,rope,attn,o,gate_up,down,lm_head, or all); several routings separated by '/'",
+    )
+    ap.add_argument(
+        "--pdl",
+        default="on",
+        help="with --gemv triton: programmatic dependent launch of the kernels, off, on or off,on (side by side)",
+    )
+    ap.add_argument(
+        "--attn-sweep",
+        action="store_true",
+        help="with --gemv triton: also time the whole step with "
+        "each attention plan of ATTN_CONFIGS forced (the tuning times attention alone)",
+    )
+    ap.add_argument(
+        "--verify",
+        default="",
+        help="also a T-token verify forward (tree-shaped mask) per T listed, "
+        "e.g. 8,48,64: ms, ÷ copy bw, kernels and the top kernels, next to the same matmuls alone at T rows",
+    )
+    ap.add_argument(
+        "--rows-blocks",
+        default="",
+        help="with --verify and --gemv triton: gemm_rows tiles to sweep, "
+        "BLOCK_N/BLOCK_K/warps comma-separated (default: kernels.ROWS_BLOCK_N/K/NUM_WARPS)",
+    )
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     ap.add_argument("--reps", type=int, default=64, help="graph replays timed per row")
@@ -226,8 +303,11 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(dev, args.smoke)
     wbytes = runner.weight_bytes()
     t_mm = matmul_floor(runner, dev, reps)
-    print(f"weights {wbytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s -> floor {wbytes / bw * 1e3:.3f} ms; "
-          f"matmuls alone {t_mm * 1e3:.3f} ms ({wbytes / t_mm / bw:.3f} of copy bw)", flush=True)
+    print(
+        f"weights {wbytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s -> floor {wbytes / bw * 1e3:.3f} ms; "
+        f"matmuls alone {t_mm * 1e3:.3f} ms ({wbytes / t_mm / bw:.3f} of copy bw)",
+        flush=True,
+    )
     gemvs = args.gemv.split(",")
     tuning = []
     if args.gemv_blocks:
@@ -244,10 +324,15 @@ def main(argv=None) -> int:
     rows, tops, attn_tuning, attn_sweep = [], [], [], []
     sp = SamplingParams()
     # the Triton step runs from a CUDA graph without torch.compile (with compile the engine compiles only wider forwards)
-    combos = [(kn, ops, comp, impl, S, pdl) for kn in gemvs for ops in (routings if kn == "triton" else ["-"])
-              for comp in (args.compile.split(",") if kn == "torch" else ["off"])
-              for pdl in (args.pdl.split(",") if kn == "triton" else ["-"])
-              for impl in args.impls.split(",") for S in caches]
+    combos = [
+        (kn, ops, comp, impl, S, pdl)
+        for kn in gemvs
+        for ops in (routings if kn == "triton" else ["-"])
+        for comp in (args.compile.split(",") if kn == "torch" else ["off"])
+        for pdl in (args.pdl.split(",") if kn == "triton" else ["-"])
+        for impl in args.impls.split(",")
+        for S in caches
+    ]
     for kn, ops, comp, impl, S, pdl in combos:
         t0 = time.perf_counter()
         label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/pdl={pdl}/S={S}"
@@ -255,8 +340,14 @@ def main(argv=None) -> int:
         try:
             K.USE_PDL = pdl == "on"
             runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
-            eng = SpeculativeDecoder(runner, None, max_len=S, attn_impl=impl, kernels=kn,
-                                     compile={"off": False, "on": True, "autotune": "max-autotune"}[comp])
+            eng = SpeculativeDecoder(
+                runner,
+                None,
+                max_len=S,
+                attn_impl=impl,
+                kernels=kn,
+                compile={"off": False, "on": True, "autotune": "max-autotune"}[comp],
+            )
             if kn == "triton" and not any(r["S"] == S for r in attn_tuning):  # attention alone, each plan
                 attn_tuning += K.tune_attention(runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale)
             ctx = max(1, S - reps - 24) if not args.smoke else 8  # smoke: a short prefill (the interpreter is slow)
@@ -273,8 +364,18 @@ def main(argv=None) -> int:
             print(row, flush=True)
             continue
         ach = (wbytes + runner.kv_bytes_per_token() * (ctx + reps / 2)) / t
-        row.update({"ms/step": t * 1e3, "÷ copy bw": ach / bw, "÷ matmuls-only": t_mm / t, "kernels": n,
-                    "kernel ms": ms, "max |Δlogit| rel": gap, "setup s": setup_s, "error": ""})
+        row.update(
+            {
+                "ms/step": t * 1e3,
+                "÷ copy bw": ach / bw,
+                "÷ matmuls-only": t_mm / t,
+                "kernels": n,
+                "kernel ms": ms,
+                "max |Δlogit| rel": gap,
+                "setup s": setup_s,
+                "error": "",
+            }
+        )
         if args.attn_sweep and kn == "triton":
             attn_sweep += sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl)
         rows.append(row)
@@ -286,8 +387,13 @@ def main(argv=None) -> int:
     runner.kernels = "torch"
     verify_rows = []
     tiles = [tuple(int(v) for v in b.split("/")) for b in args.rows_blocks.split(",")] if args.rows_blocks else [None]
-    vcombos = [(T, impl, kn, tile) for T in [int(t) for t in args.verify.split(",") if t]
-               for impl in args.impls.split(",") for kn in gemvs for tile in (tiles if kn == "triton" else [None])]
+    vcombos = [
+        (T, impl, kn, tile)
+        for T in [int(t) for t in args.verify.split(",") if t]
+        for impl in args.impls.split(",")
+        for kn in gemvs
+        for tile in (tiles if kn == "triton" else [None])
+    ]
     for T, impl, kn, tile in vcombos:
         # kernels="triton" with triton_max_rows: the verify's matmuls through kernels.gemm_rows (attention torch's)
         runner.kernels, runner.triton_max_rows = kn, (64 if kn == "triton" else 1)
@@ -302,47 +408,85 @@ def main(argv=None) -> int:
         print(verify_rows[-1], flush=True)
     runner.kernels, runner.triton_max_rows = "torch", 1
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    body = [markdown_table(rows, columns), "",
-            f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
-            f"{wbytes / bw * 1e3:.3f} ms; the same matmuls alone (one CUDA graph of F.linear, bs=1) "
-            f"{t_mm * 1e3:.3f} ms = {wbytes / t_mm / bw:.3f} of copy bw.", "",
-            "Per weight kind (every layer's copy, one CUDA graph per kind and path):", "",
-            markdown_table(mats, list(mats[0])), ""]
+    body = [
+        markdown_table(rows, columns),
+        "",
+        f"Floors: weights {wbytes / 1e9:.2f} GB at the copy bandwidth {bw / 1e12:.2f} TB/s = "
+        f"{wbytes / bw * 1e3:.3f} ms; the same matmuls alone (one CUDA graph of F.linear, bs=1) "
+        f"{t_mm * 1e3:.3f} ms = {wbytes / t_mm / bw:.3f} of copy bw.",
+        "",
+        "Per weight kind (every layer's copy, one CUDA graph per kind and path):",
+        "",
+        markdown_table(mats, list(mats[0])),
+        "",
+    ]
     summ = tuning_summary(tuning)
     if summ:
-        body += ["Triton gemv tiles (the sweep of draftsmith.decode.kernels.GEMV_CONFIGS, per weight kind):", "",
-                 markdown_table(summ, list(summ[0])), ""]
+        body += [
+            "Triton gemv tiles (the sweep of draftsmith.decode.kernels.GEMV_CONFIGS, per weight kind):",
+            "",
+            markdown_table(summ, list(summ[0])),
+            "",
+        ]
     if attn_tuning:
         kv_layer = 2 * runner.n_kv * runner.head_dim * runner.k_layers[0].element_size()  # bytes per slot
         for r in attn_tuning:
             r["KV ÷ copy bw"] = kv_layer * r["S"] / (r["us"] * 1e-6) / bw if r["us"] else None
-        body += ["Triton attention plans timed alone (draftsmith.decode.kernels.tune_attention over "
-                 "ATTN_CONFIGS; one query token, every slot visible, us per layer):", "",
-                 markdown_table(attn_tuning, ["S", "BLOCK_S", "split_len", "chunks", "warps", "us", "KV ÷ copy bw",
-                                              "error"]), ""]
+        body += [
+            "Triton attention plans timed alone (draftsmith.decode.kernels.tune_attention over "
+            "ATTN_CONFIGS; one query token, every slot visible, us per layer):",
+            "",
+            markdown_table(
+                attn_tuning, ["S", "BLOCK_S", "split_len", "chunks", "warps", "us", "KV ÷ copy bw", "error"]
+            ),
+            "",
+        ]
     if attn_sweep:
-        body += ["The whole Triton step with each attention plan forced (ms/step; * = the default rule's plan, "
-                 "kernels._attn_plan):", "", markdown_table(attn_sweep, list(attn_sweep[0])), ""]
+        body += [
+            "The whole Triton step with each attention plan forced (ms/step; * = the default rule's plan, "
+            "kernels._attn_plan):",
+            "",
+            markdown_table(attn_sweep, list(attn_sweep[0])),
+            "",
+        ]
     if verify_rows:
         vcols = [c for c in dict.fromkeys(k for r in verify_rows for k in r) if c != "top"]
-        body += ["Verify forwards (T tokens over the cache with a tree-shaped mask, one CUDA graph; path torch, or "
-                 "triton = the matmuls through kernels.gemm_rows; 'matmuls alone' = the same weights through "
-                 "F.linear at T rows):", "",
-                 markdown_table(verify_rows, vcols), ""]
+        body += [
+            "Verify forwards (T tokens over the cache with a tree-shaped mask, one CUDA graph; path torch, or "
+            "triton = the matmuls through kernels.gemm_rows; 'matmuls alone' = the same weights through "
+            "F.linear at T rows):",
+            "",
+            markdown_table(verify_rows, vcols),
+            "",
+        ]
         for r in verify_rows:
             if r.get("top"):
-                body.append(f"- verify T={r['T']} {r['attention']} {r['path']} {r['rows tile']}: " +
-                            "; ".join(f"{n[:60]} x{c} {kms:.3f} ms" for n, c, kms in r["top"][:6]))
+                body.append(
+                    f"- verify T={r['T']} {r['attention']} {r['path']} {r['rows tile']}: "
+                    + "; ".join(f"{n[:60]} x{c} {kms:.3f} ms" for n, c, kms in r["top"][:6])
+                )
         body.append("")
     body += ["Top kernels by summed time (one profiled step):", ""]
     for label, top in tops:
         body.append(f"- {label}: " + "; ".join(f"{name[:60]} x{c} {kms:.3f} ms" for name, c, kms in top[:5]))
-    record("decode_kernels", "decode kernels — where a plain 8B-shape step goes", "\n".join(body),
-           {"rows": rows, "per_matrix": mats, "tuning": tuning, "attn_tuning": attn_tuning, "attn_sweep": attn_sweep,
+    record(
+        "decode_kernels",
+        "decode kernels — where a plain 8B-shape step goes",
+        "\n".join(body),
+        {
+            "rows": rows,
+            "per_matrix": mats,
+            "tuning": tuning,
+            "attn_tuning": attn_tuning,
+            "attn_sweep": attn_sweep,
             "verify": verify_rows,
-            "top": tops, "matmul_floor_ms": t_mm * 1e3,
-            "weight_bytes": wbytes, "copy_bw": bw},
-           "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+            "top": tops,
+            "matmul_floor_ms": t_mm * 1e3,
+            "weight_bytes": wbytes,
+            "copy_bw": bw,
+        },
+        "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     return 0
 
 

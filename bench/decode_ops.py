@@ -18,12 +18,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository on sys.path; tables, BENCHMARKS.md)
-
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-VIEWS = {"view", "_unsafe_view", "expand", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "permute",
-         "alias", "split", "unbind", "detach", "as_strided", "split_with_sizes", "chunk", "reshape"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "expand",
+    "slice",
+    "select",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "alias",
+    "split",
+    "unbind",
+    "detach",
+    "as_strided",
+    "split_with_sizes",
+    "chunk",
+    "reshape",
+}
 
 
 class _Census(TorchDispatchMode):
@@ -73,6 +90,7 @@ def census(target_path: str, modes: list[str], draft_vocab: int = 2048) -> list[
                 return _fn(*a, **k)
             finally:
                 c.tag = old
+
         setattr(eng, name, tagged)
     prompt = list(range(5, 25))
     sp = SamplingParams()
@@ -91,8 +109,9 @@ def census(target_path: str, modes: list[str], draft_vocab: int = 2048) -> list[
 
 
 @torch.no_grad()
-def timing(target_path: str, modes: list[str], threads: int, new_tokens: int = 200, reps: int = 3,
-           draft_vocab: int = 4096) -> list[dict]:
+def timing(
+    target_path: str, modes: list[str], threads: int, new_tokens: int = 200, reps: int = 3, draft_vocab: int = 4096
+) -> list[dict]:
     """CPU wall time of a round (through `generate`, fp32) split by who spends it: the target forward, the drafter
     forwards (draft steps + hand-off), the drafter logits, and the rest (the round's bookkeeping, the fc over the
     aux states, generate's loop). Best of `reps` runs per mode; a random drafter (the cost does not depend on it)."""
@@ -118,6 +137,7 @@ def timing(target_path: str, modes: list[str], threads: int, new_tokens: int = 2
                 return _fn(*a, **k)
             finally:
                 spent[_name] += time.perf_counter() - t0
+
         setattr(eng, name, timed)
     prompt = t.tokenizer("def fib(n):\n    if n < 2:\n        return n\n")["input_ids"]
     rows, plain_ms = [], None
@@ -133,10 +153,18 @@ def timing(target_path: str, modes: list[str], threads: int, new_tokens: int = 2
                 best = (per, {k: 1e3 * v / r.rounds for k, v in spent.items()})
         per, parts = best
         plain_ms = per if mode.kind == "plain" else plain_ms
-        rows.append({"threads": threads, "mode": m, "round_ms": per, "plain_steps": per / plain_ms if plain_ms else None,
-                     "target_ms": parts.get("_target", 0.0), "drafter_forward_ms": parts.get("_draft_fwd", 0.0),
-                     "drafter_logits_ms": parts.get("_draft_logits", 0.0),
-                     "rest_ms": per - sum(parts.values())})
+        rows.append(
+            {
+                "threads": threads,
+                "mode": m,
+                "round_ms": per,
+                "plain_steps": per / plain_ms if plain_ms else None,
+                "target_ms": parts.get("_target", 0.0),
+                "drafter_forward_ms": parts.get("_draft_fwd", 0.0),
+                "drafter_logits_ms": parts.get("_draft_logits", 0.0),
+                "rest_ms": per - sum(parts.values()),
+            }
+        )
     return rows
 
 
@@ -144,19 +172,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="an HF Llama-family model directory (e.g. pycode-small)")
     ap.add_argument("--modes", default="plain,chain3,tree8/5/32")
-    ap.add_argument("--timing", default=None, metavar="THREADS",
-                    help="also time a round on the CPU by component, e.g. '1,2' threads (put plain first in --modes); "
-                         "appends the table to BENCHMARKS.md")
+    ap.add_argument(
+        "--timing",
+        default=None,
+        metavar="THREADS",
+        help="also time a round on the CPU by component, e.g. '1,2' threads (put plain first in --modes); "
+        "appends the table to BENCHMARKS.md",
+    )
     a = ap.parse_args()
     if a.timing:
         trows = [r for n in a.timing.split(",") for r in timing(a.target, a.modes.split(","), int(n))]
-        cols = ["threads", "mode", "round_ms", "plain_steps", "target_ms", "drafter_forward_ms", "drafter_logits_ms",
-                "rest_ms"]
-        body = ("Round wall time on the CPU by component (fp32, random drafter, 200 new tokens through `generate`, best "
-                "of 3). plain_steps = the break-even tau of the setting: speedup = tau / plain_steps.\n\n"
-                + common.markdown_table(trows, cols))
-        common.record("decode_ops_cpu", f"Decode on the CPU: where a round's time goes ({Path(a.target).name})", body,
-                      {"rows": trows}, "python bench/decode_ops.py " + " ".join(sys.argv[1:]))
+        cols = [
+            "threads",
+            "mode",
+            "round_ms",
+            "plain_steps",
+            "target_ms",
+            "drafter_forward_ms",
+            "drafter_logits_ms",
+            "rest_ms",
+        ]
+        body = (
+            "Round wall time on the CPU by component (fp32, random drafter, 200 new tokens through `generate`, best "
+            "of 3). plain_steps = the break-even tau of the setting: speedup = tau / plain_steps.\n\n"
+            + common.markdown_table(trows, cols)
+        )
+        common.record(
+            "decode_ops_cpu",
+            f"Decode on the CPU: where a round's time goes ({Path(a.target).name})",
+            body,
+            {"rows": trows},
+            "python bench/decode_ops.py " + " ".join(sys.argv[1:]),
+        )
     rows = census(a.target, a.modes.split(","))
     cols = ["mode", "total", "target", "drafter forward", "drafter logits", "bookkeeping"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

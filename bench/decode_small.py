@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import common  # noqa: E402
 import decode as DB  # noqa: E402  (timing and census helpers of bench/decode.py)
-
 import torch  # noqa: E402
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
@@ -80,16 +79,25 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
             t_plain = per
         K = m.max_accept
         floor_s = (target_bytes + K * drafter_bytes) / bw
-        row = {"config": config, "setting": key, "ms": per * 1e3, "plain_steps": per / t_plain,
-               "kernels": cen["kernels"], "by_kind": {k: v[0] for k, v in cen["by_kind"].items()},
-               "kernel_ms": cen["kernel_ms"], "floor_ms": floor_s * 1e3}
+        row = {
+            "config": config,
+            "setting": key,
+            "ms": per * 1e3,
+            "plain_steps": per / t_plain,
+            "kernels": cen["kernels"],
+            "by_kind": {k: v[0] for k, v in cen["by_kind"].items()},
+            "kernel_ms": cen["kernel_ms"],
+            "floor_ms": floor_s * 1e3,
+        }
         if key in taus:
             row["tau"] = taus[key]
             row["projected_speedup"] = taus[key] * t_plain / per
         rows.append(row)
-        log(f"{config} {key}: {per * 1e3:.3f} ms = {per / t_plain:.2f} plain steps, {cen['kernels']} kernels "
-            f"{row['by_kind']}" + (f", projected {row['projected_speedup']:.2f}x at tau {taus[key]}"
-                                   if key in taus else ""))
+        log(
+            f"{config} {key}: {per * 1e3:.3f} ms = {per / t_plain:.2f} plain steps, {cen['kernels']} kernels "
+            f"{row['by_kind']}"
+            + (f", projected {row['projected_speedup']:.2f}x at tau {taus[key]}" if key in taus else "")
+        )
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -97,6 +105,7 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
 
 def certificate(t, prompts, dev, new_tokens: int, rows: list) -> None:
     from decode_helpers import overfit_drafter_ttt
+
     from draftsmith.decode.evaluate import run_eval
     from draftsmith.drafter import Drafter
     from draftsmith.target_model import load_target
@@ -116,9 +125,17 @@ def certificate(t, prompts, dev, new_tokens: int, rows: list) -> None:
         for m in (DecodeMode("chain", draft_tokens=4), DecodeMode("tree", top_k=8, depth=6, tree_tokens=48)):
             e = run_eval(eng, prompts, m, [0.0], new_tokens)["temperatures"]["0"]
             gd = e["greedy_divergences"]
-            rows.append({"kernels": kernels, "setting": name(m), **gd,
-                         "max_real_gap": max((x["plain_gap"] or 0 for x in e["greedy_divergence_details"]
-                                              if x["kind"] == "real"), default=None)})
+            rows.append(
+                {
+                    "kernels": kernels,
+                    "setting": name(m),
+                    **gd,
+                    "max_real_gap": max(
+                        (x["plain_gap"] or 0 for x in e["greedy_divergence_details"] if x["kind"] == "real"),
+                        default=None,
+                    ),
+                }
+            )
             log(f"certificate {kernels} {name(m)}: {gd}")
         del eng
 
@@ -130,8 +147,11 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="humaneval.jsonl (EAGLE question format)")
     ap.add_argument("--settings", default="chain2,chain3,chain4,tree4/4/16,tree8/6/48")
     ap.add_argument("--configs", default="torch,triton+compile")
-    ap.add_argument("--tau", default="chain4=3.38,tree8/6/48=5.20",
-                    help="setting=tau for the projection (default: issue 16's measurement, trained drafter)")
+    ap.add_argument(
+        "--tau",
+        default="chain4=3.38,tree8/6/48=5.20",
+        help="setting=tau for the projection (default: issue 16's measurement, trained drafter)",
+    )
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--cert-prompts", type=int, default=16)
     ap.add_argument("--cert-tokens", type=int, default=96)
@@ -160,27 +180,39 @@ def main() -> None:
                 traceback.print_exc()
     if "certificate" in a.sections:
         try:
-            certificate(t, prompts[:a.cert_prompts], dev, a.cert_tokens, cert)
+            certificate(t, prompts[: a.cert_prompts], dev, a.cert_tokens, cert)
         except Exception as e:  # noqa: BLE001
             errors["certificate"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
-    body = [f"Round census, {a.target.name} (bf16, bs=1, CUDA graphs), random drafter (timings do not depend on its "
-            f"weights); prompt 0 of {a.prompts}; {a.replays} replays each. Projected = tau x t_plain / t_round with "
-            "tau from issue 16's measurement (a drafter trained for pycode-small; not re-measured here). floor = "
-            "(target weights + K x drafter weights) / copy bandwidth.", "",
-            common.markdown_table(rows, ["config", "setting", "ms", "plain_steps", "kernels", "by_kind", "floor_ms",
-                                         "tau", "projected_speedup"])]
+    body = [
+        f"Round census, {a.target.name} (bf16, bs=1, CUDA graphs), random drafter (timings do not depend on its "
+        f"weights); prompt 0 of {a.prompts}; {a.replays} replays each. Projected = tau x t_plain / t_round with "
+        "tau from issue 16's measurement (a drafter trained for pycode-small; not re-measured here). floor = "
+        "(target weights + K x drafter weights) / copy bandwidth.",
+        "",
+        common.markdown_table(
+            rows,
+            ["config", "setting", "ms", "plain_steps", "kernels", "by_kind", "floor_ms", "tau", "projected_speedup"],
+        ),
+    ]
     if cert:
-        body += ["", f"bf16 greedy certificate: {len(prompts[:a.cert_prompts])} HumanEval prompts x {a.cert_tokens} "
-                 "new tokens, T=0, a drafter overfit on these prompts' greedy outputs (tau inflated: not a result), "
-                 "default engine (CUDA graphs), kernels torch / triton (no compile):", "",
-                 common.markdown_table(cert, ["kernels", "setting", "equal", "near_tie", "real",
-                                              "epsilon", "max_real_gap"])]
+        body += [
+            "",
+            f"bf16 greedy certificate: {len(prompts[: a.cert_prompts])} HumanEval prompts x {a.cert_tokens} "
+            "new tokens, T=0, a drafter overfit on these prompts' greedy outputs (tau inflated: not a result), "
+            "default engine (CUDA graphs), kernels torch / triton (no compile):",
+            "",
+            common.markdown_table(cert, ["kernels", "setting", "equal", "near_tie", "real", "epsilon", "max_real_gap"]),
+        ]
     if errors:
         body += ["", "errors: " + json.dumps(errors)]
-    common.record("decode_small", "Decode: small-target round census and bf16 certificate (issue 16)",
-                  "\n".join(body), {"census": rows, "certificate": cert, "errors": errors},
-                  "python bench/decode_small.py " + " ".join(sys.argv[1:]))
+    common.record(
+        "decode_small",
+        "Decode: small-target round census and bf16 certificate (issue 16)",
+        "\n".join(body),
+        {"census": rows, "certificate": cert, "errors": errors},
+        "python bench/decode_small.py " + " ".join(sys.argv[1:]),
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,13 @@ def main() -> None:
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--context", type=int, default=64, help="committed tokens before the timed steps")
-    ap.add_argument("--max-len", type=int, default=160, help="the engine's cache capacity: the masks and attention "
-                    "span it (eval sizes it to the longest prompt + --max-new-tokens + a round)")
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=160,
+        help="the engine's cache capacity: the masks and attention "
+        "span it (eval sizes it to the longest prompt + --max-new-tokens + a round)",
+    )
     ap.add_argument("--draft-tokens", default="1,2,3,4,6")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--no-record", action="store_true")
@@ -109,15 +114,26 @@ def main() -> None:
 
                 t_ver, t_hand, t_round = _time(verify, args.reps), _time(handoff, args.reps), _time(round_, args.reps)
                 rows.append({"threads": threads, "what": f"chain K={K}: verify ({K + 1} tokens)", "ms": 1e3 * t_ver})
-                rows.append({"threads": threads, "what": f"chain K={K}: hand-off ({K + 1} tokens)",
-                             "ms": 1e3 * t_hand})
-                rows.append({"threads": threads, "what": f"chain K={K}: whole round", "ms": 1e3 * t_round,
-                             "break_even_tau": t_round / t_plain, "speedup_at_tau_3": 3 * t_plain / t_round})
+                rows.append({"threads": threads, "what": f"chain K={K}: hand-off ({K + 1} tokens)", "ms": 1e3 * t_hand})
+                rows.append(
+                    {
+                        "threads": threads,
+                        "what": f"chain K={K}: whole round",
+                        "ms": 1e3 * t_round,
+                        "break_even_tau": t_round / t_plain,
+                        "speedup_at_tau_3": 3 * t_plain / t_round,
+                    }
+                )
     body = markdown_table(rows, ["threads", "what", "ms", "break_even_tau", "speedup_at_tau_3"])
     print(body)
     if not args.no_record:
-        record("demo_cpu", "Demo target on CPU: speculative round cost vs plain step (pycode-tiny, fp32)", body,
-               {"rows": rows}, "python bench/demo_cpu.py " + " ".join(sys.argv[1:]))
+        record(
+            "demo_cpu",
+            "Demo target on CPU: speculative round cost vs plain step (pycode-tiny, fp32)",
+            body,
+            {"rows": rows},
+            "python bench/demo_cpu.py " + " ".join(sys.argv[1:]),
+        )
 
 
 if __name__ == "__main__":

@@ -57,11 +57,15 @@ def _resources(compiled) -> dict:
         os.unlink(f.name)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}:(\d+)", out)) else None  # noqa: E731
     ptx = compiled.asm["ptx"]
-    return {"regs": get("REG"), "local B": get("LOCAL"), "shared B": get("SHARED"),
-            "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
-            "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx)),
-            "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx)),
-            "cp.async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx))}  # tl.dot operands pipelined via smem
+    return {
+        "regs": get("REG"),
+        "local B": get("LOCAL"),
+        "shared B": get("SHARED"),
+        "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
+        "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx)),
+        "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx)),
+        "cp.async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
+    }  # tl.dot operands pipelined via smem
 
 
 def variants(shape: str, dtype: str = "bf16"):
@@ -70,86 +74,293 @@ def variants(shape: str, dtype: str = "bf16"):
 
     H, inter, nh, nkv, d, V = SHAPES[shape]
     p = f"*{dtype}"
-    gemv_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "N": "i32", "K": "i32",
-                "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr", "HAS_BIAS": "constexpr",
-                "HAS_RES": "constexpr", "ACT_MUL": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                "NORM_BLOCK": "constexpr", "PREFETCH": "constexpr", "USE_PDL": "constexpr", "GLU": "constexpr"}
+    gemv_sig = {
+        "x_ptr": p,
+        "w_ptr": p,
+        "y_ptr": p,
+        "nw_ptr": p,
+        "b_ptr": p,
+        "r_ptr": p,
+        "N": "i32",
+        "K": "i32",
+        "stride_w": "i32",
+        "eps": "fp32",
+        "HAS_NORM": "constexpr",
+        "HAS_BIAS": "constexpr",
+        "HAS_RES": "constexpr",
+        "ACT_MUL": "constexpr",
+        "BLOCK_N": "constexpr",
+        "BLOCK_K": "constexpr",
+        "NORM_BLOCK": "constexpr",
+        "PREFETCH": "constexpr",
+        "USE_PDL": "constexpr",
+        "GLU": "constexpr",
+    }
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
-    kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
-             "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
-             "gate_up": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
-             "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=True),
-             "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
-             "down act_mul": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True, GLU=False),
-             "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False)}
+    kinds = {
+        "qkv": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+        "o": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
+        "gate_up": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+        "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=True),
+        "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
+        "down act_mul": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True, GLU=False),
+        "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+    }
     for kind, flags in kinds.items():
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
             for pdl in (False, True):  # programmatic dependent launch loads the first block before its wait
-                yield (f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}", K._gemv_kernel, gemv_sig,
-                       dict(flags, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
-                            NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX), PREFETCH=bool(pf),
-                            USE_PDL=pdl), nw, aligned)
-    rows_sig = {"x_ptr": p, "w_ptr": p, "y_ptr": p, "nw_ptr": p, "b_ptr": p, "r_ptr": p, "T": "i32", "N": "i32",
-                "K": "i32", "stride_x": "i32", "stride_w": "i32", "eps": "fp32", "HAS_NORM": "constexpr",
-                "HAS_BIAS": "constexpr", "HAS_RES": "constexpr", "GLU": "constexpr", "BLOCK_M": "constexpr",
-                "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
-    rows_kinds = {"qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False), "o": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
-                  "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, GLU=True),
-                  "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False)}
+                yield (
+                    f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}",
+                    K._gemv_kernel,
+                    gemv_sig,
+                    dict(
+                        flags,
+                        HAS_BIAS=False,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX),
+                        PREFETCH=bool(pf),
+                        USE_PDL=pdl,
+                    ),
+                    nw,
+                    aligned,
+                )
+    rows_sig = {
+        "x_ptr": p,
+        "w_ptr": p,
+        "y_ptr": p,
+        "nw_ptr": p,
+        "b_ptr": p,
+        "r_ptr": p,
+        "T": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_x": "i32",
+        "stride_w": "i32",
+        "eps": "fp32",
+        "HAS_NORM": "constexpr",
+        "HAS_BIAS": "constexpr",
+        "HAS_RES": "constexpr",
+        "GLU": "constexpr",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+        "BLOCK_K": "constexpr",
+        "IEEE": "constexpr",
+        "USE_PDL": "constexpr",
+    }
+    rows_kinds = {
+        "qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False),
+        "o": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
+        "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, GLU=True),
+        "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
+    }
     for kind, flags in rows_kinds.items():
         for bm, pdl in ((16, False), (64, False), (64, True)):
-            yield (f"gemm_rows {kind} M={bm} {K.ROWS_BLOCK_N}/{K.ROWS_BLOCK_K}/{K.ROWS_NUM_WARPS}"
-                   f"{' pdl' if pdl else ''}", K._rows_kernel, rows_sig,
-                   dict(flags, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=K.ROWS_BLOCK_N, BLOCK_K=K.ROWS_BLOCK_K,
-                        IEEE=dtype == "fp32", USE_PDL=pdl), K.ROWS_NUM_WARPS,
-                   ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"])
-    rope_sig = {"qkv_ptr": p, "q_ptr": p, "kc_ptr": p, "vc_ptr": p, "cos_ptr": p, "sin_ptr": p, "pos_ptr": "*i64",
-                "slot_ptr": "*i64", "qkn_ptr": p, "stride_t": "i32", "stride_cache_h": "i32", "eps": "fp32",
-                "NH": "constexpr", "NKV": "constexpr", "D": "constexpr", "HAS_QKN": "constexpr", "USE_PDL": "constexpr"}
+            yield (
+                f"gemm_rows {kind} M={bm} {K.ROWS_BLOCK_N}/{K.ROWS_BLOCK_K}/{K.ROWS_NUM_WARPS}{' pdl' if pdl else ''}",
+                K._rows_kernel,
+                rows_sig,
+                dict(
+                    flags,
+                    HAS_BIAS=False,
+                    BLOCK_M=bm,
+                    BLOCK_N=K.ROWS_BLOCK_N,
+                    BLOCK_K=K.ROWS_BLOCK_K,
+                    IEEE=dtype == "fp32",
+                    USE_PDL=pdl,
+                ),
+                K.ROWS_NUM_WARPS,
+                ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],
+            )
+    rope_sig = {
+        "qkv_ptr": p,
+        "q_ptr": p,
+        "kc_ptr": p,
+        "vc_ptr": p,
+        "cos_ptr": p,
+        "sin_ptr": p,
+        "pos_ptr": "*i64",
+        "slot_ptr": "*i64",
+        "qkn_ptr": p,
+        "stride_t": "i32",
+        "stride_cache_h": "i32",
+        "eps": "fp32",
+        "NH": "constexpr",
+        "NKV": "constexpr",
+        "D": "constexpr",
+        "HAS_QKN": "constexpr",
+        "USE_PDL": "constexpr",
+    }
     for qkn in (False, True):
         for pdl in (False, True):
-            yield (f"rope_and_cache qk_norm={qkn}{' pdl' if pdl else ''}", K._rope_cache_kernel, rope_sig,
-                   dict(NH=nh, NKV=nkv, D=d, HAS_QKN=qkn, USE_PDL=pdl), 1, [n for n in rope_sig if n.endswith("_ptr")])
-    attn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "o_ptr": p, "pm_ptr": "*fp32",
-                "pl_ptr": "*fp32", "po_ptr": "*fp32", "S": "i32", "split_len": "i32", "n_split": "i32",
-                "stride_cache_h": "i32", "scale": "fp32", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr",
-                "BLOCK_S": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
+            yield (
+                f"rope_and_cache qk_norm={qkn}{' pdl' if pdl else ''}",
+                K._rope_cache_kernel,
+                rope_sig,
+                dict(NH=nh, NKV=nkv, D=d, HAS_QKN=qkn, USE_PDL=pdl),
+                1,
+                [n for n in rope_sig if n.endswith("_ptr")],
+            )
+    attn_sig = {
+        "q_ptr": p,
+        "kc_ptr": p,
+        "vc_ptr": p,
+        "mask_ptr": "*i1",
+        "o_ptr": p,
+        "pm_ptr": "*fp32",
+        "pl_ptr": "*fp32",
+        "po_ptr": "*fp32",
+        "S": "i32",
+        "split_len": "i32",
+        "n_split": "i32",
+        "stride_cache_h": "i32",
+        "scale": "fp32",
+        "G": "constexpr",
+        "BLOCK_R": "constexpr",
+        "D": "constexpr",
+        "BLOCK_S": "constexpr",
+        "SINGLE": "constexpr",
+        "IEEE": "constexpr",
+        "USE_PDL": "constexpr",
+    }
     g = nh // nkv
     for bs, nw in sorted({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS}):
         for single, pdl in ((True, False), (False, False), (False, True)):
-            yield (f"decode_attention split {bs}/{nw} single={single}{' pdl' if pdl else ''}", K._attn_split_kernel,
-                   attn_sig, dict(G=g, BLOCK_R=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_S=bs, SINGLE=single,
-                                  IEEE=dtype == "fp32", USE_PDL=pdl), nw,
-                   [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
-    rattn_sig = {"q_ptr": p, "kc_ptr": p, "vc_ptr": p, "mask_ptr": "*i1", "slot_ptr": "*i64", "o_ptr": p, "pm_ptr": "*fp32",
-                 "pl_ptr": "*fp32", "po_ptr": "*fp32", "T": "i32", "S": "i32", "split_len": "i32", "n_split": "i32",
-                 "stride_qt": "i32", "stride_qh": "i32", "stride_mt": "i32", "stride_cache_h": "i32", "scale": "fp32",
-                 "NH": "constexpr", "G": "constexpr", "BLOCK_R": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
-                 "BLOCK_T": "constexpr", "HAS_SLOTS": "constexpr", "SINGLE": "constexpr", "IEEE": "constexpr", "USE_PDL": "constexpr"}
-    for br, single, pdl in ((K.ROWS_ATTN_BLOCK_R, False, False), (K.ROWS_ATTN_BLOCK_R, False, True),
-                            (K.ROWS_ATTN_BLOCK_R, True, True), (16, False, True)):
-        yield (f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}{' pdl' if pdl else ''}",
-               K._rows_attn_kernel, rattn_sig, dict(NH=nh, G=g, BLOCK_R=br, D=d, BLOCK_S=K.ROWS_ATTN_BLOCK_S,
-                                                    BLOCK_T=64, HAS_SLOTS=True, SINGLE=single, IEEE=dtype == "fp32", USE_PDL=pdl),
-               K.ROWS_ATTN_WARPS, [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"])
-    topk_sig = {"x_ptr": p, "cv_ptr": "*fp32", "ci_ptr": "*i32", "bm_ptr": "*fp32", "bs_ptr": "*fp32", "V": "i32",
-                "stride_x": "i32", "NB": "i32", "K": "constexpr", "BLOCK": "constexpr", "USE_PDL": "constexpr"}
-    merge_sig = {"cv_ptr": "*fp32", "ci_ptr": "*i32", "bm_ptr": "*fp32", "bs_ptr": "*fp32", "ov_ptr": "*fp32",
-                 "oi_ptr": "*i64", "NB": "i32", "V": "i32", "K": "constexpr", "BLOCK_C": "constexpr",
-                 "BLOCK_B": "constexpr", "USE_PDL": "constexpr"}
+            yield (
+                f"decode_attention split {bs}/{nw} single={single}{' pdl' if pdl else ''}",
+                K._attn_split_kernel,
+                attn_sig,
+                dict(
+                    G=g,
+                    BLOCK_R=max(16, 1 << (g - 1).bit_length()),
+                    D=d,
+                    BLOCK_S=bs,
+                    SINGLE=single,
+                    IEEE=dtype == "fp32",
+                    USE_PDL=pdl,
+                ),
+                nw,
+                [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
+            )
+    rattn_sig = {
+        "q_ptr": p,
+        "kc_ptr": p,
+        "vc_ptr": p,
+        "mask_ptr": "*i1",
+        "slot_ptr": "*i64",
+        "o_ptr": p,
+        "pm_ptr": "*fp32",
+        "pl_ptr": "*fp32",
+        "po_ptr": "*fp32",
+        "T": "i32",
+        "S": "i32",
+        "split_len": "i32",
+        "n_split": "i32",
+        "stride_qt": "i32",
+        "stride_qh": "i32",
+        "stride_mt": "i32",
+        "stride_cache_h": "i32",
+        "scale": "fp32",
+        "NH": "constexpr",
+        "G": "constexpr",
+        "BLOCK_R": "constexpr",
+        "D": "constexpr",
+        "BLOCK_S": "constexpr",
+        "BLOCK_T": "constexpr",
+        "HAS_SLOTS": "constexpr",
+        "SINGLE": "constexpr",
+        "IEEE": "constexpr",
+        "USE_PDL": "constexpr",
+    }
+    for br, single, pdl in (
+        (K.ROWS_ATTN_BLOCK_R, False, False),
+        (K.ROWS_ATTN_BLOCK_R, False, True),
+        (K.ROWS_ATTN_BLOCK_R, True, True),
+        (16, False, True),
+    ):
+        yield (
+            f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}{' pdl' if pdl else ''}",
+            K._rows_attn_kernel,
+            rattn_sig,
+            dict(
+                NH=nh,
+                G=g,
+                BLOCK_R=br,
+                D=d,
+                BLOCK_S=K.ROWS_ATTN_BLOCK_S,
+                BLOCK_T=64,
+                HAS_SLOTS=True,
+                SINGLE=single,
+                IEEE=dtype == "fp32",
+                USE_PDL=pdl,
+            ),
+            K.ROWS_ATTN_WARPS,
+            [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
+        )
+    topk_sig = {
+        "x_ptr": p,
+        "cv_ptr": "*fp32",
+        "ci_ptr": "*i32",
+        "bm_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+        "V": "i32",
+        "stride_x": "i32",
+        "NB": "i32",
+        "K": "constexpr",
+        "BLOCK": "constexpr",
+        "USE_PDL": "constexpr",
+    }
+    merge_sig = {
+        "cv_ptr": "*fp32",
+        "ci_ptr": "*i32",
+        "bm_ptr": "*fp32",
+        "bs_ptr": "*fp32",
+        "ov_ptr": "*fp32",
+        "oi_ptr": "*i64",
+        "NB": "i32",
+        "V": "i32",
+        "K": "constexpr",
+        "BLOCK_C": "constexpr",
+        "BLOCK_B": "constexpr",
+        "USE_PDL": "constexpr",
+    }
     for k in (8, K.TOPK_MAX):  # a draft level's top-k over the 32k draft vocabulary
-        yield (f"topk_logprobs block k={k} pdl", K._topk_block_kernel, topk_sig,
-               dict(K=k, BLOCK=K.TOPK_BLOCK, USE_PDL=True), 8, ["x_ptr", "stride_x"])
+        yield (
+            f"topk_logprobs block k={k} pdl",
+            K._topk_block_kernel,
+            topk_sig,
+            dict(K=k, BLOCK=K.TOPK_BLOCK, USE_PDL=True),
+            8,
+            ["x_ptr", "stride_x"],
+        )
         nb = -(-32000 // K.TOPK_BLOCK)
-        yield (f"topk_logprobs merge k={k} pdl", K._topk_merge_kernel, merge_sig,
-               dict(K=k, BLOCK_C=1 << (nb * k - 1).bit_length(), BLOCK_B=1 << (nb - 1).bit_length(), USE_PDL=True),
-               1, [])
-    comb_sig = {"o_ptr": p, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "po_ptr": "*fp32", "n_split": "i32",
-                "D": "constexpr", "BLOCK_SP": "constexpr", "USE_PDL": "constexpr"}
+        yield (
+            f"topk_logprobs merge k={k} pdl",
+            K._topk_merge_kernel,
+            merge_sig,
+            dict(K=k, BLOCK_C=1 << (nb * k - 1).bit_length(), BLOCK_B=1 << (nb - 1).bit_length(), USE_PDL=True),
+            1,
+            [],
+        )
+    comb_sig = {
+        "o_ptr": p,
+        "pm_ptr": "*fp32",
+        "pl_ptr": "*fp32",
+        "po_ptr": "*fp32",
+        "n_split": "i32",
+        "D": "constexpr",
+        "BLOCK_SP": "constexpr",
+        "USE_PDL": "constexpr",
+    }
     for bsp, pdl in ((16, False), (K.ATTN_MAX_SPLIT, False), (K.ATTN_MAX_SPLIT, True)):
-        yield (f"decode_attention combine {bsp}{' pdl' if pdl else ''}", K._attn_combine_kernel, comb_sig,
-               dict(D=d, BLOCK_SP=bsp, USE_PDL=pdl), K._combine_warps(bsp, d),
-               [n for n in comb_sig if n.endswith("_ptr")])
+        yield (
+            f"decode_attention combine {bsp}{' pdl' if pdl else ''}",
+            K._attn_combine_kernel,
+            comb_sig,
+            dict(D=d, BLOCK_SP=bsp, USE_PDL=pdl),
+            K._combine_warps(bsp, d),
+            [n for n in comb_sig if n.endswith("_ptr")],
+        )
 
 
 def report(shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None) -> list[dict]:

@@ -62,8 +62,16 @@ def _launch(argv: list[str], procs: int, gpus: int, device: str, log: Path) -> t
     """Run `python ARGV...` as one process, or under torchrun with `procs` processes; returns (rc, wall)."""
     if procs > 1:
         _PORT[0] += 1
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-               "--master-port", str(_PORT[0]), *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(procs),
+            "--master-port",
+            str(_PORT[0]),
+            *argv,
+        ]
     else:
         cmd = [sys.executable, *argv]
     t = time.time()
@@ -80,12 +88,12 @@ def _worker_capture(a) -> None:
     """One rank of a capture (run by torchrun or alone): run_capture with stats, one JSON per rank."""
     import numpy as np
 
-    from draftsmith.data.loader import Sample
     from draftsmith.capture.job import CaptureConfig, run_capture
+    from draftsmith.data.loader import Sample
 
     z = np.load(a.samples, allow_pickle=False)
     ids, mask, off = z["ids"], z["mask"], z["offsets"]
-    samples = [Sample(ids[off[i]:off[i + 1]], mask[off[i]:off[i + 1]], f"sample{i}") for i in range(len(off) - 1)]
+    samples = [Sample(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], f"sample{i}") for i in range(len(off) - 1)]
     import torch
 
     from draftsmith.common.dist import dist_info, init_dist, resolve_device
@@ -96,19 +104,31 @@ def _worker_capture(a) -> None:
     if world > 1:
         init_dist(world, "nccl" if device.type == "cuda" else "gloo")
     t = time.time()
-    target = load_target(a.target, dtype="bf16" if a.device == "cuda" else "fp32", device=device,
-                         tp_plan="auto" if a.tp else None)
+    target = load_target(
+        a.target, dtype="bf16" if a.device == "cuda" else "fp32", device=device, tp_plan="auto" if a.tp else None
+    )
     load_s = time.time() - t
     with torch.no_grad():  # warm-up (cuBLAS/attention kernels), so short captures time the steady state
         n = min(len(samples[0]), 512)
-        target.decoder(input_ids=torch.from_numpy(samples[0].input_ids[:n].astype("int64"))[None].to(target.device),
-                       use_cache=False)
+        target.decoder(
+            input_ids=torch.from_numpy(samples[0].input_ids[:n].astype("int64"))[None].to(target.device),
+            use_cache=False,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize()
     stats: dict = {"load_s": load_s}
-    cfg = CaptureConfig(target=a.target, data=a.samples, out=a.out, dtype=a.store_dtype, batch_tokens=a.batch_tokens,
-                        device="auto" if a.device == "cuda" else "cpu", model_dtype="bf16" if a.device == "cuda"
-                        else "fp32", max_length=2048, tp=a.tp, progress=False)
+    cfg = CaptureConfig(
+        target=a.target,
+        data=a.samples,
+        out=a.out,
+        dtype=a.store_dtype,
+        batch_tokens=a.batch_tokens,
+        device="auto" if a.device == "cuda" else "cpu",
+        model_dtype="bf16" if a.device == "cuda" else "fp32",
+        max_length=2048,
+        tp=a.tp,
+        progress=False,
+    )
     run_capture(cfg, log=lambda *x, **k: None, samples=samples, stats=stats, target=target)
     rank = int(os.environ.get("RANK", 0))
     Path(a.stats_dir).mkdir(parents=True, exist_ok=True)
@@ -118,14 +138,22 @@ def _worker_capture(a) -> None:
 def _worker_make_big(a) -> None:
     """Save a random-weight model of the Llama-3.1-8B shape (or a tiny one for the smoke test) as an HF dir."""
     import torch
-    from transformers import AutoTokenizer
-
     from models import llama31_8b_config, random_model
+    from transformers import AutoTokenizer
 
     cfg = llama31_8b_config()
     if a.big_config == "tiny":
-        cfg.update(dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32))
+        cfg.update(
+            dict(
+                vocab_size=1024,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+            )
+        )
     torch.manual_seed(0)
     dev = "cuda" if a.device == "cuda" else "cpu"
     model = random_model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
@@ -146,9 +174,14 @@ def _capture_rate(stats_dir: Path, tp: bool) -> dict:
     # shrink with more GPUs: on a short bench corpus they cap the measured efficiency. 'steady' leaves them out.
     fixed = max(r.get("alloc_s", 0.0) + r.get("drain_s", 0.0) for r in ranks)
     steady = max(r["capture_s"] - r.get("alloc_s", 0.0) - r.get("drain_s", 0.0) for r in ranks)
-    return {"tokens": tokens, "tok/s": tokens / t, "capture s": t, "fixed s": fixed,
-            "steady tok/s": tokens / steady if steady > 0 else None,
-            "load s": max(r.get("load_s", 0.0) for r in ranks)}
+    return {
+        "tokens": tokens,
+        "tok/s": tokens / t,
+        "capture s": t,
+        "fixed s": fixed,
+        "steady tok/s": tokens / steady if steady > 0 else None,
+        "load s": max(r.get("load_s", 0.0) for r in ranks),
+    }
 
 
 def _shard_digests(store: Path) -> list:
@@ -177,8 +210,13 @@ def _train_rate(run: Path, skip: int) -> dict:
     if not steady:
         steady = [r["tokens_per_s"] for r in recs]
     last = recs[-1]
-    return {"tok/s": statistics.median(steady), "steps": last["step"], "tokens/step": last["tokens"],
-            "final loss": last["loss"], "tau_sim": last["tau_sim"]}
+    return {
+        "tok/s": statistics.median(steady),
+        "steps": last["step"],
+        "tokens/step": last["tokens"],
+        "final loss": last["loss"],
+        "tau_sim": last["tau_sim"],
+    }
 
 
 def disk_write_gbs(where: Path, gib: float = 4.0) -> float:
@@ -236,18 +274,25 @@ class Bench:
             return str(path)
         t = time.time()
         if target not in self._corpus:  # tokenized once per tokenizer
-            self._corpus[target] = load_samples(self.a.corpus, load_tokenizer(target), max_length=2048,
-                                                on_bad="skip")[0]
+            self._corpus[target] = load_samples(self.a.corpus, load_tokenizer(target), max_length=2048, on_bad="skip")[
+                0
+            ]
         from capture import take_tokens  # bench/capture.py
 
         out = take_tokens(self._corpus[target], n_tokens)
         total = sum(len(s) for s in out)
         off = np.zeros(len(out) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in out], out=off[1:])
-        np.savez(path, ids=np.concatenate([s.input_ids for s in out]).astype(np.int32),
-                 mask=np.concatenate([s.loss_mask for s in out]), offsets=off)
-        print(f"[multigpu] {name}: {len(out)} samples, {total} tokens of {self.a.corpus} ({time.time() - t:.0f}s)",
-              flush=True)
+        np.savez(
+            path,
+            ids=np.concatenate([s.input_ids for s in out]).astype(np.int32),
+            mask=np.concatenate([s.loss_mask for s in out]),
+            offsets=off,
+        )
+        print(
+            f"[multigpu] {name}: {len(out)} samples, {total} tokens of {self.a.corpus} ({time.time() - t:.0f}s)",
+            flush=True,
+        )
         return str(path)
 
     def capture(self, what: str, target: str, samples: str, modes: list[tuple[str, int, bool]]) -> Path | None:
@@ -261,11 +306,31 @@ class Bench:
             out, sd = self.work / _slug("store", what, label), self.work / _slug("stats", what, label)
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(sd, ignore_errors=True)
-            argv = [self.here, "_capture", "--target", target, "--samples", samples, "--out", str(out),
-                    "--stats-dir", str(sd), "--device", a.device, "--batch-tokens", str(a.batch_tokens),
-                    "--store-dtype", a.store_dtype]
-            rc, wall = _launch(argv + (["--tp"] if tp else []), procs, procs, a.device,
-                               self.logs / f"{_slug('capture', what, label)}.log")
+            argv = [
+                self.here,
+                "_capture",
+                "--target",
+                target,
+                "--samples",
+                samples,
+                "--out",
+                str(out),
+                "--stats-dir",
+                str(sd),
+                "--device",
+                a.device,
+                "--batch-tokens",
+                str(a.batch_tokens),
+                "--store-dtype",
+                a.store_dtype,
+            ]
+            rc, wall = _launch(
+                argv + (["--tp"] if tp else []),
+                procs,
+                procs,
+                a.device,
+                self.logs / f"{_slug('capture', what, label)}.log",
+            )
             row = self._base(what, label, procs)
             if rc != 0:
                 self.add({**row, "error": f"rc {rc}"})
@@ -286,8 +351,11 @@ class Bench:
                 if tp:
                     row["check"] = f"max rel err vs 1 GPU {_max_rel_err(ref, out):.2e}"
                 else:
-                    row["check"] = "store identical to 1 GPU" if _shard_digests(out) == _shard_digests(ref) \
+                    row["check"] = (
+                        "store identical to 1 GPU"
+                        if _shard_digests(out) == _shard_digests(ref)
                         else "store DIFFERS from 1 GPU"
+                    )
                 shutil.rmtree(out, ignore_errors=True)
             self.add(row)
         return ref
@@ -301,11 +369,40 @@ class Bench:
                 continue
             run = self.work / _slug("run", what, label)
             shutil.rmtree(run, ignore_errors=True)
-            argv = ["-m", "draftsmith", "train", "--target", target, "--store", str(store), "--out", str(run),
-                    "--steps", str(steps), "--ttt-steps", "7", "--compile", "off", "--attn-backend",
-                    "flex" if a.device == "cuda" else "chunked", "--log-every", "1",
-                    "--eval-fraction", "0.02", "--eval-every", str(10 * steps), "--save-every", "0",
-                    "--warmup", "0.1", "--device", "auto" if a.device == "cuda" else "cpu", "-q", *extra, *flags]
+            argv = [
+                "-m",
+                "draftsmith",
+                "train",
+                "--target",
+                target,
+                "--store",
+                str(store),
+                "--out",
+                str(run),
+                "--steps",
+                str(steps),
+                "--ttt-steps",
+                "7",
+                "--compile",
+                "off",
+                "--attn-backend",
+                "flex" if a.device == "cuda" else "chunked",
+                "--log-every",
+                "1",
+                "--eval-fraction",
+                "0.02",
+                "--eval-every",
+                str(10 * steps),
+                "--save-every",
+                "0",
+                "--warmup",
+                "0.1",
+                "--device",
+                "auto" if a.device == "cuda" else "cpu",
+                "-q",
+                *extra,
+                *flags,
+            ]
             rc, wall = _launch(argv, procs, procs, a.device, self.logs / f"{_slug('train', what, label)}.log")
             row = self._base(what, label, procs)
             if rc != 0:
@@ -329,23 +426,46 @@ class Bench:
         n = a.gpus
         if any(x.startswith("capture") for x in secs):
             self.disk_gbs = disk_write_gbs(self.work, a.disk_probe_gib)
-            print(f"[multigpu] disk write ({a.disk_probe_gib:g} GiB, fsync) {self.disk_gbs:.2f} GB/s under {self.work}", flush=True)
+            print(
+                f"[multigpu] disk write ({a.disk_probe_gib:g} GiB, fsync) {self.disk_gbs:.2f} GB/s under {self.work}",
+                flush=True,
+            )
         small_store = None
         if "capture" in secs or "train" in secs:
             s = self.samples_file(a.small, a.tokens, "small")
             small_store = self.capture("pycode-small", a.small, s, [("1 GPU", 1, False), (f"DP x{n}", n, False)])
         if "train" in secs and small_store is not None:
-            self.train("pycode-small drafter", a.small, small_store,
-                       ["--batch-tokens", str(a.train_batch_tokens), "--draft-vocab-size", "8192"], a.train_steps)
+            self.train(
+                "pycode-small drafter",
+                a.small,
+                small_store,
+                ["--batch-tokens", str(a.train_batch_tokens), "--draft-vocab-size", "8192"],
+                a.train_steps,
+            )
         if small_store is not None:
             shutil.rmtree(small_store, ignore_errors=True)
         if ("capture-8b" in secs or "train-8b" in secs) and self.left() > a.min_section_s:
             big = self.work / "llama8b"
             if not (big / "config.json").is_file():
                 t = time.time()
-                rc, _ = _launch([self.here, "_make-big", "--out", str(big), "--tokenizer-from", a.small,
-                                 "--device", a.device, "--big-config", a.big_config], 1, 1, a.device,
-                                self.logs / "make-big.log")
+                rc, _ = _launch(
+                    [
+                        self.here,
+                        "_make-big",
+                        "--out",
+                        str(big),
+                        "--tokenizer-from",
+                        a.small,
+                        "--device",
+                        a.device,
+                        "--big-config",
+                        a.big_config,
+                    ],
+                    1,
+                    1,
+                    a.device,
+                    self.logs / "make-big.log",
+                )
                 if rc != 0:
                     return
                 print(f"[multigpu] wrote the random 8B-shaped model to {big} ({time.time() - t:.0f}s)", flush=True)
@@ -355,14 +475,38 @@ class Bench:
                 modes += [(f"DP x{n}", n, False), (f"TP x{n}", n, True)]
             big_store = self.capture("llama-3.1-8B shape", str(big), s, modes)
             if "train-8b" in secs and big_store is not None:
-                self.train("8B-sized drafter (H=4096)", str(big), big_store,
-                           ["--batch-tokens", str(a.train_batch_tokens_8b), "--draft-vocab-size", "8192"],
-                           a.train_steps_8b)
+                self.train(
+                    "8B-sized drafter (H=4096)",
+                    str(big),
+                    big_store,
+                    ["--batch-tokens", str(a.train_batch_tokens_8b), "--draft-vocab-size", "8192"],
+                    a.train_steps_8b,
+                )
 
     def report(self) -> None:
-        cols = ["what", "mode", "GPUs", "tokens", "tok/s", "speedup", "efficiency", "steady tok/s", "steady efficiency",
-                "store GB/s", "disk-bound tok/s", "capture s", "fixed s", "load s", "steps",
-                "tokens/step", "final loss", "tau_sim", "wall", "check", "error"]
+        cols = [
+            "what",
+            "mode",
+            "GPUs",
+            "tokens",
+            "tok/s",
+            "speedup",
+            "efficiency",
+            "steady tok/s",
+            "steady efficiency",
+            "store GB/s",
+            "disk-bound tok/s",
+            "capture s",
+            "fixed s",
+            "load s",
+            "steps",
+            "tokens/step",
+            "final loss",
+            "tau_sim",
+            "wall",
+            "check",
+            "error",
+        ]
         cols = [c for c in cols if any(c in r for r in self.rows)]
         a = self.a
         body = markdown_table(self.rows, cols) + (
@@ -375,8 +519,13 @@ class Bench:
             f"(--compile off), {a.train_batch_tokens} (small) / {a.train_batch_tokens_8b} (8B) tokens per row and "
             f"GPU, median per-step rate after the first steps, the global batch grows with the GPUs (weak scaling)."
         )
-        record("multigpu", f"Multi-GPU scaling (bench/multigpu.py, {a.gpus} GPUs)", body, {"rows": self.rows},
-               "python bench/multigpu.py " + " ".join(sys.argv[1:]))
+        record(
+            "multigpu",
+            f"Multi-GPU scaling (bench/multigpu.py, {a.gpus} GPUs)",
+            body,
+            {"rows": self.rows},
+            "python bench/multigpu.py " + " ".join(sys.argv[1:]),
+        )
 
 
 def main() -> None:
@@ -409,8 +558,12 @@ def main() -> None:
     ap.add_argument("--train-batch-tokens", type=int, default=8192)
     ap.add_argument("--train-batch-tokens-8b", type=int, default=4096)
     ap.add_argument("--big-config", choices=["8b", "tiny"], default="8b", help="tiny: smoke test")
-    ap.add_argument("--store-dtype", choices=["bf16", "fp8"], default="bf16",
-                    help="store dtype of every capture (fp8: half the bytes to write)")
+    ap.add_argument(
+        "--store-dtype",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="store dtype of every capture (fp8: half the bytes to write)",
+    )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo smoke test")
     ap.add_argument("--time-budget", type=float, default=540, help="seconds; later sections are skipped")
     ap.add_argument("--min-section-s", type=float, default=40, help="start a measurement only with this much left")

@@ -40,7 +40,7 @@ def stdlib_prompts(n: int) -> list[str]:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                sig = f"def {node.name}({ast.unparse(node.args)}):\n    \"\"\"{ast.get_docstring(node)[:200]}\"\"\"\n"
+                sig = f'def {node.name}({ast.unparse(node.args)}):\n    """{ast.get_docstring(node)[:200]}"""\n'
                 out.append(sig)
                 if len(out) >= n:
                     return out
@@ -73,15 +73,23 @@ def main() -> None:
     data = tmp / "chats.jsonl"
     with open(data, "w") as f:
         for t in texts:
-            f.write(json.dumps({"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "x"}]})
-                    + "\n")
+            f.write(
+                json.dumps({"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "x"}]}) + "\n"
+            )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(str(tgt), dtype="bf16" if dev == "cuda" else "fp32", device=dev)
     rows = []
 
     def measure(label, bs, cache, prompts):
-        cfg = RegenerateConfig(target=str(tgt), data=str(data), out=str(tmp / "x.jsonl"),
-                               max_new_tokens=args.max_new_tokens, batch_size=bs, cache=cache, device=dev)
+        cfg = RegenerateConfig(
+            target=str(tgt),
+            data=str(data),
+            out=str(tmp / "x.jsonl"),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=bs,
+            cache=cache,
+            device=dev,
+        )
         gen = _Generator(target, cfg)
         ids = [_prompt_ids(target.tokenizer, [{"role": "user", "content": t}], {}) for t in prompts]
         gen.generate(ids[:bs])  # warm-up (kernels, static cache allocation)
@@ -91,37 +99,69 @@ def main() -> None:
         toks = 0
         for i in range(0, len(ids), bs):
             # tokens kept in the output (stopped rows pad the rest of a batch: they are not counted)
-            toks += sum(len(t) for t, _ in gen.generate(ids[i:i + bs]))
+            toks += sum(len(t) for t, _ in gen.generate(ids[i : i + bs]))
         if dev == "cuda":
             torch.cuda.synchronize()
         s = time.perf_counter() - t0
-        rows.append({"what": label, "batch": bs, "cache": cache, "prompts": len(ids), "new_tokens": toks,
-                     "seconds": s, "tok_s": toks / s})
+        rows.append(
+            {
+                "what": label,
+                "batch": bs,
+                "cache": cache,
+                "prompts": len(ids),
+                "new_tokens": toks,
+                "seconds": s,
+                "tok_s": toks / s,
+            }
+        )
         print(rows[-1], flush=True)
 
-    measure("generate() batch 1", 1, "dynamic", texts[:args.batch1_prompts])
-    measure("generate() batch 1, static cache", 1, "static", texts[:args.batch1_prompts])
+    measure("generate() batch 1", 1, "dynamic", texts[: args.batch1_prompts])
+    measure("generate() batch 1, static cache", 1, "static", texts[: args.batch1_prompts])
     measure(f"generate() batch {args.batch_size}", args.batch_size, "dynamic", texts)
     measure(f"generate() batch {args.batch_size}, static cache", args.batch_size, "static", texts)
     t0 = time.perf_counter()
-    rep = run_regenerate(RegenerateConfig(target=str(tgt), data=str(data), out=str(tmp / "regen.jsonl"),
-                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          device=dev), log=lambda s: None, progress=False)
+    rep = run_regenerate(
+        RegenerateConfig(
+            target=str(tgt),
+            data=str(data),
+            out=str(tmp / "regen.jsonl"),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            device=dev,
+        ),
+        log=lambda s: None,
+        progress=False,
+    )
     s = time.perf_counter() - t0
-    rows.append({"what": f"draftsmith regenerate --batch-size {args.batch_size} (whole command, load included)",
-                 "batch": args.batch_size, "cache": "dynamic", "prompts": rep["records"],
-                 "new_tokens": rep["new_tokens"], "seconds": s, "tok_s": rep["new_tokens"] / s})
+    rows.append(
+        {
+            "what": f"draftsmith regenerate --batch-size {args.batch_size} (whole command, load included)",
+            "batch": args.batch_size,
+            "cache": "dynamic",
+            "prompts": rep["records"],
+            "new_tokens": rep["new_tokens"],
+            "seconds": s,
+            "tok_s": rep["new_tokens"] / s,
+        }
+    )
     base = rows[0]["tok_s"]
     for r in rows:
         r["vs_batch1"] = r["tok_s"] / base
-    body = (f"Target {args.target} (bf16 on GPU), {args.max_new_tokens} new tokens max per answer, stdlib-signature "
-            "prompts; tok/s counts the answer tokens kept (up to the end-of-turn token).\n\n"
-            + markdown_table(rows, ["what", "batch", "cache", "prompts", "new_tokens", "seconds", "tok_s",
-                                    "vs_batch1"]))
+    body = (
+        f"Target {args.target} (bf16 on GPU), {args.max_new_tokens} new tokens max per answer, stdlib-signature "
+        "prompts; tok/s counts the answer tokens kept (up to the end-of-turn token).\n\n"
+        + markdown_table(rows, ["what", "batch", "cache", "prompts", "new_tokens", "seconds", "tok_s", "vs_batch1"])
+    )
     print(body)
     if not args.no_record:
-        record("regenerate", "draftsmith regenerate: output tokens/s vs transformers generate() at batch 1", body,
-               {"rows": rows}, "python bench/regenerate.py " + " ".join(sys.argv[1:]))
+        record(
+            "regenerate",
+            "draftsmith regenerate: output tokens/s vs transformers generate() at batch 1",
+            body,
+            {"rows": rows},
+            "python bench/regenerate.py " + " ".join(sys.argv[1:]),
+        )
 
 
 if __name__ == "__main__":

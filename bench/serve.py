@@ -88,15 +88,30 @@ class Served:
         import httpx
 
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "draftsmith", "serve", "--target", target, "--port", str(self.port), "--device",
-               args.device, "--max-model-len", str(max_model_len), "--log-level", "info"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "draftsmith",
+            "serve",
+            "--target",
+            target,
+            "--port",
+            str(self.port),
+            "--device",
+            args.device,
+            "--max-model-len",
+            str(max_model_len),
+            "--log-level",
+            "info",
+        ]
         if drafter:
             cmd += ["--drafter", drafter, "--draft-tokens", str(args.draft_tokens)]
         if capture_to:
             cmd += ["--capture-to", str(capture_to)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO), env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         self.base = f"http://127.0.0.1:{self.port}/v1"
         self.client = httpx.Client(timeout=600)
         self.new_tokens = args.new_tokens
@@ -118,8 +133,7 @@ class Served:
     def request(self, prompt: str, new_tokens: int | None = None) -> dict:
         from draftsmith.serve.bench_endpoint import one_request
 
-        r = one_request(self.client, self.base, None, {"prompt": prompt}, new_tokens or self.new_tokens, 0.0, False,
-                        {})
+        r = one_request(self.client, self.base, None, {"prompt": prompt}, new_tokens or self.new_tokens, 0.0, False, {})
         if not r["ok"]:
             raise RuntimeError(f"request failed: {r['error']}")
         return r
@@ -176,8 +190,12 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="A trained drafter; 'random' = untrained (τ ~ 1).")
     ap.add_argument("--train-drafter-s", type=float, default=0, help="Train a drafter online for this long first.")
     ap.add_argument("--train-data", default=None, help="Directory of .py files for --train-drafter-s.")
-    ap.add_argument("--train-steps", type=int, default=600, help="The LR schedule's length for --train-drafter-s "
-                    "(training stops at --train-drafter-s either way).")
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=600,
+        help="The LR schedule's length for --train-drafter-s (training stops at --train-drafter-s either way).",
+    )
     ap.add_argument("--prompts", default=None, help="HumanEval (EAGLE question JSONL) or JSONL with text/prompt.")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -203,9 +221,27 @@ def main() -> None:
             ap.error("--train-drafter-s needs --train-data")
         run = work / "run"
         t0 = time.time()
-        cmd = [sys.executable, "-m", "draftsmith", "train", "--target", args.target, "--online", "--data",
-               args.train_data, "--out", str(run), "--steps", str(args.train_steps), "--lr", "3e-4", "--max-time",
-               str(args.train_drafter_s), "--compile", "off"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "draftsmith",
+            "train",
+            "--target",
+            args.target,
+            "--online",
+            "--data",
+            args.train_data,
+            "--out",
+            str(run),
+            "--steps",
+            str(args.train_steps),
+            "--lr",
+            "3e-4",
+            "--max-time",
+            str(args.train_drafter_s),
+            "--compile",
+            "off",
+        ]
         try:  # bounded: loading and the last checkpoint come on top of --max-time
             done = subprocess.run(cmd, cwd=str(REPO), timeout=args.train_drafter_s + 150)
         except subprocess.TimeoutExpired:
@@ -241,31 +277,58 @@ def main() -> None:
         # EOS, all prefill, weigh as much as a full response)
         eng_mean = sum(len(ids) for (ids, _, _), _ in pairs) / sum(sec for (_, sec, _), _ in pairs)
         http_mean = sum(r["tokens"] for _, r in pairs) / sum(r["elapsed"] for _, r in pairs)
-        row = {"setting": name, "engine_tok_s": eng_mean, "http_tok_s": http_mean, "ratio": http_mean / eng_mean,
-               "b2b_tok_s": b2b[0], "http_ttft_ms": 1e3 * _mean([r["ttft"] for _, r in pairs if r["ttft"] is not None]),
-               "http_extra_ms_per_req": 1e3 * sum(r["elapsed"] - sec for (_, sec, _), r in pairs) / len(pairs),
-               "tau": sum(e[2] for e, _ in pairs) / len(pairs),
-               "same_len": f"{sum(len(e[0]) == r['tokens'] for e, r in pairs)}/{len(pairs)}"}
+        row = {
+            "setting": name,
+            "engine_tok_s": eng_mean,
+            "http_tok_s": http_mean,
+            "ratio": http_mean / eng_mean,
+            "b2b_tok_s": b2b[0],
+            "http_ttft_ms": 1e3 * _mean([r["ttft"] for _, r in pairs if r["ttft"] is not None]),
+            "http_extra_ms_per_req": 1e3 * sum(r["elapsed"] - sec for (_, sec, _), r in pairs) / len(pairs),
+            "tau": sum(e[2] for e, _ in pairs) / len(pairs),
+            "same_len": f"{sum(len(e[0]) == r['tokens'] for e, r in pairs)}/{len(pairs)}",
+        }
         if cap is not None:
             capture_s = None
             for ln in logs[1].splitlines():
                 if "states forward" in ln:
                     capture_s = float(ln.split("states forward")[1].split()[0])
-            row.update({"b2b_capture_tok_s": b2b[1], "capture_vs_no_capture": b2b[1] / b2b[0],
-                        "capture_forward_s": capture_s})
+            row.update(
+                {"b2b_capture_tok_s": b2b[1], "capture_vs_no_capture": b2b[1] / b2b[0], "capture_forward_s": capture_s}
+            )
         rows.append(row)
         data["settings"].append(row)
         print(json.dumps(row), flush=True)
-    cols = ["setting", "engine_tok_s", "http_tok_s", "ratio", "http_ttft_ms", "http_extra_ms_per_req", "tau",
-            "same_len", "b2b_tok_s", "b2b_capture_tok_s", "capture_vs_no_capture", "capture_forward_s"]
-    body = (f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
-            f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (all tokens / all seconds; "
-            "engine and HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
-            "blocks per server, alternating), without and with --capture-to; capture_forward_s = the server's total "
-            "time in the states forward.\n\n"
-            + markdown_table(rows, cols) + "".join(f"\n\nfailed: {e}" for e in data.get("errors", [])))
-    record("serve", f"serve: HTTP vs engine tokens/s, capture while serving ({Path(args.target).name})", body, data,
-           "python bench/serve.py " + " ".join(sys.argv[1:]))
+    cols = [
+        "setting",
+        "engine_tok_s",
+        "http_tok_s",
+        "ratio",
+        "http_ttft_ms",
+        "http_extra_ms_per_req",
+        "tau",
+        "same_len",
+        "b2b_tok_s",
+        "b2b_capture_tok_s",
+        "capture_vs_no_capture",
+        "capture_forward_s",
+    ]
+    body = (
+        f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
+        f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (all tokens / all seconds; "
+        "engine and HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
+        "blocks per server, alternating), without and with --capture-to; capture_forward_s = the server's total "
+        "time in the states forward.\n\n"
+        + markdown_table(rows, cols)
+        + "".join(f"\n\nfailed: {e}" for e in data.get("errors", []))
+    )
+    record(
+        "serve",
+        f"serve: HTTP vs engine tokens/s, capture while serving ({Path(args.target).name})",
+        body,
+        data,
+        "python bench/serve.py " + " ".join(sys.argv[1:]),
+    )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, record  # noqa: E402
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import markdown_table, record  # noqa: E402
 
 PEAK_BF16 = 790e12
 
@@ -57,8 +56,9 @@ def synthetic_row(T: int, H: int, k: int, V: int, rng: np.random.Generator, devi
     mask = torch.ones(T, dtype=torch.bool)
     aux = torch.randn(T, k * H, dtype=torch.bfloat16)
     final = torch.randn(T, H, dtype=torch.bfloat16) * 3
-    return MicroBatch(ids[None], mask[None], doc[None], positions_from_doc_ids(doc)[None], aux[None], final[None],
-                      lens, T).to(device)
+    return MicroBatch(
+        ids[None], mask[None], doc[None], positions_from_doc_ids(doc)[None], aux[None], final[None], lens, T
+    ).to(device)
 
 
 def store_rows(store, T: int, n: int, seed: int, device):
@@ -86,8 +86,11 @@ def _kernels_per_step(step, mb, label: str = "") -> int | None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
             with open(Path(os.environ["OUT"], "train_profile.txt"), "a") as f:
                 f.write(f"=== {label}\n{table}\n")
-        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
-                   and "emset" not in e.name)
+        return sum(
+            1
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and "emcpy" not in e.name and "emset" not in e.name
+        )
     except Exception:
         return None
 
@@ -101,8 +104,19 @@ def _dynamo_graphs() -> int:
         return -1
 
 
-def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup: int, rows, aux_layers,
-              device="cuda", profile_kernels: bool = True) -> dict:
+def bench_one(
+    target,
+    T: int,
+    K: int,
+    backend: str,
+    vd: int,
+    steps: int,
+    warmup: int,
+    rows,
+    aux_layers,
+    device="cuda",
+    profile_kernels: bool = True,
+) -> dict:
     import warnings
 
     from draftsmith.drafter import Drafter
@@ -118,17 +132,21 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     _ttt._FLEX_BROKEN = False  # every configuration gets its own try of flex (a failure is reported, not inherited)
     graphs0 = _dynamo_graphs()
     counts = torch.arange(target.vocab_size, 0, -1)
-    drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32, aux_layer_ids=aux_layers,
-                                  draft_vocab_size=vd).to(dev)
+    drafter = Drafter.from_target(
+        target, token_counts=counts, dtype=torch.float32, aux_layer_ids=aux_layers, draft_vocab_size=vd
+    ).to(dev)
     # "compiled" = flex + the whole unroll as one torch.compile graph (the trainer's CUDA default);
     # "compiled-step" = flex + one graph reused by every TTT step (`--compile step`)
     compiled = backend.startswith("compiled")
-    cfg = TrainConfig(ttt_steps=K, attn_backend="flex" if compiled else backend, batch_tokens=T,
-                      compile="off")  # library defaults: auto chunk, loss chunk
+    cfg = TrainConfig(
+        ttt_steps=K, attn_backend="flex" if compiled else backend, batch_tokens=T, compile="off"
+    )  # library defaults: auto chunk, loss chunk
     model = TTTModel(drafter, cfg)
     if compiled:  # "compiled-graphs": the unroll's graphs replayed as CUDA graphs (mode="reduce-overhead")
-        model.enable_compile(granularity="step" if backend == "compiled-step" else "unroll",
-                             mode="reduce-overhead" if backend == "compiled-graphs" else None)
+        model.enable_compile(
+            granularity="step" if backend == "compiled-step" else "unroll",
+            mode="reduce-overhead" if backend == "compiled-graphs" else None,
+        )
     graphs = backend == "compiled-graphs"
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
@@ -143,8 +161,16 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
             torch.compiler.cudagraph_mark_step_begin()
         teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
         with amp:
-            loss, _ = model(mb.input_ids, mb.aux_hidden, mb.doc_ids, mb.position_ids, mb.loss_mask,
-                            teacher.probs, teacher.argmax, teacher.in_vocab)
+            loss, _ = model(
+                mb.input_ids,
+                mb.aux_hidden,
+                mb.doc_ids,
+                mb.position_ids,
+                mb.loss_mask,
+                teacher.probs,
+                teacher.argmax,
+                teacher.in_vocab,
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -182,12 +208,18 @@ def bench_one(target, T: int, K: int, backend: str, vd: int, steps: int, warmup:
     flops = 6.0 * K * tokens * (layer_params + H * vd) + 2.0 * tokens * drafter.fc.weight.numel()
     used = "chunked (flex failed)" if backend == "flex" and _ttt._FLEX_BROKEN else backend
     r = {
-        "seq_len": T, "ttt_steps": K, "backend": used, "draft_vocab": vd,
-        "tokens_per_s": tokens / secs, "step_ms": 1e3 * secs / steps,
+        "seq_len": T,
+        "ttt_steps": K,
+        "backend": used,
+        "draft_vocab": vd,
+        "tokens_per_s": tokens / secs,
+        "step_ms": 1e3 * secs / steps,
         "peak_mem_gib": peak / 2**30,
         "peak_over_weights_gib": (peak - base_mem) / 2**30,
-        "mfu_pct": 100.0 * flops / secs / PEAK_BF16, "warmup_s": t_compile,
-        "kernels_per_step": kernels, "new_dynamo_graphs": _dynamo_graphs() - graphs0,
+        "mfu_pct": 100.0 * flops / secs / PEAK_BF16,
+        "warmup_s": t_compile,
+        "kernels_per_step": kernels,
+        "new_dynamo_graphs": _dynamo_graphs() - graphs0,
     }
     if flex_note:
         r["note"] = flex_note
@@ -200,16 +232,23 @@ def main() -> None:
     ap.add_argument("--store", default=None)
     ap.add_argument("--seq", default="2048,8192,16384")
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--backends", default="compiled,flex",
-                    help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), compiled-step "
-                         "(one graph reused by every TTT step), compiled-graphs (compiled, replayed as CUDA graphs), "
-                         "flex, chunked")
+    ap.add_argument(
+        "--backends",
+        default="compiled,flex",
+        help="compiled (flex + one torch.compile graph per unroll, the trainer's CUDA default), compiled-step "
+        "(one graph reused by every TTT step), compiled-graphs (compiled, replayed as CUDA graphs), "
+        "flex, chunked",
+    )
     ap.add_argument("--draft-vocab-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=540.0,
-                    help="seconds: configurations that would start after this are reported as skipped")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=540.0,
+        help="seconds: configurations that would start after this are reported as skipped",
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the one profiled step (kernel count) per config")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -244,10 +283,22 @@ def main() -> None:
                         if store is not None:
                             rows = store_rows(store, T, n_rows, args.seed, torch.device("cuda"))
                         else:
-                            rows = [synthetic_row(T, target.hidden_size, len(aux_layers), target.vocab_size, rng,
-                                                  "cuda") for _ in range(min(n_rows, 4))]
-                    r = bench_one(target, T, args.ttt_steps, backend, vd, args.steps, args.warmup, rows, aux_layers,
-                                  profile_kernels=not args.no_profile)
+                            rows = [
+                                synthetic_row(T, target.hidden_size, len(aux_layers), target.vocab_size, rng, "cuda")
+                                for _ in range(min(n_rows, 4))
+                            ]
+                    r = bench_one(
+                        target,
+                        T,
+                        args.ttt_steps,
+                        backend,
+                        vd,
+                        args.steps,
+                        args.warmup,
+                        rows,
+                        aux_layers,
+                        profile_kernels=not args.no_profile,
+                    )
                 except torch.cuda.OutOfMemoryError as e:
                     r = {**base, "error": f"OOM: {str(e).splitlines()[0][:80]}"}
                 except Exception as e:  # keep measuring the other settings; report the failure
@@ -262,13 +313,28 @@ def main() -> None:
             except Exception as e:
                 print(f"cleanup after {base}: {type(e).__name__}: {e}", flush=True)
         rows = None
-    cols = ["seq_len", "backend", "ttt_steps", "draft_vocab", "tokens_per_s", "step_ms", "peak_mem_gib",
-            "peak_over_weights_gib", "mfu_pct", "kernels_per_step", "new_dynamo_graphs", "warmup_s", "error",
-            "note"]
-    body = (f"Target {args.target} (bf16), data: {'store ' + args.store if store else 'synthetic packed rows'}, "
-            f"aux layers {aux_layers} (layer-output ids), AdamW, bf16 autocast, {args.steps} timed steps after "
-            f"{args.warmup} warm-up steps. One step = teacher + K-step TTT unroll + backward + AdamW on one packed "
-            f"row of seq_len tokens.\n\n" + markdown_table(results, cols))
+    cols = [
+        "seq_len",
+        "backend",
+        "ttt_steps",
+        "draft_vocab",
+        "tokens_per_s",
+        "step_ms",
+        "peak_mem_gib",
+        "peak_over_weights_gib",
+        "mfu_pct",
+        "kernels_per_step",
+        "new_dynamo_graphs",
+        "warmup_s",
+        "error",
+        "note",
+    ]
+    body = (
+        f"Target {args.target} (bf16), data: {'store ' + args.store if store else 'synthetic packed rows'}, "
+        f"aux layers {aux_layers} (layer-output ids), AdamW, bf16 autocast, {args.steps} timed steps after "
+        f"{args.warmup} warm-up steps. One step = teacher + K-step TTT unroll + backward + AdamW on one packed "
+        f"row of seq_len tokens.\n\n" + markdown_table(results, cols)
+    )
     cmd = "python bench/train.py " + " ".join(sys.argv[1:])
     record("train", "Training throughput (TTT, packed rows)", body, {"results": results, "args": vars(args)}, cmd)
 

@@ -145,8 +145,9 @@ def speculators_batches_per_epoch(lengths, total_seq_len: int, seed: int, epochs
     """Packed batches per epoch of speculators' sampler (single GPU) for the training rows' lengths."""
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    s = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=list(lengths), num_replicas=1,
-                                           rank=0, seed=seed)
+    s = MultipackDistributedBatchSamplerV2(
+        batch_max_length=total_seq_len, lengths=list(lengths), num_replicas=1, rank=0, seed=seed
+    )
     return [len(s._generate_batches(e)) for e in range(epochs)]
 
 
@@ -162,8 +163,9 @@ def epochs_for_steps(steps: int, per_epoch: list[int]) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # commands
 # ---------------------------------------------------------------------------------------------------------
-def speculators_argv(a, *, export_dir: Path, target_layer_ids: list[int], ratio: float, epochs: int,
-                     save_path: Path, log_dir: Path) -> list[str]:
+def speculators_argv(
+    a, *, export_dir: Path, target_layer_ids: list[int], ratio: float, epochs: int, save_path: Path, log_dir: Path
+) -> list[str]:
     """The argument list of `speculators train` (speculators 0.9.0) matching draftsmith's settings."""
     V = a.draft_vocab_size
     return [
@@ -249,8 +251,10 @@ def _peak_memory() -> dict:
         import torch
 
         if torch.cuda.is_available():
-            return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+            return {
+                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            }
     except Exception:
         pass
     return {}
@@ -294,8 +298,11 @@ def run_speculators_inprocess(argv: list[str], stats_path: Path) -> int:
                 if time.time() - last_write[0] > 5:
                     last_write[0] = time.time()
                     write_stats("running", None)
-                    print(f"speculators: {len(records)} metric records after {time.time() - t0:.0f}s: "
-                          f"{str(records[-1])[:300]}", flush=True)
+                    print(
+                        f"speculators: {len(records)} metric records after {time.time() - t0:.0f}s: "
+                        f"{str(records[-1])[:300]}",
+                        flush=True,
+                    )
 
     orig = scli.setup_metric_logger
 
@@ -366,14 +373,20 @@ def draftsmith_throughput(metrics_path: Path, skip: int) -> dict:
             secs += r["elapsed_s"] - prev
             n += 1
         prev = r["elapsed_s"]
-    return {"tokens_per_s": toks / secs if secs else None, "timed_steps": n,
-            "tokens_trained": int(sum(r["tokens"] for r in recs)),
-            "final_eval_tau_sim": next((r["eval_tau_sim"] for r in reversed(recs) if "eval_tau_sim" in r), None)}
+    return {
+        "tokens_per_s": toks / secs if secs else None,
+        "timed_steps": n,
+        "tokens_trained": int(sum(r["tokens"] for r in recs)),
+        "final_eval_tau_sim": next((r["eval_tau_sim"] for r in reversed(recs) if "eval_tau_sim" in r), None),
+    }
 
 
 def latest_speculators_checkpoint(save_path: Path) -> Path | None:
-    eps = [d for d in Path(save_path).iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()] \
-        if Path(save_path).is_dir() else []
+    eps = (
+        [d for d in Path(save_path).iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+        if Path(save_path).is_dir()
+        else []
+    )
     return max(eps, key=lambda d: int(d.name)) if eps else None
 
 
@@ -388,8 +401,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--step-weight", type=float, default=0.8)
-    p.add_argument("--batch-tokens", type=int, default=8192, help="token budget of a packed row "
-                   "(= speculators --total-seq-len)")
+    p.add_argument(
+        "--batch-tokens", type=int, default=8192, help="token budget of a packed row (= speculators --total-seq-len)"
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=float, default=0.015, help="warmup fraction of the steps (both trainers)")
@@ -397,16 +411,32 @@ def parse_args(argv=None):
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--eval-max-batches", type=int, default=0, help="held-out rows scored (0: all)")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps excluded from tokens/s (compiles)")
-    p.add_argument("--time-budget", type=float, default=540.0,
-                   help="seconds for the whole script; each training subprocess is killed when it would pass it")
-    p.add_argument("--score-reserve", type=float, default=90.0,
-                   help="seconds of --time-budget kept for scoring both drafters and the report")
-    p.add_argument("--spec-share", type=float, default=0.5,
-                   help="fraction of the remaining budget speculators may use when both trainers run (it runs first)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=540.0,
+        help="seconds for the whole script; each training subprocess is killed when it would pass it",
+    )
+    p.add_argument(
+        "--score-reserve",
+        type=float,
+        default=90.0,
+        help="seconds of --time-budget kept for scoring both drafters and the report",
+    )
+    p.add_argument(
+        "--spec-share",
+        type=float,
+        default=0.5,
+        help="fraction of the remaining budget speculators may use when both trainers run (it runs first)",
+    )
     p.add_argument("--spec-workers", type=int, default=4, help="speculators --num-workers")
     p.add_argument("--spec-dynamo-disable", action="store_true", help="also set TORCHDYNAMO_DISABLE=1 for speculators")
-    p.add_argument("--attn-backend", default="auto", choices=["auto", "flex", "chunked"],
-                   help="draftsmith TTT attention backend (training and scoring)")
+    p.add_argument(
+        "--attn-backend",
+        default="auto",
+        choices=["auto", "flex", "chunked"],
+        help="draftsmith TTT attention backend (training and scoring)",
+    )
     p.add_argument("--ds-extra", default="", help="extra `draftsmith train` arguments (one string)")
     p.add_argument("--spec-extra", default="", help="extra `speculators train` arguments (one string)")
     p.add_argument("--only", choices=["both", "speculators", "draftsmith"], default="both")
@@ -443,20 +473,36 @@ def plan(a) -> dict:
         from draftsmith.train.batches import source_lengths
 
         lengths = source_lengths(store)
-        per_epoch = speculators_batches_per_epoch([min(int(lengths[i]), a.batch_tokens) for i in split["train_samples"]],
-                                                  a.batch_tokens, a.seed)
+        per_epoch = speculators_batches_per_epoch(
+            [min(int(lengths[i]), a.batch_tokens) for i in split["train_samples"]], a.batch_tokens, a.seed
+        )
         epochs = epochs_for_steps(a.steps, per_epoch)
     except ImportError:  # speculators not installed here: a lower bound from the token count
         per_epoch = None
         epochs = 1
-    spec = speculators_argv(a, export_dir=export_dir, target_layer_ids=[i + 1 for i in aux],
-                            ratio=split["train_data_ratio"], epochs=epochs, save_path=work / "speculators_run",
-                            log_dir=work / "speculators_logs")
+    spec = speculators_argv(
+        a,
+        export_dir=export_dir,
+        target_layer_ids=[i + 1 for i in aux],
+        ratio=split["train_data_ratio"],
+        epochs=epochs,
+        save_path=work / "speculators_run",
+        log_dir=work / "speculators_logs",
+    )
     ds = draftsmith_argv(a, run_dir=work / "draftsmith_run")
-    return {"store": store, "work": work, "split": split, "aux_layers": aux, "export_dir": export_dir,
-            "spec_argv": spec, "ds_argv": ds, "spec_epochs": epochs, "spec_batches_per_epoch": per_epoch,
-            "spec_cmd": _fmt_cmd(["speculators", "train", *spec], "TORCHDYNAMO_DISABLE=1" if a.spec_dynamo_disable else ""),
-            "ds_cmd": _fmt_cmd(["draftsmith", *ds])}
+    return {
+        "store": store,
+        "work": work,
+        "split": split,
+        "aux_layers": aux,
+        "export_dir": export_dir,
+        "spec_argv": spec,
+        "ds_argv": ds,
+        "spec_epochs": epochs,
+        "spec_batches_per_epoch": per_epoch,
+        "spec_cmd": _fmt_cmd(["speculators", "train", *spec], "TORCHDYNAMO_DISABLE=1" if a.spec_dynamo_disable else ""),
+        "ds_cmd": _fmt_cmd(["draftsmith", *ds]),
+    }
 
 
 def main(argv=None) -> int:
@@ -469,27 +515,36 @@ def main(argv=None) -> int:
     deadline = t_start + a.time_budget
     P = plan(a)
     split = P["split"]
-    print(f"split: {split['num_samples']} samples, {split['num_train_rows']} train / {len(split['eval_samples'])} held out "
-          f"(seed {a.seed}, eval fraction {a.eval_fraction}); speculators --train-data-ratio {split['train_data_ratio']!r}")
+    print(
+        f"split: {split['num_samples']} samples, {split['num_train_rows']} train / {len(split['eval_samples'])} held out "
+        f"(seed {a.seed}, eval fraction {a.eval_fraction}); speculators --train-data-ratio {split['train_data_ratio']!r}"
+    )
     print(f"aux layers {P['aux_layers']} (layer-output ids) = --target-layer-ids {[i + 1 for i in P['aux_layers']]}")
     if P["spec_batches_per_epoch"]:
-        print(f"speculators: {P['spec_batches_per_epoch'][0]} packed batches in epoch 0 -> --epochs {P['spec_epochs']} "
-              f"--max-steps {a.steps}")
+        print(
+            f"speculators: {P['spec_batches_per_epoch'][0]} packed batches in epoch 0 -> --epochs {P['spec_epochs']} "
+            f"--max-steps {a.steps}"
+        )
     print(f"export:      draftsmith.export.speculators_store(reordered store) -> {P['export_dir']}")
     print(f"speculators: {P['spec_cmd']}")
     print(f"draftsmith:  {P['ds_cmd']}")
     if a.dry_run:
         return 0
 
-    res: dict = {"settings": {k: v for k, v in vars(a).items() if not k.startswith("_") and k != "rest"},
-                 "speculators_cmd": P["spec_cmd"], "draftsmith_cmd": P["ds_cmd"], "errors": {}}
+    res: dict = {
+        "settings": {k: v for k, v in vars(a).items() if not k.startswith("_") and k != "rest"},
+        "speculators_cmd": P["spec_cmd"],
+        "draftsmith_cmd": P["ds_cmd"],
+        "errors": {},
+    }
     work = P["work"]
     work.mkdir(parents=True, exist_ok=True)
 
     # 1. export
     try:
-        if (P["export_dir"] / SPLIT_FILE).is_file() and \
-                json.loads((P["export_dir"] / SPLIT_FILE).read_text())["row_to_sample"] == split["row_to_sample"]:
+        if (P["export_dir"] / SPLIT_FILE).is_file() and json.loads((P["export_dir"] / SPLIT_FILE).read_text())[
+            "row_to_sample"
+        ] == split["row_to_sample"]:
             print(f"export: reusing {P['export_dir']}")
         else:
             t = time.time()
@@ -540,11 +595,14 @@ def main(argv=None) -> int:
         if st is not None:
             try:
                 thr = speculators_throughput(st.get("metrics", []), a.skip_steps)
-                res["speculators"] = {**thr, "wall_s": st.get("subprocess_wall_s"),
-                                      "e2e_tokens_per_s": thr["tokens_trained"] / st["subprocess_wall_s"],
-                                      "peak_allocated_gib": st.get("peak_allocated_gib"),
-                                      "peak_reserved_gib": st.get("peak_reserved_gib"),
-                                      "steps": sum(1 for r in st.get("metrics", []) if "train" in r)}
+                res["speculators"] = {
+                    **thr,
+                    "wall_s": st.get("subprocess_wall_s"),
+                    "e2e_tokens_per_s": thr["tokens_trained"] / st["subprocess_wall_s"],
+                    "peak_allocated_gib": st.get("peak_allocated_gib"),
+                    "peak_reserved_gib": st.get("peak_reserved_gib"),
+                    "steps": sum(1 for r in st.get("metrics", []) if "train" in r),
+                }
                 vals = [r["val"] for r in st.get("metrics", []) if "val" in r]
                 if vals:
                     res["speculators"]["own_val_last"] = vals[-1]
@@ -556,10 +614,13 @@ def main(argv=None) -> int:
         if st is not None:
             try:
                 thr = draftsmith_throughput(work / "draftsmith_run" / "metrics.jsonl", a.skip_steps)
-                res["draftsmith"] = {**thr, "wall_s": st.get("subprocess_wall_s"),
-                                     "e2e_tokens_per_s": thr["tokens_trained"] / st["subprocess_wall_s"],
-                                     "peak_allocated_gib": st.get("peak_allocated_gib"),
-                                     "peak_reserved_gib": st.get("peak_reserved_gib")}
+                res["draftsmith"] = {
+                    **thr,
+                    "wall_s": st.get("subprocess_wall_s"),
+                    "e2e_tokens_per_s": thr["tokens_trained"] / st["subprocess_wall_s"],
+                    "peak_allocated_gib": st.get("peak_allocated_gib"),
+                    "peak_reserved_gib": st.get("peak_reserved_gib"),
+                }
             except Exception:
                 res["errors"]["draftsmith_logs"] = traceback.format_exc()
 
@@ -574,16 +635,27 @@ def main(argv=None) -> int:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         target = load_target(a.target, dtype="bf16" if dev.type == "cuda" else "fp32", device=dev)
         store = open_store(a.store, dev)
-        ckpts = {"draftsmith": work / "draftsmith_run" / "final",
-                 "speculators": latest_speculators_checkpoint(work / "speculators_run")}
+        ckpts = {
+            "draftsmith": work / "draftsmith_run" / "final",
+            "speculators": latest_speculators_checkpoint(work / "speculators_run"),
+        }
         for name, path in ckpts.items():
             if path is None or not Path(path).is_dir():
                 continue
             try:
                 d = Drafter.from_pretrained(path, target=target, dtype=torch.float32)
-                m = evaluate_drafter(d, target, store, split["eval_samples"], ttt_steps=a.ttt_steps,
-                                     batch_tokens=a.batch_tokens, device=dev, step_weight=a.step_weight,
-                                     max_batches=a.eval_max_batches or None, attn_backend=a.attn_backend)
+                m = evaluate_drafter(
+                    d,
+                    target,
+                    store,
+                    split["eval_samples"],
+                    ttt_steps=a.ttt_steps,
+                    batch_tokens=a.batch_tokens,
+                    device=dev,
+                    step_weight=a.step_weight,
+                    max_batches=a.eval_max_batches or None,
+                    attn_backend=a.attn_backend,
+                )
                 res.setdefault(name, {})["heldout"] = m
                 res[name]["checkpoint"] = str(path)
                 print(f"{name}: held-out tau_sim {m['tau_sim']:.3f} acc {[round(x, 3) for x in m['acc']]}")
@@ -600,11 +672,19 @@ def main(argv=None) -> int:
     for name in ("draftsmith", "speculators"):
         r = res.get(name, {})
         h = r.get("heldout", {})
-        rows.append({"trainer": name, "steps_timed": r.get("timed_steps", ""),
-                     "tokens/s (steady)": r.get("tokens_per_s") or "", "tokens/s (end-to-end)": r.get("e2e_tokens_per_s") or "",
-                     "peak alloc GiB": r.get("peak_allocated_gib") or "", "wall s": r.get("wall_s") or "",
-                     "held-out tau_sim": h.get("tau_sim", ""), "acc_0": (h.get("acc") or [""])[0],
-                     "held-out loss": h.get("loss", "")})
+        rows.append(
+            {
+                "trainer": name,
+                "steps_timed": r.get("timed_steps", ""),
+                "tokens/s (steady)": r.get("tokens_per_s") or "",
+                "tokens/s (end-to-end)": r.get("e2e_tokens_per_s") or "",
+                "peak alloc GiB": r.get("peak_allocated_gib") or "",
+                "wall s": r.get("wall_s") or "",
+                "held-out tau_sim": h.get("tau_sim", ""),
+                "acc_0": (h.get("acc") or [""])[0],
+                "held-out loss": h.get("loss", ""),
+            }
+        )
     ratios = {}
     try:
         ratios["tokens_per_s_ratio"] = res["draftsmith"]["tokens_per_s"] / res["speculators"]["tokens_per_s"]
@@ -617,23 +697,41 @@ def main(argv=None) -> int:
     res["ratios"] = ratios
     cols = list(rows[0].keys())
     body = markdown_table(rows, cols)
-    body += ("\n\n" + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()) + " (goal: >= 1.5 tokens/s, >= 1.05 tau)"
-             if ratios else "")
-    body += (f"\n\nSame store `{a.store}` ({split['num_samples']} samples; held out: {len(split['eval_samples'])}, seed "
-             f"{a.seed}, fraction {a.eval_fraction}, exported with the held-out rows last, speculators "
-             f"--train-data-ratio {split['train_data_ratio']!r}); same draft vocab (draftsmith's d2t/t2d), K={a.ttt_steps}, "
-             f"token budget {a.batch_tokens}, {a.steps} steps, lr {a.lr}. Both scored by `evaluate_drafter`.\n\n"
-             f"- speculators: `{P['spec_cmd']}`\n- draftsmith: `{P['ds_cmd']}`\n")
+    body += (
+        "\n\n" + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items()) + " (goal: >= 1.5 tokens/s, >= 1.05 tau)"
+        if ratios
+        else ""
+    )
+    body += (
+        f"\n\nSame store `{a.store}` ({split['num_samples']} samples; held out: {len(split['eval_samples'])}, seed "
+        f"{a.seed}, fraction {a.eval_fraction}, exported with the held-out rows last, speculators "
+        f"--train-data-ratio {split['train_data_ratio']!r}); same draft vocab (draftsmith's d2t/t2d), K={a.ttt_steps}, "
+        f"token budget {a.batch_tokens}, {a.steps} steps, lr {a.lr}. Both scored by `evaluate_drafter`.\n\n"
+        f"- speculators: `{P['spec_cmd']}`\n- draftsmith: `{P['ds_cmd']}`\n"
+    )
     if res["errors"]:
-        body += "\nErrors: " + "; ".join(f"{k}: {str(v).strip().splitlines()[-1][:300] if str(v).strip() else ''}"
-                                         for k, v in res["errors"].items()) + "\n"
+        body += (
+            "\nErrors: "
+            + "; ".join(
+                f"{k}: {str(v).strip().splitlines()[-1][:300] if str(v).strip() else ''}"
+                for k, v in res["errors"].items()
+            )
+            + "\n"
+        )
     (work / "train_compare.json").write_text(json.dumps(_jsonable({k: v for k, v in res.items()}), indent=2))
-    cmd = "python bench/train_compare.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    cmd = "python bench/train_compare.py " + " ".join(
+        shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])
+    )
     if a.no_record:
         print(body)
     else:
-        record("train_compare", "Training side by side: draftsmith vs speculators 0.9.0 (EAGLE-3, TTT)", body,
-               _jsonable(res), cmd)
+        record(
+            "train_compare",
+            "Training side by side: draftsmith vs speculators 0.9.0 (EAGLE-3, TTT)",
+            body,
+            _jsonable(res),
+            cmd,
+        )
     return 0 if not res["errors"] else 1
 
 

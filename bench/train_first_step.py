@@ -73,9 +73,31 @@ def main() -> None:
     runs = {}
     t_start = time.time()
     for name in args.configs.split(","):
-        cmd = [sys.executable, "-m", "draftsmith", "train", "--target", args.target, "--online", "--data", args.data,
-               "--on-bad", "skip", "--out", str(work / name), "--steps", "100000", "--save-every", "0",
-               "--eval-fraction", "0", "--max-time", str(args.budget - 15), "-q", *CONFIGS[name]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "draftsmith",
+            "train",
+            "--target",
+            args.target,
+            "--online",
+            "--data",
+            args.data,
+            "--on-bad",
+            "skip",
+            "--out",
+            str(work / name),
+            "--steps",
+            "100000",
+            "--save-every",
+            "0",
+            "--eval-fraction",
+            "0",
+            "--max-time",
+            str(args.budget - 15),
+            "-q",
+            *CONFIGS[name],
+        ]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         res = {"config": name, "flags": " ".join(CONFIGS[name]) or "(defaults)"}
         th = threading.Thread(target=_watch, args=(name, proc, t_start, res, log_dir), daemon=True)
@@ -98,16 +120,31 @@ def main() -> None:
         if "first_step_wall_s" not in res:
             res["first_step_wall_s"] = f"> {args.budget:.0f}"
     rows = [r for _, r, _ in runs.values()]
-    cols = ["config", "flags", "first_step_wall_s", "first_step_trainer_s", "ready_wall_s", "ready_at_step",
-            "steps_done", "last_tokens_per_s", "note"]
-    body = (markdown_table(rows, cols) + "\n\nAll configurations ran at once on one GPU (the compiles share the CPU "
-            "cores), `draftsmith train --online` from the target's own process start: first_step_wall_s includes "
-            "python start-up, the target load and tokenizing the data; first_step_trainer_s is the trainer's own "
-            "'step 1:' time (from its loop start). ready: when the background compile finished and the steps "
-            "switched to the compiled unroll (default configuration only).")
-    record("train_first_step", "Training: time to the first step (default settings vs compile-first)", body,
-           {"rows": rows, "budget_s": args.budget},
-           f"python bench/train_first_step.py --target {args.target} --data {args.data} --budget {args.budget:g}")
+    cols = [
+        "config",
+        "flags",
+        "first_step_wall_s",
+        "first_step_trainer_s",
+        "ready_wall_s",
+        "ready_at_step",
+        "steps_done",
+        "last_tokens_per_s",
+        "note",
+    ]
+    body = (
+        markdown_table(rows, cols) + "\n\nAll configurations ran at once on one GPU (the compiles share the CPU "
+        "cores), `draftsmith train --online` from the target's own process start: first_step_wall_s includes "
+        "python start-up, the target load and tokenizing the data; first_step_trainer_s is the trainer's own "
+        "'step 1:' time (from its loop start). ready: when the background compile finished and the steps "
+        "switched to the compiled unroll (default configuration only)."
+    )
+    record(
+        "train_first_step",
+        "Training: time to the first step (default settings vs compile-first)",
+        body,
+        {"rows": rows, "budget_s": args.budget},
+        f"python bench/train_first_step.py --target {args.target} --data {args.data} --budget {args.budget:g}",
+    )
 
 
 if __name__ == "__main__":

@@ -29,10 +29,14 @@ def inspect(
     path: str = typer.Argument(..., help="A target (HF model directory) or a drafter (any supported layout)."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="For a drafter: check that it fits this target."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow transformers to run Python "
-                                           "code shipped in the model directory (config auto_map). Off: never "
-                                           "run, and such a config is refused in one line (also "
-                                           "DRAFTSMITH_TRUST_REMOTE_CODE=1)."),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Allow transformers to run Python "
+        "code shipped in the model directory (config auto_map). Off: never "
+        "run, and such a config is refused in one line (also "
+        "DRAFTSMITH_TRUST_REMOTE_CODE=1).",
+    ),
 ) -> None:
     """Print architecture, layers, hidden size, vocab and aux layers in BOTH id conventions.
 

@@ -17,76 +17,127 @@ OUT = REPO / "docs" / "commands"
 
 # what each command reads and writes, and where to read more
 INTRO = {
-    "inspect": ("A target or a drafter directory.", "Nothing (prints).",
-                "Architecture, layers, hidden size, vocab and the default aux layers in both id conventions for a "
-                "target; format, sizes, draft vocab, aux layers and whether it fits `--target` for a drafter."),
-    "regenerate": ("`--target` (needs a chat template) and `--data`: JSONL of ShareGPT `conversations` or OpenAI "
-                   "`messages` records.",
-                   "`--out`: the same records, every assistant turn replaced by the target's own answer, plus a "
-                   "`provenance` field (target, config hash, sampling settings, draftsmith version, source "
-                   "FILE:LINE, answers cut at --max-new-tokens); `OUT.progress.json` (settings + records done).",
-                   "System, user and tool turns keep their exact strings; a later assistant turn is generated after "
-                   "the earlier ones are already the target's. Batched `generate()` with left padding (static KV "
-                   "cache on CUDA). Resume: rerun the same command; the output is cut back to the last record the "
-                   "progress file vouches for, so a kill -9 repeats or loses nothing. Another setting on the same "
-                   "--out is refused, naming it. Bad records: `--on-bad error|skip`, as capture."),
-    "capture": ("`--target`, `--data` (JSONL with conversations / messages / text, or a directory of source files).",
-                "`--out STORE`: the hidden-state store (see [store-format.md](../store-format.md)).",
-                "Runs the target over the data with forward hooks and stores the aux layers' and the last layer's "
-                "hidden states, checksummed and resumable (rerun the same command after any interruption)."),
-    "store": ("A store directory.", "`verify`: nothing; `info`: nothing; `export`: the `speculators` 0.9 offline "
-              "layout (see [speculators-format.md](../speculators-format.md)).",
-              "`verify` checks every shard's sha256, `info` summarizes, `export` converts."),
-    "train": ("`--target`, and `--store` (offline) or `--online --data` (the target runs in the loop).",
-              "`--out RUN`: `checkpoints/`, `final/` (the drafter, see [checkpoint-formats.md]"
-              "(../checkpoint-formats.md)), `metrics.jsonl`, `training.png`, `train_config.json`.",
-              "The EAGLE-3 drafter with training-time test. `--resume` continues after any interruption with the "
-              "same loss sequence. Settings can come from `--config FILE.yaml` ([config.md](../config.md))."),
-    "generate": ("`--target`, optionally `--drafter`.", "Nothing (prints the text, or one JSON object with --json).",
-                 "Speculative decoding at batch size 1: greedy output equals plain greedy decoding token for token; "
-                 "sampling is lossless."),
-    "eval": ("`--target`, `--drafter`, `--prompts` (EAGLE question JSONL, JSONL with text/messages, or a text file).",
-             "`--out DIR`: `eval.json`, `acceptance_by_position.png`, `speedup.png`.",
-             "τ (tokens per target forward), acceptance rate, acceptance by position and the speedup over the same "
-             "engine's plain decoding on the same prompts, per temperature; greedy runs also count prompts whose "
-             "output differs from plain decoding (0 = lossless)."),
-    "export": ("A drafter in any layout draftsmith reads.", "`--out DIR` in the layout of `--format`.",
-               "Prints the command that serves it. Details: [export.md](../export.md)."),
-    "pipeline": ("CONFIG.yaml (see [pipeline.md](../pipeline.md) and `examples/`).",
-                 "`RUN/`: `regenerated.jsonl`, `store/`, `train/`, `eval/LABEL/`, `export/FORMAT/`, `report.md`, "
-                 "`report.json`, `pipeline.yaml` (the config), `.pipeline/STAGE.json` (what each stage ran).",
-                 "regenerate → capture (or online training) → train → eval → export. The config is checked against "
-                 "each command's flags before anything runs; unchanged stages are skipped, a changed one reruns "
-                 "with everything after it."),
-    "demo": ("`examples/pycode-tiny-demo.yaml`, `assets/pycode-tiny`, `assets/pycode-tiny-drafter` (when present), "
-             "this Python's standard-library sources.", "`runs/demo/` (a pipeline run directory).",
-             "The README's first command (`bash scripts/demo.sh` = setup + this). Trains a drafter for a few "
-             "minutes on CPU and evaluates it next to the bundled one, both against plain decoding."),
-    "serve": ("`--target`, optionally `--drafter`.", "Nothing on disk; serves HTTP.",
-              "An OpenAI-compatible server over the speculative decoder (needs the `serve` extra)."),
-    "bench-endpoint": ("A running OpenAI-compatible endpoint and prompts.", "A report of latency and throughput.",
-                       "Load-tests an endpoint (e.g. `draftsmith serve`, SGLang, vLLM)."),
-    "doctor": ("`--target`, `--drafter`, optionally prompts or a store.", "Nothing (prints; `--json`, `--plot`).",
-               "Measures the drafter as configured and under common mis-wirings (aux ids off by one, norm, d2t "
-               "...) and names the one that accepts clearly more. Details: [doctor.md](../doctor.md)."),
+    "inspect": (
+        "A target or a drafter directory.",
+        "Nothing (prints).",
+        "Architecture, layers, hidden size, vocab and the default aux layers in both id conventions for a "
+        "target; format, sizes, draft vocab, aux layers and whether it fits `--target` for a drafter.",
+    ),
+    "regenerate": (
+        "`--target` (needs a chat template) and `--data`: JSONL of ShareGPT `conversations` or OpenAI "
+        "`messages` records.",
+        "`--out`: the same records, every assistant turn replaced by the target's own answer, plus a "
+        "`provenance` field (target, config hash, sampling settings, draftsmith version, source "
+        "FILE:LINE, answers cut at --max-new-tokens); `OUT.progress.json` (settings + records done).",
+        "System, user and tool turns keep their exact strings; a later assistant turn is generated after "
+        "the earlier ones are already the target's. Batched `generate()` with left padding (static KV "
+        "cache on CUDA). Resume: rerun the same command; the output is cut back to the last record the "
+        "progress file vouches for, so a kill -9 repeats or loses nothing. Another setting on the same "
+        "--out is refused, naming it. Bad records: `--on-bad error|skip`, as capture.",
+    ),
+    "capture": (
+        "`--target`, `--data` (JSONL with conversations / messages / text, or a directory of source files).",
+        "`--out STORE`: the hidden-state store (see [store-format.md](../store-format.md)).",
+        "Runs the target over the data with forward hooks and stores the aux layers' and the last layer's "
+        "hidden states, checksummed and resumable (rerun the same command after any interruption).",
+    ),
+    "store": (
+        "A store directory.",
+        "`verify`: nothing; `info`: nothing; `export`: the `speculators` 0.9 offline "
+        "layout (see [speculators-format.md](../speculators-format.md)).",
+        "`verify` checks every shard's sha256, `info` summarizes, `export` converts.",
+    ),
+    "train": (
+        "`--target`, and `--store` (offline) or `--online --data` (the target runs in the loop).",
+        "`--out RUN`: `checkpoints/`, `final/` (the drafter, see [checkpoint-formats.md]"
+        "(../checkpoint-formats.md)), `metrics.jsonl`, `training.png`, `train_config.json`.",
+        "The EAGLE-3 drafter with training-time test. `--resume` continues after any interruption with the "
+        "same loss sequence. Settings can come from `--config FILE.yaml` ([config.md](../config.md)).",
+    ),
+    "generate": (
+        "`--target`, optionally `--drafter`.",
+        "Nothing (prints the text, or one JSON object with --json).",
+        "Speculative decoding at batch size 1: greedy output equals plain greedy decoding token for token; "
+        "sampling is lossless.",
+    ),
+    "eval": (
+        "`--target`, `--drafter`, `--prompts` (EAGLE question JSONL, JSONL with text/messages, or a text file).",
+        "`--out DIR`: `eval.json`, `acceptance_by_position.png`, `speedup.png`.",
+        "τ (tokens per target forward), acceptance rate, acceptance by position and the speedup over the same "
+        "engine's plain decoding on the same prompts, per temperature; greedy runs also count prompts whose "
+        "output differs from plain decoding (0 = lossless).",
+    ),
+    "export": (
+        "A drafter in any layout draftsmith reads.",
+        "`--out DIR` in the layout of `--format`.",
+        "Prints the command that serves it. Details: [export.md](../export.md).",
+    ),
+    "pipeline": (
+        "CONFIG.yaml (see [pipeline.md](../pipeline.md) and `examples/`).",
+        "`RUN/`: `regenerated.jsonl`, `store/`, `train/`, `eval/LABEL/`, `export/FORMAT/`, `report.md`, "
+        "`report.json`, `pipeline.yaml` (the config), `.pipeline/STAGE.json` (what each stage ran).",
+        "regenerate → capture (or online training) → train → eval → export. The config is checked against "
+        "each command's flags before anything runs; unchanged stages are skipped, a changed one reruns "
+        "with everything after it.",
+    ),
+    "demo": (
+        "`examples/pycode-tiny-demo.yaml`, `assets/pycode-tiny`, `assets/pycode-tiny-drafter` (when present), "
+        "this Python's standard-library sources.",
+        "`runs/demo/` (a pipeline run directory).",
+        "The README's first command (`bash scripts/demo.sh` = setup + this). Trains a drafter for a few "
+        "minutes on CPU and evaluates it next to the bundled one, both against plain decoding.",
+    ),
+    "serve": (
+        "`--target`, optionally `--drafter`.",
+        "Nothing on disk; serves HTTP.",
+        "An OpenAI-compatible server over the speculative decoder (needs the `serve` extra).",
+    ),
+    "bench-endpoint": (
+        "A running OpenAI-compatible endpoint and prompts.",
+        "A report of latency and throughput.",
+        "Load-tests an endpoint (e.g. `draftsmith serve`, SGLang, vLLM).",
+    ),
+    "doctor": (
+        "`--target`, `--drafter`, optionally prompts or a store.",
+        "Nothing (prints; `--json`, `--plot`).",
+        "Measures the drafter as configured and under common mis-wirings (aux ids off by one, norm, d2t "
+        "...) and names the one that accepts clearly more. Details: [doctor.md](../doctor.md).",
+    ),
 }
 
 # purpose groups for commands without help panels: flag -> group (first match of the listed flags)
 GROUPS = {
-    "regenerate": {"Inputs and outputs": ["--target", "--data", "--out", "--max-samples", "--on-bad"],
-                   "Sampling": ["--max-new-tokens", "--temperature", "--top-p", "--seed"],
-                   "Runtime": ["--batch-size", "--device", "--dtype", "--cache", "--quiet"]},
-    "generate": {"Inputs": ["--target", "--drafter", "--prompt", "--chat", "--stop"],
-                 "Sampling": ["--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed"],
-                 "Speculation": ["--draft-tokens", "--tree", "--top-k-draft", "--depth", "--tree-tokens", "--plain"],
-                 "Output": ["--json"]},
-    "eval": {"Inputs": ["--target", "--drafter", "--prompts", "--chat", "--limit"],
-             "Sampling": ["--max-new-tokens", "--temperatures", "--top-p", "--top-k", "--seed"],
-             "Speculation": ["--draft-tokens", "--tree", "--top-k-draft", "--depth", "--tree-tokens", "--tune",
-                             "--tune-prompts", "--save-tuning", "--tuning"],
-             "Output": ["--out", "--json"]},
-    "export": {"Inputs and outputs": ["drafter", "--format", "--out", "--overwrite", "--target"],
-               "Weights and serving": ["--dtype", "--speculative-tokens"]},
+    "regenerate": {
+        "Inputs and outputs": ["--target", "--data", "--out", "--max-samples", "--on-bad"],
+        "Sampling": ["--max-new-tokens", "--temperature", "--top-p", "--seed"],
+        "Runtime": ["--batch-size", "--device", "--dtype", "--cache", "--quiet"],
+    },
+    "generate": {
+        "Inputs": ["--target", "--drafter", "--prompt", "--chat", "--stop"],
+        "Sampling": ["--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed"],
+        "Speculation": ["--draft-tokens", "--tree", "--top-k-draft", "--depth", "--tree-tokens", "--plain"],
+        "Output": ["--json"],
+    },
+    "eval": {
+        "Inputs": ["--target", "--drafter", "--prompts", "--chat", "--limit"],
+        "Sampling": ["--max-new-tokens", "--temperatures", "--top-p", "--top-k", "--seed"],
+        "Speculation": [
+            "--draft-tokens",
+            "--tree",
+            "--top-k-draft",
+            "--depth",
+            "--tree-tokens",
+            "--tune",
+            "--tune-prompts",
+            "--save-tuning",
+            "--tuning",
+        ],
+        "Output": ["--out", "--json"],
+    },
+    "export": {
+        "Inputs and outputs": ["drafter", "--format", "--out", "--overwrite", "--target"],
+        "Weights and serving": ["--dtype", "--speculative-tokens"],
+    },
     "pipeline": {"Inputs": ["config", "--out", "--check"]},
     "demo": {"Inputs": ["--out", "--config", "--fresh"]},
 }
@@ -151,9 +202,15 @@ def render_all() -> dict[str, str]:
 
     group = typer.main.get_command(app)
     pages = {}
-    index = ["# Commands", "", "One page per command: what it reads and writes, and its flags grouped by purpose "
-             "(generated from the CLI by `scripts/gen_command_docs.py`).", "", "| command | what it does |",
-             "|---|---|"]
+    index = [
+        "# Commands",
+        "",
+        "One page per command: what it reads and writes, and its flags grouped by purpose "
+        "(generated from the CLI by `scripts/gen_command_docs.py`).",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
     for name, cmd in group.commands.items():
         if hasattr(cmd, "commands"):  # a group: one page with a section per subcommand
             parts = [f"# `draftsmith {name}`", ""]

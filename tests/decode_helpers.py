@@ -13,37 +13,75 @@ import torch
 import torch.nn.functional as F
 
 
-def tiny_qwen3(vocab_size: int = 96, seed: int = 0, init: float = 0.3, layers: int = 4, hidden: int = 64,
-               dtype=torch.float32):
+def tiny_qwen3(
+    vocab_size: int = 96, seed: int = 0, init: float = 0.3, layers: int = 4, hidden: int = 64, dtype=torch.float32
+):
     """A small random Qwen3 (q/k norm) with peaky logits (large init) so greedy has no near-ties."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, tie_word_embeddings=False, initializer_range=init,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = Qwen3ForCausalLM(cfg).to(dtype).eval()
     model.requires_grad_(False)
     return model
 
 
-def tiny_llama(vocab_size: int = 8, seed: int = 0, init: float = 0.5, layers: int = 2, hidden: int = 32,
-               attention_bias: bool = False, model_type: str = "llama", dtype=torch.float32):
+def tiny_llama(
+    vocab_size: int = 8,
+    seed: int = 0,
+    init: float = 0.5,
+    layers: int = 2,
+    hidden: int = 32,
+    attention_bias: bool = False,
+    model_type: str = "llama",
+    dtype=torch.float32,
+):
     """A small random Llama (or Qwen2 with qkv bias, or Mistral) for forward and sampling tests."""
     torch.manual_seed(seed)
     if model_type == "qwen2":
-        from transformers import Qwen2Config as Cfg, Qwen2ForCausalLM as M
+        from transformers import Qwen2Config as Cfg
+        from transformers import Qwen2ForCausalLM as M
+
         extra = {}
     elif model_type == "mistral":
-        from transformers import MistralConfig as Cfg, MistralForCausalLM as M
+        from transformers import MistralConfig as Cfg
+        from transformers import MistralForCausalLM as M
+
         extra = {"sliding_window": None}
     else:
-        from transformers import LlamaConfig as Cfg, LlamaForCausalLM as M
+        from transformers import LlamaConfig as Cfg
+        from transformers import LlamaForCausalLM as M
+
         extra = {"attention_bias": attention_bias}
-    cfg = Cfg(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-              initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None, **extra)
+    cfg = Cfg(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        **extra,
+    )
     model = M(cfg).to(dtype).eval()
     model.requires_grad_(False)
     return model
@@ -73,14 +111,20 @@ def random_drafter(model, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     H = int(cfg.hidden_size)
     nh = int(cfg.num_attention_heads)
-    fields = dict(hidden_size=H, target_hidden_size=H,
-                  intermediate_size=int(getattr(cfg, "intermediate_size", None) or 4 * H), num_attention_heads=nh,
-                  num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or nh),
-                  head_dim=int(getattr(cfg, "head_dim", None) or H // nh),
-                  rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6), vocab_size=int(cfg.vocab_size),
-                  draft_vocab_size=int(cfg.vocab_size), num_hidden_layers=1,
-                  aux_layer_ids=default_aux_layers(int(cfg.num_hidden_layers)),
-                  target_num_layers=int(cfg.num_hidden_layers))
+    fields = dict(
+        hidden_size=H,
+        target_hidden_size=H,
+        intermediate_size=int(getattr(cfg, "intermediate_size", None) or 4 * H),
+        num_attention_heads=nh,
+        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or nh),
+        head_dim=int(getattr(cfg, "head_dim", None) or H // nh),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        vocab_size=int(cfg.vocab_size),
+        draft_vocab_size=int(cfg.vocab_size),
+        num_hidden_layers=1,
+        aux_layer_ids=default_aux_layers(int(cfg.num_hidden_layers)),
+        target_num_layers=int(cfg.num_hidden_layers),
+    )
     fields.update(overrides)
     d = Drafter(DrafterConfig(**fields))
     d.set_embedding(model.get_input_embeddings().weight)
@@ -100,8 +144,9 @@ def target_aux(engine, seq: Sequence[int]):
     return aux, logits
 
 
-def overfit_drafter(engine, drafter, sequences: Sequence[Sequence[int]], steps: int = 100, lr: float = 3e-3,
-                    seed: int = 0) -> float:
+def overfit_drafter(
+    engine, drafter, sequences: Sequence[Sequence[int]], steps: int = 100, lr: float = 3e-3, seed: int = 0
+) -> float:
     """Train the drafter's step 0 on target aux states of `sequences` (the target's own outputs), as one
     right-padded batch (causal attention keeps padding out of real positions). Returns the last loss."""
     torch.manual_seed(seed)
@@ -159,8 +204,15 @@ def reference_chain_drafts(engine, drafter, seq: Sequence[int], K: int) -> list[
     return drafts
 
 
-def overfit_drafter_ttt(engine, drafter, sequences: Sequence[Sequence[int]], steps: int = 60, lr: float = 3e-3,
-                        ttt_steps: int = 3, seed: int = 0) -> float:
+def overfit_drafter_ttt(
+    engine,
+    drafter,
+    sequences: Sequence[Sequence[int]],
+    steps: int = 60,
+    lr: float = 3e-3,
+    ttt_steps: int = 3,
+    seed: int = 0,
+) -> float:
     """Like `overfit_drafter`, but through the trainer's TTT unroll (draftsmith.train.ttt), so draft steps
     after the first are trained too (deeper chain/tree acceptance). One packed row of all sequences."""
     from draftsmith.train.ttt import Teacher, document_ids_from_lengths, ttt_unroll
@@ -179,8 +231,11 @@ def overfit_drafter_ttt(engine, drafter, sequences: Sequence[Sequence[int]], ste
     d2t = drafter.draft_target_ids.cpu()
     t2d = drafter.t2d.cpu().bool()
     ld = lg[:, d2t]
-    teacher = Teacher(probs=torch.softmax(ld, -1)[None].to(dev), argmax=ld.argmax(-1)[None].to(dev),
-                      in_vocab=t2d[lg.argmax(-1)][None].to(dev))
+    teacher = Teacher(
+        probs=torch.softmax(ld, -1)[None].to(dev),
+        argmax=ld.argmax(-1)[None].to(dev),
+        in_vocab=t2d[lg.argmax(-1)][None].to(dev),
+    )
     doc_ids = document_ids_from_lengths([len(s) for s in sequences])[None].to(dev)
     loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)

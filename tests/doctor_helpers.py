@@ -15,8 +15,18 @@ from pathlib import Path
 import torch
 
 
-def train_fixture_drafter(target, traces, aux_layers, normed_layers=(), steps=60, lr=3e-3, ttt_steps=4,
-                          draft_vocab_size=2048, seed=0, token_blind=True):
+def train_fixture_drafter(
+    target,
+    traces,
+    aux_layers,
+    normed_layers=(),
+    steps=60,
+    lr=3e-3,
+    ttt_steps=4,
+    draft_vocab_size=2048,
+    seed=0,
+    token_blind=True,
+):
     from draftsmith.drafter import Drafter
     from draftsmith.train.ttt import Teacher, document_ids_from_lengths, ttt_unroll
 
@@ -24,8 +34,9 @@ def train_fixture_drafter(target, traces, aux_layers, normed_layers=(), steps=60
     V = target.vocab_size
     seqs = [tr.input_ids for tr in traces]
     counts = torch.bincount(torch.cat(seqs), minlength=V)
-    d = Drafter.from_target(target, token_counts=counts, aux_layer_ids=list(aux_layers),
-                            draft_vocab_size=draft_vocab_size)
+    d = Drafter.from_target(
+        target, token_counts=counts, aux_layer_ids=list(aux_layers), draft_vocab_size=draft_vocab_size
+    )
     if token_blind:
         # the attention's embedding half zeroed (and kept zero): the drafter can only learn from the aux states,
         # so every mis-wiring of them shows in its acceptance (a few memorized sequences otherwise identify
@@ -50,8 +61,9 @@ def train_fixture_drafter(target, traces, aux_layers, normed_layers=(), steps=60
     lg = torch.cat(logits)
     cols = d.draft_target_ids
     ld = lg[:, cols]
-    teacher = Teacher(probs=torch.softmax(ld, -1)[None], argmax=ld.argmax(-1)[None],
-                      in_vocab=d.t2d[lg.argmax(-1)][None])
+    teacher = Teacher(
+        probs=torch.softmax(ld, -1)[None], argmax=ld.argmax(-1)[None], in_vocab=d.t2d[lg.argmax(-1)][None]
+    )
     doc_ids = document_ids_from_lengths([len(s) for s in seqs])[None]
     loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -65,8 +77,15 @@ def train_fixture_drafter(target, traces, aux_layers, normed_layers=(), steps=60
     return d, float(loss.detach())
 
 
-PLANTS = ("aux_layer_shift", "aux_layer_order", "final_norm", "norm_before_residual", "d2t_absolute", "draft_vocab",
-          "rope")
+PLANTS = (
+    "aux_layer_shift",
+    "aux_layer_order",
+    "final_norm",
+    "norm_before_residual",
+    "d2t_absolute",
+    "draft_vocab",
+    "rope",
+)
 
 
 def _edit_native(src: Path, dst: Path, config=None, tensors=None) -> Path:
@@ -107,7 +126,8 @@ def plant(kind: str, clean: Path, out: Path, target=None, traces=None) -> Path:
         # fc's input blocks written in reverse layer order (an export that concatenated aux states the other way)
         def t(sd):
             w = sd["fc.weight"]
-            sd["fc.weight"] = torch.cat([w[:, i * H:(i + 1) * H] for i in reversed(range(len(ids)))], 1)
+            sd["fc.weight"] = torch.cat([w[:, i * H : (i + 1) * H] for i in reversed(range(len(ids)))], 1)
+
         return _edit_native(clean, out, tensors=t)
     if kind == "final_norm":
         # the drafter as it would be had it been trained on the highest aux layer's state AFTER the target's final
@@ -120,8 +140,9 @@ def plant(kind: str, clean: Path, out: Path, target=None, traces=None) -> Path:
         w = target.final_norm.weight.detach().float().cpu()
 
         def t(sd):
-            blk = sd["fc.weight"][:, slot * H:(slot + 1) * H]
-            sd["fc.weight"][:, slot * H:(slot + 1) * H] = blk * (rms / w)[None, :]
+            blk = sd["fc.weight"][:, slot * H : (slot + 1) * H]
+            sd["fc.weight"][:, slot * H : (slot + 1) * H] = blk * (rms / w)[None, :]
+
         return _edit_native(clean, out, tensors=t)
     if kind == "norm_before_residual":
         return _edit_native(clean, out, config=lambda c: c.update(norm_before_residual=not c["norm_before_residual"]))
@@ -129,6 +150,7 @@ def plant(kind: str, clean: Path, out: Path, target=None, traces=None) -> Path:
         # d2t written as absolute target ids (SGLang's hot_token_id) instead of offsets
         def t(sd):
             sd["d2t"] = sd["d2t"] + torch.arange(sd["d2t"].numel())
+
         return _edit_native(clean, out, tensors=t)
     if kind == "draft_vocab":
         # d2t/t2d of a draft vocab built from another tokenizer's token counts: other ids, same size
@@ -139,6 +161,7 @@ def plant(kind: str, clean: Path, out: Path, target=None, traces=None) -> Path:
             g = torch.Generator().manual_seed(1)
             other = torch.sort(torch.randperm(V, generator=g)[:n]).values
             sd["d2t"], sd["t2d"] = ids_to_mappings(other, V)
+
         return _edit_native(clean, out, tensors=t)
     if kind == "rope":
         # a config that wrote another RoPE base than the target's (and the drafter's training)

@@ -21,7 +21,7 @@ def make_corpus(root: Path, n_files: int = 12) -> Path:
     for i in range(n_files):
         body = []
         for j in range(int(rng.integers(1, 12))):
-            body.append(f"def func_{i}_{j}(x, y={j}):\n    \"\"\"Add things.\"\"\"\n    return x * {j} + y - {i}\n\n")
+            body.append(f'def func_{i}_{j}(x, y={j}):\n    """Add things."""\n    return x * {j} + y - {i}\n\n')
         (d / f"mod_{i:02d}.py").write_text("import os\n\n" + "".join(body))
     return d
 
@@ -33,8 +33,9 @@ def capture(tiny, data, out, target=None, **kw) -> dict:
     kw.setdefault("shard_tokens", 700)
     kw.setdefault("progress", False)
     kw.setdefault("model_dtype", "fp32")
-    return run_capture(CaptureConfig(target=str(tiny), data=str(data), out=str(out), **kw), log=lambda *a: None,
-                       target=target)
+    return run_capture(
+        CaptureConfig(target=str(tiny), data=str(data), out=str(out), **kw), log=lambda *a: None, target=target
+    )
 
 
 @contextlib.contextmanager
@@ -44,8 +45,12 @@ def small_tmpfs(where: Path, size_bytes: int):
     import pytest
 
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip()[:200]})")
     try:

@@ -21,10 +21,18 @@ Resume: rerun the exact same command after an interruption (even kill -9).
 """
 
 _HIDDEN_STATES_IDS = inspect.Parameter(
-    "aux_hidden_states_ids", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
-    default=typer.Option(None, "--aux-hidden-states-ids", metavar="IDS", rich_help_panel="Target",
-                         help="The same as --aux-layers, given as HF output_hidden_states / vLLM / speculators ids "
-                              "(layer-output id + 1). Mutually exclusive with --aux-layers."))
+    "aux_hidden_states_ids",
+    inspect.Parameter.KEYWORD_ONLY,
+    annotation=Optional[str],
+    default=typer.Option(
+        None,
+        "--aux-hidden-states-ids",
+        metavar="IDS",
+        rich_help_panel="Target",
+        help="The same as --aux-layers, given as HF output_hidden_states / vLLM / speculators ids "
+        "(layer-output id + 1). Mutually exclusive with --aux-layers.",
+    ),
+)
 
 
 def _aux_ids(values: dict[str, Any], extras: dict[str, Any]) -> None:

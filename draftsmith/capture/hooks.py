@@ -118,7 +118,7 @@ class AuxCapture:
 
         return hook
 
-    def __enter__(self) -> "AuxCapture":
+    def __enter__(self) -> AuxCapture:
         if self._handles:
             raise RuntimeError("AuxCapture is already active")
         self._handles.append(self.layers[0].register_forward_pre_hook(self._pre_hook))

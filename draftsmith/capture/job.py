@@ -172,8 +172,7 @@ class _CaptureJob:
         self.writer = (self.rank == 0) if cfg.tp else True
         self.out = Path(cfg.out)
         self.samples, self.report, self.target = self._load(target, samples)
-        self.aux_layers = validate_aux_layers(cfg.aux_layers or self.target.default_aux_layers,
-                                              self.target.num_layers)
+        self.aux_layers = validate_aux_layers(cfg.aux_layers or self.target.default_aux_layers, self.target.num_layers)
         self.plan = self._make_plan()
         self.plan_sha = plan_sha256(self.plan)
         self.shards = [tuple(s) for s in self.plan["shards"]]
@@ -200,8 +199,13 @@ class _CaptureJob:
         t0 = time.time()
         if samples is None:
             samples, report = load_samples(
-                cfg.data, tokenizer, max_length=cfg.max_length, on_bad=cfg.on_bad,
-                glob=cfg.glob, split_long=cfg.split_long, add_bos=cfg.add_bos,
+                cfg.data,
+                tokenizer,
+                max_length=cfg.max_length,
+                on_bad=cfg.on_bad,
+                glob=cfg.glob,
+                split_long=cfg.split_long,
+                add_bos=cfg.add_bos,
                 follow_symlinks=cfg.follow_symlinks,
             )
             self.say(f"data: {report.summary()} ({time.time() - t0:.1f}s)")
@@ -215,8 +219,13 @@ class _CaptureJob:
             model_dtype = cfg.model_dtype
             if model_dtype == "auto":
                 model_dtype = "bf16" if self.device.type == "cuda" else "auto"
-            target = load_target(cfg.target, dtype=model_dtype, device=self.device,
-                                 tp_plan="auto" if cfg.tp else None, tokenizer=tokenizer)
+            target = load_target(
+                cfg.target,
+                dtype=model_dtype,
+                device=self.device,
+                tp_plan="auto" if cfg.tp else None,
+                tokenizer=tokenizer,
+            )
         return samples, report, target
 
     def _make_plan(self) -> dict:
@@ -237,8 +246,11 @@ class _CaptureJob:
             "batch_tokens": cfg.batch_tokens,
             "shard_tokens": shard_tokens,
             "cuda_graphs": cfg.cuda_graphs,
-            "data": {"path": str(cfg.data), "fingerprint": data_fingerprint(self.samples),
-                     "num_samples": len(self.samples)},
+            "data": {
+                "path": str(cfg.data),
+                "fingerprint": data_fingerprint(self.samples),
+                "num_samples": len(self.samples),
+            },
             "shards": [list(s) for s in plan_shards(lengths, shard_tokens)],
         }
 
@@ -256,8 +268,13 @@ class _CaptureJob:
         pad_id = self.target.tokenizer.pad_token_id
         self.pad_id = 0 if pad_id is None else pad_id
         bar = self._progress_bar(todo)
-        slots = _WriteSlots(self.cfg, max((self.shards[j][2] for j in todo), default=0),
-                            len(self.aux_layers), self.target.hidden_size, pin=self.device.type == "cuda")
+        slots = _WriteSlots(
+            self.cfg,
+            max((self.shards[j][2] for j in todo), default=0),
+            len(self.aux_layers),
+            self.target.hidden_size,
+            pin=self.device.type == "cuda",
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_start = time.time()
@@ -272,19 +289,31 @@ class _CaptureJob:
         elapsed = time.time() - t_start
         captured = int(sum(self.shards[si][2] for si in todo))
         if stats is not None:
-            stats.update(capture_s=elapsed, alloc_s=slots.alloc_s, drain_s=drain_s, tokens=captured,
-                         graphs=len(self.graphs), **slots.write_stats())
+            stats.update(
+                capture_s=elapsed,
+                alloc_s=slots.alloc_s,
+                drain_s=drain_s,
+                tokens=captured,
+                graphs=len(self.graphs),
+                **slots.write_stats(),
+            )
         if captured:
-            self.say(f"captured {captured} tokens in {elapsed:.1f}s ({captured / max(elapsed, 1e-9):,.0f} tok/s on "
-                     f"rank {self.rank})")
+            self.say(
+                f"captured {captured} tokens in {elapsed:.1f}s ({captured / max(elapsed, 1e-9):,.0f} tok/s on "
+                f"rank {self.rank})"
+            )
 
     def _progress_bar(self, todo: list[int]):
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=int(sum(self.shards[si][2] for si in todo)), unit="tok", unit_scale=True,
+            total=int(sum(self.shards[si][2] for si in todo)),
+            unit="tok",
+            unit_scale=True,
             desc=f"capture[{self.rank}]",
-            disable=not (self.cfg.progress and (self.is_main or not self.cfg.tp)), dynamic_ncols=True, file=sys.stderr,
+            disable=not (self.cfg.progress and (self.is_main or not self.cfg.tp)),
+            dynamic_ncols=True,
+            file=sys.stderr,
         )
 
     def _capture_shard(self, si: int, slots: _WriteSlots, bar) -> None:
@@ -298,8 +327,19 @@ class _CaptureJob:
         slot, buf = slots.acquire(ntok)
         pending = None
         for batch in plan_batches(slen, cfg.batch_tokens):
-            res = _run_batch(self.target, self.cap, self.graphs, cfg, batch, shard_samples, slen, offsets,
-                             self.pad_id, self.device, self.target.hidden_size)
+            res = _run_batch(
+                self.target,
+                self.cap,
+                self.graphs,
+                cfg,
+                batch,
+                shard_samples,
+                slen,
+                offsets,
+                self.pad_id,
+                self.device,
+                self.target.hidden_size,
+            )
             if pending is not None:
                 _land(buf, pending, cfg.dtype)  # the previous batch's copy, overlapped by this batch's forward
             pending = res
@@ -314,10 +354,21 @@ class _CaptureJob:
         barrier(self.world)
         manifest = None
         if self.is_main:
-            manifest = _finalize(self.out, self.plan, self.plan_sha, self.samples, self.report, self.target,
-                                 self.aux_layers, self.shards, self.cfg)
-            self.say(f"wrote {self.out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-                     f"{len(self.shards)} shard(s)")
+            manifest = _finalize(
+                self.out,
+                self.plan,
+                self.plan_sha,
+                self.samples,
+                self.report,
+                self.target,
+                self.aux_layers,
+                self.shards,
+                self.cfg,
+            )
+            self.say(
+                f"wrote {self.out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+                f"{len(self.shards)} shard(s)"
+            )
         barrier(self.world)
         if manifest is None:
             manifest = read_json(self.out / fmt.MANIFEST)
@@ -345,8 +396,11 @@ class _WriteSlots:
         if slot == len(self.buffers):
             t0 = time.time()
             c = self.cfg
-            self.buffers.append(_ShardBuffers(self.max_tokens, self.k * self.hidden, self.hidden, self.k, c.dtype,
-                                              c.capture_final, self.pin))
+            self.buffers.append(
+                _ShardBuffers(
+                    self.max_tokens, self.k * self.hidden, self.hidden, self.k, c.dtype, c.capture_final, self.pin
+                )
+            )
             self.alloc_s += time.time() - t0
         self.n_used += 1
         return slot, self.buffers[slot].view(num_tokens)
@@ -388,7 +442,8 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
 
     def is_ours(p: Path) -> bool:  # what a capture leaves before its plan exists (dirs, lock, killed writes)
         return p.name in (fmt.SHARD_DIR, fmt.PROGRESS_DIR, LOCK_FILE_NAME) or (
-            p.name.startswith(".") and p.name.endswith(".tmp"))
+            p.name.startswith(".") and p.name.endswith(".tmp")
+        )
 
     if is_main:
         if ppath.is_file():
@@ -535,8 +590,9 @@ def _land(buf: _ShardBuffers, pending, dtype: str) -> None:
             dest.index_copy_(0, dst, rows)
 
 
-def _write_shard(out: Path, si: int, first: int, shard_samples, offsets, buf: _ShardBuffers,
-                 plan_sha: str) -> tuple[float, int]:
+def _write_shard(
+    out: Path, si: int, first: int, shard_samples, offsets, buf: _ShardBuffers, plan_sha: str
+) -> tuple[float, int]:
     """Commit shard `si`: the shard file (atomic rename), then its progress record. Returns (seconds, bytes)."""
     n = len(shard_samples)
     ids = np.concatenate([s.input_ids for s in shard_samples]).astype(np.int32)

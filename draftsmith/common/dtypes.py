@@ -19,18 +19,29 @@ if TYPE_CHECKING:
 
 #: Accepted name -> torch attribute name, for the floating-point dtypes weights and autocast use.
 FLOAT_NAMES: dict[str, str] = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16",
-    "fp32": "float32", "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
 }
 SHORT_NAMES = ("bf16", "fp16", "fp32")  # what help texts offer
 WITH_AUTO = ("auto", *FLOAT_NAMES)  # a flag whose "auto" means "decided by the device or the target"
 
 #: torch dtype name -> safetensors header dtype code.
 SAFETENSORS_CODES: dict[str, str] = {
-    "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
-    "torch.bool": "BOOL", "torch.float64": "F64",
+    "torch.float32": "F32",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+    "torch.int16": "I16",
+    "torch.int8": "I8",
+    "torch.uint8": "U8",
+    "torch.bool": "BOOL",
+    "torch.float64": "F64",
 }
 
 

@@ -247,7 +247,11 @@ def atomic_save_safetensors_streaming(
             t = t.cpu()
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_DTYPES[str(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
         views.append(t.reshape(-1).view(torch.uint8).numpy() if nbytes else None)
     hjson = json.dumps(header, separators=(",", ":")).encode()

@@ -32,9 +32,10 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from draftsmith.common.errors import DraftsmithError
 
@@ -153,18 +154,36 @@ class Spec:
     metavar: str | None = None
 
 
-def setting(default: Any = MISSING, *, help: str, group: str, checks: Sequence[Check] = (),
-            flags: Sequence[str] = (), negate: bool = False, required: bool = False,
-            default_help: str | None = None, aliases: Sequence[str] = (), metavar: str | None = None) -> Any:
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    group: str,
+    checks: Sequence[Check] = (),
+    flags: Sequence[str] = (),
+    negate: bool = False,
+    required: bool = False,
+    default_help: str | None = None,
+    aliases: Sequence[str] = (),
+    metavar: str | None = None,
+) -> Any:
     """A dataclass field with its `Spec`; without a default the field is a required constructor argument."""
-    spec = Spec(help=help, group=group, checks=tuple(checks), flags=tuple(flags), negate=negate, required=required,
-                default_help=default_help, aliases=tuple(aliases), metavar=metavar)
+    spec = Spec(
+        help=help,
+        group=group,
+        checks=tuple(checks),
+        flags=tuple(flags),
+        negate=negate,
+        required=required,
+        default_help=default_help,
+        aliases=tuple(aliases),
+        metavar=metavar,
+    )
     return dataclasses.field(default=default, metadata={"spec": spec})
 
 
 # A field's type reduced to what the parser needs: one of these kinds, and whether None is allowed.
-_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               list: "a list of integers"}
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list of integers"}
 
 
 @dataclass(frozen=True)
@@ -211,8 +230,11 @@ def fields_of(schema: type) -> dict[str, FieldInfo]:
         if spec is None:
             continue
         kind, optional = _kind(hints[f.name], f"{schema.__name__}.{f.name}")
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else MISSING)
+        )
         out[f.name] = FieldInfo(f.name, kind, optional, default, spec)
     schema._schema_fields = out
     return out
@@ -233,8 +255,9 @@ def convert(info: FieldInfo, value: Any, where: str) -> Any:
             return None
         raise DraftsmithError(f"{where}: expected {_KIND_WORDS[info.kind]}, got null")
     kind, text = info.kind, isinstance(value, str)
-    wrong = DraftsmithError(f"{where}: expected {_KIND_WORDS[kind]}, got {_show(value)}"
-                            + ("" if text else f" ({type(value).__name__})"))
+    wrong = DraftsmithError(
+        f"{where}: expected {_KIND_WORDS[kind]}, got {_show(value)}" + ("" if text else f" ({type(value).__name__})")
+    )
     if kind is bool:
         if not isinstance(value, bool):
             raise wrong
@@ -339,8 +362,9 @@ def load_yaml(schema: type, path: str) -> dict[str, Any]:
         return {}
     groups = groups_of(schema)
     if not isinstance(data, dict):
-        raise DraftsmithError(f"{path}: expected a mapping of field: value (flat, or nested under the groups "
-                              f"{', '.join(groups)})")
+        raise DraftsmithError(
+            f"{path}: expected a mapping of field: value (flat, or nested under the groups {', '.join(groups)})"
+        )
     fields = fields_of(schema)
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -356,8 +380,9 @@ def load_yaml(schema: type, path: str) -> dict[str, Any]:
         name = _lookup(schema, k)
         if k in groups and (isinstance(value, dict) or name is None):
             if not isinstance(value, dict):
-                raise DraftsmithError(f"{path}: field '{key}': a group, expected a mapping of its fields, "
-                                      f"got {_show(value)}")
+                raise DraftsmithError(
+                    f"{path}: field '{key}': a group, expected a mapping of its fields, got {_show(value)}"
+                )
             for sub, v in value.items():
                 s = _norm(sub)
                 dotted = f"{key}.{sub}"
@@ -365,8 +390,9 @@ def load_yaml(schema: type, path: str) -> dict[str, Any]:
                 if sub_name is None:
                     raise _unknown(path, dotted, s, groups[k])
                 if fields[sub_name].spec.group != k:
-                    raise DraftsmithError(f"{path}: field '{dotted}': belongs to group "
-                                          f"'{fields[sub_name].spec.group}', not '{key}'")
+                    raise DraftsmithError(
+                        f"{path}: field '{dotted}': belongs to group '{fields[sub_name].spec.group}', not '{key}'"
+                    )
                 take(sub_name, dotted, v)
         elif name is None:
             raise _unknown(path, str(key), k, list(fields) + list(groups))
@@ -421,8 +447,14 @@ def cli_parameters(schema: type) -> list[inspect.Parameter]:
         else:
             annotation = Optional[str]
             kw["metavar"] = _metavar(info)
-        params.append(inspect.Parameter(info.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=typer.Option(None, *flags, **kw)))
+        params.append(
+            inspect.Parameter(
+                info.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=annotation,
+                default=typer.Option(None, *flags, **kw),
+            )
+        )
     return params
 
 
@@ -430,10 +462,19 @@ def config_parameter(stage: str) -> inspect.Parameter:
     import typer
 
     return inspect.Parameter(
-        "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
-        default=typer.Option(None, "--config", "-c", metavar="FILE.yaml", rich_help_panel="Config file",
-                             help=f"YAML file of {stage} settings: field names (as the options below, - or _), "
-                                  "flat or nested under their group (e.g. optim: {lr: 3e-4}); flags override it."))
+        "config",
+        inspect.Parameter.KEYWORD_ONLY,
+        annotation=Optional[str],
+        default=typer.Option(
+            None,
+            "--config",
+            "-c",
+            metavar="FILE.yaml",
+            rich_help_panel="Config file",
+            help=f"YAML file of {stage} settings: field names (as the options below, - or _), "
+            "flat or nested under their group (e.g. optim: {lr: 3e-4}); flags override it.",
+        ),
+    )
 
 
 def values_from_flags(schema: type, given: dict[str, Any]) -> dict[str, Any]:
@@ -462,9 +503,15 @@ def build(schema: type, values: dict[str, Any]) -> Any:
     return cfg
 
 
-def command_for(schema: type, run: Callable[..., None], *, stage: str, doc: str,
-                extra: Sequence[inspect.Parameter] = (),
-                adjust: Callable[[dict[str, Any], dict[str, Any]], None] | None = None) -> Callable[..., None]:
+def command_for(
+    schema: type,
+    run: Callable[..., None],
+    *,
+    stage: str,
+    doc: str,
+    extra: Sequence[inspect.Parameter] = (),
+    adjust: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+) -> Callable[..., None]:
     """A typer command whose options are the schema's settings plus `--config` and `extra`.
 
     It loads `--config`, lets `adjust(flag_values, extras)` map stage-specific extra options into settings given

@@ -34,8 +34,9 @@ _SENTINELS = ("Zq9xDraftsmithSentinelq9xZ", "Jw4kDraftsmithSentinelw4kJ")
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs=None) -> str:
-    out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                        **(template_kwargs or {}))
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+    )
     if isinstance(out, list) and len(out) == 1:  # some versions return a batch of one
         out = out[0]
     if not isinstance(out, str):
@@ -119,8 +120,13 @@ class ChatPlan:
                 continue
             a = _try_render(tokenizer, messages[:i], True, tkw)
             b = _try_render(tokenizer, messages[: i + 1], False, tkw)
-            ok = (a is not None and b is not None and len(b) > len(a)
-                  and self.full.startswith(a) and self.full.startswith(b))
+            ok = (
+                a is not None
+                and b is not None
+                and len(b) > len(a)
+                and self.full.startswith(a)
+                and self.full.startswith(b)
+            )
             self.turns.append((i, a, b, ok))
 
     def strings(self, have_offsets: bool) -> list[str]:
@@ -176,8 +182,11 @@ class ChatPlan:
                 self.fallbacks += 1
                 cs = self.char_span(tokenizer, i, a, b)
                 if cs is None:
-                    raise R.bad(self.where, R.TEMPLATE_ERROR,
-                                f"cannot locate assistant message {i} in the rendered conversation")
+                    raise R.bad(
+                        self.where,
+                        R.TEMPLATE_ERROR,
+                        f"cannot locate assistant message {i} in the rendered conversation",
+                    )
                 if bounds is not None:
                     span = _chars_to_tokens(cs, bounds, n)
                 else:  # no offsets (slow tokenizer): boundaries from decoded prefix lengths
@@ -212,8 +221,7 @@ def _chars_to_tokens_by_decode(tokenizer, ids, span):
 
     def dlen(k):
         if k not in cache:
-            cache[k] = len(tokenizer.decode(ids[:k], skip_special_tokens=False,
-                                            clean_up_tokenization_spaces=False))
+            cache[k] = len(tokenizer.decode(ids[:k], skip_special_tokens=False, clean_up_tokenization_spaces=False))
         return cache[k]
 
     a, b = span
@@ -268,7 +276,6 @@ def special_and_ws_ids(tokenizer):
 
 def _maybe_ws(tok: str) -> bool:
     # Byte-level BPE spells '\n' as 'Ċ', ' ' as 'Ġ', '\t' as 'ĉ', '\r' as 'č'; SentencePiece ' ' as '▁'.
-    return tok != "" and all(c.isspace() or c in "ĊĠĉč▁" for c in tok) or tok in (
-        "<0x0A>", "<0x09>", "<0x0D>", "<0x20>"
+    return (
+        tok != "" and all(c.isspace() or c in "ĊĠĉč▁" for c in tok) or tok in ("<0x0A>", "<0x09>", "<0x0D>", "<0x20>")
     )
-

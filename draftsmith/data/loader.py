@@ -52,8 +52,11 @@ class DataReport:
         if self.samples != self.kept:
             s += f" ({self.samples} samples)"
         if self.skipped:
-            s += f", {self.num_skipped} skipped (" + ", ".join(
-                f"{k}: {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0]))) + ")"
+            s += (
+                f", {self.num_skipped} skipped ("
+                + ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+                + ")"
+            )
         if self.truncated:
             s += f", {self.truncated} truncated"
         if self.split:
@@ -64,9 +67,16 @@ class DataReport:
 
     def to_dict(self) -> dict:
         return {
-            "total": self.total, "kept": self.kept, "skipped": dict(self.skipped), "truncated": self.truncated,
-            "split": self.split, "samples": self.samples, "tokens": self.tokens,
-            "masked_tokens": self.masked_tokens, "files": self.files, "mask_fallbacks": self.mask_fallbacks,
+            "total": self.total,
+            "kept": self.kept,
+            "skipped": dict(self.skipped),
+            "truncated": self.truncated,
+            "split": self.split,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "masked_tokens": self.masked_tokens,
+            "files": self.files,
+            "mask_fallbacks": self.mask_fallbacks,
         }
 
 
@@ -77,8 +87,7 @@ def _has_template(tokenizer) -> bool:
 def _encode(tokenizer, texts: list[str], *, offsets=False, as_text=False):
     """Batch-encode without the tokenizer's own special tokens. as_text: special-token strings in the text
     stay text (split_special_tokens), as a code file that mentions '<|endoftext|>' must not end a document."""
-    kw = {"add_special_tokens": False, "return_attention_mask": False, "return_token_type_ids": False,
-          "verbose": False}
+    kw = {"add_special_tokens": False, "return_attention_mask": False, "return_token_type_ids": False, "verbose": False}
     if offsets and getattr(tokenizer, "is_fast", False):
         kw["return_offsets_mapping"] = True
     if as_text:
@@ -138,8 +147,9 @@ class _TextPool:
         self.workers = workers
         with warnings.catch_warnings():  # Python 3.12 warns on fork() of a multi-threaded process
             warnings.simplefilter("ignore", DeprecationWarning)
-            self.ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_pool_init,
-                                          initargs=(tokenizer,))
+            self.ex = ProcessPoolExecutor(
+                workers, mp_context=mp.get_context("fork"), initializer=_pool_init, initargs=(tokenizer,)
+            )
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         # ~4 chunks per worker, balanced by characters; map keeps the order
@@ -251,9 +261,12 @@ class _Loader:
             return ("chat", plan)
         # chat
         if not self.has_template:
-            raise R.bad(rec.where, R.NO_CHAT_TEMPLATE,
-                        "a conversation record, but the tokenizer has no chat template "
-                        "(use mode='text' to train on the joined text)")
+            raise R.bad(
+                rec.where,
+                R.NO_CHAT_TEMPLATE,
+                "a conversation record, but the tokenizer has no chat template "
+                "(use mode='text' to train on the joined text)",
+            )
         plan = ChatPlan(self.tok, rec.messages, rec.where, template_kwargs=self.tkw)
         R.check_utf8(plan.full, rec.where, "the rendered conversation")
         return ("chat", plan)
@@ -296,8 +309,14 @@ class _Loader:
         chats = [(i, it) for i, (_, it) in enumerate(batch) if it[0] == "chat"]
         out: list = [None] * len(batch)
         if texts:
-            ids_list, _ = _encode_safe(self.tok, [it[1] for _, it in texts], [batch[i][0] for i, _ in texts],
-                                       self.bad, pool=self._text_pool(), as_text=True)
+            ids_list, _ = _encode_safe(
+                self.tok,
+                [it[1] for _, it in texts],
+                [batch[i][0] for i, _ in texts],
+                self.bad,
+                pool=self._text_pool(),
+                as_text=True,
+            )
             for (i, it), ids in zip(texts, ids_list):
                 if ids is None:
                     continue
@@ -313,12 +332,17 @@ class _Loader:
         if chats:
             special, ws = special_and_ws_ids(self.tok)
             fulls = [it[1].full for _, it in chats]
-            ids_list, offs_list = _encode_safe(self.tok, fulls, [batch[i][0] for i, _ in chats], self.bad,
-                                               offsets=True)
+            ids_list, offs_list = _encode_safe(self.tok, fulls, [batch[i][0] for i, _ in chats], self.bad, offsets=True)
             if offs_list is not None and any(o is None for o, ids in zip(offs_list, ids_list) if ids is not None):
                 offs_list = None
-            extra = sorted({s for (_, it), ids in zip(chats, ids_list) if ids is not None
-                            for s in it[1].strings(offs_list is not None)})
+            extra = sorted(
+                {
+                    s
+                    for (_, it), ids in zip(chats, ids_list)
+                    if ids is not None
+                    for s in it[1].strings(offs_list is not None)
+                }
+            )
             enc_of = {}
             if extra:
                 enc_of = dict(zip(extra, _encode_safe(self.tok, extra, [""] * len(extra), lambda e: None)[0]))
@@ -327,8 +351,9 @@ class _Loader:
                     continue
                 plan = it[1]
                 try:
-                    mask = plan.mask(self.tok, list(ids), offs_list[k] if offs_list is not None else None,
-                                     enc_of, special, ws)
+                    mask = plan.mask(
+                        self.tok, list(ids), offs_list[k] if offs_list is not None else None, enc_of, special, ws
+                    )
                     self.report.mask_fallbacks += plan.fallbacks
                 except BadRecordError as e:
                     self.bad(e)
@@ -353,8 +378,12 @@ class _Loader:
                     body_ids, body_mask, step = ids[1:], mask[1:], L - 1
                     head_id, head_mask = ids[:1], mask[:1]
                     for s in range(0, len(body_ids), step):
-                        pieces.append((np.concatenate([head_id, body_ids[s : s + step]]),
-                                       np.concatenate([head_mask, body_mask[s : s + step]])))
+                        pieces.append(
+                            (
+                                np.concatenate([head_id, body_ids[s : s + step]]),
+                                np.concatenate([head_mask, body_mask[s : s + step]]),
+                            )
+                        )
                 else:
                     for s in range(0, len(ids), L):
                         pieces.append((ids[s : s + L].copy(), mask[s : s + L].copy()))
@@ -384,6 +413,7 @@ def _jsonl_items(path: Path, name: str, mode: str) -> Iterator[tuple[str, Callab
 def _raiser(err):
     def f():
         raise err
+
     return f
 
 
@@ -429,8 +459,18 @@ def _list_dir(root: Path, pattern: str, follow_symlinks: bool = False) -> tuple[
 SYMLINK_OUTSIDE = "symlink outside the data directory"
 
 
-def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", add_bos=None,
-                 split_long=None, glob=None, chat_template_kwargs=None, follow_symlinks=False):
+def load_samples(
+    path,
+    tokenizer,
+    max_length=None,
+    on_bad="error",
+    mode="auto",
+    add_bos=None,
+    split_long=None,
+    glob=None,
+    chat_template_kwargs=None,
+    follow_symlinks=False,
+):
     """Read user data and return (list[Sample], DataReport).
 
     path: a JSONL file (.jsonl/.json/.ndjson; one record per line; a .json file may instead hold one JSON
@@ -487,8 +527,9 @@ def load_samples(path, tokenizer, max_length=None, on_bad="error", mode="auto", 
     return ld.samples, ld.report
 
 
-def load_prompts(path, tokenizer, raw=False, return_text=False, add_bos=None, on_bad="error", limit=None,
-                 chat_template_kwargs=None):
+def load_prompts(
+    path, tokenizer, raw=False, return_text=False, add_bos=None, on_bad="error", limit=None, chat_template_kwargs=None
+):
     """Prompts for evaluation/generation from a JSONL file: list of int32 token-id arrays (or, with
     return_text=True, the strings that are tokenized).
 
@@ -518,8 +559,9 @@ def load_prompts(path, tokenizer, raw=False, return_text=False, add_bos=None, on
                         first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
                         msgs = msgs[:first]
                         if not msgs:
-                            raise R.bad(where, R.EMPTY_CONVERSATION, f"{key} has no message before the first "
-                                        "assistant message")
+                            raise R.bad(
+                                where, R.EMPTY_CONVERSATION, f"{key} has no message before the first assistant message"
+                            )
                         rec = R.Record(where, "prompt", messages=msgs)
                         break
                 else:
@@ -539,10 +581,14 @@ def load_prompts(path, tokenizer, raw=False, return_text=False, add_bos=None, on
         return [t for t, _ in texts]
     out = []
     if texts:
-        ids_list, _ = _encode(tokenizer, [t for t, raw_t in texts if raw_t], as_text=True) if any(
-            r for _, r in texts) else ([], None)
-        tmpl_ids, _ = _encode(tokenizer, [t for t, raw_t in texts if not raw_t]) if any(
-            not r for _, r in texts) else ([], None)
+        ids_list, _ = (
+            _encode(tokenizer, [t for t, raw_t in texts if raw_t], as_text=True)
+            if any(r for _, r in texts)
+            else ([], None)
+        )
+        tmpl_ids, _ = (
+            _encode(tokenizer, [t for t, raw_t in texts if not raw_t]) if any(not r for _, r in texts) else ([], None)
+        )
         it_raw, it_tmpl = iter(ids_list), iter(tmpl_ids)
         for _, raw_t in texts:
             ids = np.asarray(next(it_raw) if raw_t else next(it_tmpl), dtype=np.int32)

@@ -13,9 +13,9 @@ Every problem with a record raises `BadRecordError` whose message is ``FILE:LINE
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from draftsmith.common.errors import BadRecordError
 
@@ -86,8 +86,10 @@ class Record:
 
 
 def _type(v) -> str:
-    return "null" if v is None else {dict: "object", list: "list", str: "string", bool: "bool"}.get(
-        type(v), type(v).__name__
+    return (
+        "null"
+        if v is None
+        else {dict: "object", list: "list", str: "string", bool: "bool"}.get(type(v), type(v).__name__)
     )
 
 
@@ -137,8 +139,10 @@ def normalize_messages(obj: dict, key: str, where: str) -> list[dict]:
         role = ROLE_ALIASES.get(r.strip().lower()) if isinstance(r, str) else None
         if role is None:
             raise bad(where, UNKNOWN_ROLE, f"{key}[{j}].{rkey}={r!r}")
-        ckey = content_default if content_default in m else (
-            "content" if "content" in m else "value" if "value" in m else content_default
+        ckey = (
+            content_default
+            if content_default in m
+            else ("content" if "content" in m else "value" if "value" in m else content_default)
         )
         content = check_utf8(_content(m, key, ckey, j, where, role), where, f"{key}[{j}].{ckey}")
         msg = {"role": role, "content": content}
@@ -167,8 +171,11 @@ def parse_record(obj, where: str, mode: str = "auto") -> Record:
     if "turns" in obj:
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns:
-            raise bad(where, EMPTY_CONVERSATION if turns == [] else BAD_MESSAGE,
-                      "turns is empty" if turns == [] else f"turns is {_type(turns)}, not a list")
+            raise bad(
+                where,
+                EMPTY_CONVERSATION if turns == [] else BAD_MESSAGE,
+                "turns is empty" if turns == [] else f"turns is {_type(turns)}, not a list",
+            )
         if not isinstance(turns[0], str):
             raise bad(where, BAD_CONTENT, f"turns[0] is {_type(turns[0])}, not a string")
         if not turns[0].strip():

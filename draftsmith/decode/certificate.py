@@ -71,8 +71,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def certify(engine, prompt: Sequence[int], mode, max_new_tokens: int,
-            prompt_index: int = 0) -> tuple[Divergence | None, float]:
+def certify(
+    engine, prompt: Sequence[int], mode, max_new_tokens: int, prompt_index: int = 0
+) -> tuple[Divergence | None, float]:
     """Rerun plain and speculative greedy decoding of `prompt` with margins recorded. Returns (the first divergence,
     or None when the outputs are equal; the largest |top-1 logit| of the plain run, for ε)."""
     from draftsmith.decode.engine import DecodeMode
@@ -93,8 +94,9 @@ def certify(engine, prompt: Sequence[int], mode, max_new_tokens: int,
     if j >= min(len(rp.token_ids), len(rs.token_ids)):
         # one output is a prefix of the other (they stopped differently): no token was chosen differently, so no
         # margin explains it -- counted as real, the conservative side
-        return Divergence(prompt_index, j, -1, -1, None, None, None, divergence_epsilon(top_max, engine.dtype),
-                          "real"), top_max
+        return Divergence(
+            prompt_index, j, -1, -1, None, None, None, divergence_epsilon(top_max, engine.dtype), "real"
+        ), top_max
     pg, top = rp.margins[j]
     vg = rs.margins[j][0]
     eps = divergence_epsilon(top, engine.dtype)
@@ -106,7 +108,9 @@ def summarize(n_prompts: int, divergences: Sequence[Divergence], top_logit: floa
     """eval.json's "greedy_divergences" (a contract): {"equal", "near_tie", "real", "epsilon"}. ε is the near-tie
     bound at the largest top logit seen (`top_logit`, or the divergences' own when larger)."""
     mags = [abs(top_logit)] + [abs(d.top_logit) for d in divergences if d.top_logit is not None]
-    return {"equal": n_prompts - len(divergences),
-            "near_tie": sum(d.kind == "near_tie" for d in divergences),
-            "real": sum(d.kind == "real" for d in divergences),
-            "epsilon": divergence_epsilon(max(mags), dtype)}
+    return {
+        "equal": n_prompts - len(divergences),
+        "near_tie": sum(d.kind == "near_tie" for d in divergences),
+        "real": sum(d.kind == "real" for d in divergences),
+        "epsilon": divergence_epsilon(max(mags), dtype),
+    }

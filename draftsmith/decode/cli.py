@@ -58,8 +58,9 @@ def _check_numbers(max_new_tokens: int, temperatures: list[float], top_p: float,
         raise DraftsmithError(str(e)) from None
 
 
-def _check_tune_flags(tune: bool, tuning: Optional[str], tune_prompts: Optional[str], save_tuning: Optional[str],
-                      plain: bool = False) -> None:
+def _check_tune_flags(
+    tune: bool, tuning: Optional[str], tune_prompts: Optional[str], save_tuning: Optional[str], plain: bool = False
+) -> None:
     if tune and tuning:
         raise DraftsmithError("--tune and --tuning FILE: give one (measure now, or reuse a saved choice)")
     if (tune_prompts or save_tuning) and not tune:
@@ -68,34 +69,57 @@ def _check_tune_flags(tune: bool, tuning: Optional[str], tune_prompts: Optional[
         raise DraftsmithError("--plain with --tune/--tuning: plain decoding has nothing to tune")
 
 
-_ATTN_HELP = ("Attention of the compact forward and the drafter: auto (on CUDA SDPA while cache slots x head_dim "
-              "<= 65,536, batched matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split.")
+_ATTN_HELP = (
+    "Attention of the compact forward and the drafter: auto (on CUDA SDPA while cache slots x head_dim "
+    "<= 65,536, batched matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."
+)
 
 
-_KERNELS_HELP = ("Decode kernels of the compact forward: torch (cuBLAS + separate norms/RoPE/attention) | triton "
-                 "(one-token steps through draftsmith's fused kernels, 7 a layer, tiles tuned on the GPU at start: "
-                 "0.87-0.90 of copy bandwidth on an 8B shape vs 0.61 for torch; the rounds' verify, hand-off and "
-                 "draft-step attention through one tree-mask kernel, a tree level's top-k through two). Fastest: "
-                 "--kernels triton --compile (8B shape: 3.1x projected for tree rounds against this plain step).")
+_KERNELS_HELP = (
+    "Decode kernels of the compact forward: torch (cuBLAS + separate norms/RoPE/attention) | triton "
+    "(one-token steps through draftsmith's fused kernels, 7 a layer, tiles tuned on the GPU at start: "
+    "0.87-0.90 of copy bandwidth on an 8B shape vs 0.61 for torch; the rounds' verify, hand-off and "
+    "draft-step attention through one tree-mask kernel, a tree level's top-k through two). Fastest: "
+    "--kernels triton --compile (8B shape: 3.1x projected for tree rounds against this plain step)."
+)
 
 _CHAT_HELP = "Prompt format. " + (
     "Default: the tokenizer's chat template when it has one (one user message + generation prompt), else the text as "
-    "is; --chat requires the template; --raw always takes the text as is. The same rule for generate and eval.")
-_TUNE_HELP = ("Pick the mode by measurement: a short calibration (greedy, <= 64 new tokens) times plain decoding and a "
-              "handful of chain/tree shapes on this engine and uses the fastest, or plain decoding when none beats "
-              "it (and says so). Overrides --draft-tokens/--tree.")
+    "is; --chat requires the template; --raw always takes the text as is. The same rule for generate and eval."
+)
+_TUNE_HELP = (
+    "Pick the mode by measurement: a short calibration (greedy, <= 64 new tokens) times plain decoding and a "
+    "handful of chain/tree shapes on this engine and uses the fastest, or plain decoding when none beats "
+    "it (and says so). Overrides --draft-tokens/--tree."
+)
 _TUNE_PROMPTS_HELP = "Calibration prompts for --tune (any --prompts format; first 4 used). Default: the prompt(s)."
 _SAVE_TUNING_HELP = "Write the --tune choice and its measurements to FILE (JSON), for --tuning FILE later."
 _TUNING_HELP = "Use the mode saved by --save-tuning FILE (no calibration)."
 
 
-def _engine(t, d, max_len: int, backend: str, cuda_graphs: bool, compile: bool = False, attn_impl: str = "auto",
-            kernels: str = "torch"):
+def _engine(
+    t,
+    d,
+    max_len: int,
+    backend: str,
+    cuda_graphs: bool,
+    compile: bool = False,
+    attn_impl: str = "auto",
+    kernels: str = "torch",
+):
     from draftsmith.decode.engine import SpeculativeDecoder
 
     try:
-        return SpeculativeDecoder(t, d, max_len=max_len, backend=backend, cuda_graphs=None if cuda_graphs else False,
-                                  compile=compile, attn_impl=attn_impl, kernels=kernels)
+        return SpeculativeDecoder(
+            t,
+            d,
+            max_len=max_len,
+            backend=backend,
+            cuda_graphs=None if cuda_graphs else False,
+            compile=compile,
+            attn_impl=attn_impl,
+            kernels=kernels,
+        )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -133,8 +157,14 @@ def _run_tune(eng, prompts, max_new_tokens: int, save_tuning: Optional[str], con
 
 
 def _tuning_context(target, drafter, eng) -> dict:
-    return {"target": target, "drafter": drafter, "device": str(eng.device), "dtype": str(eng.dtype),
-            "kernels": getattr(eng.runner, "kernels", "torch"), "compiled": bool(getattr(eng, "_compiled", False))}
+    return {
+        "target": target,
+        "drafter": drafter,
+        "device": str(eng.device),
+        "dtype": str(eng.dtype),
+        "kernels": getattr(eng.runner, "kernels", "torch"),
+        "compiled": bool(getattr(eng, "_compiled", False)),
+    }
 
 
 def _load_tuning(path: str, drafter):
@@ -151,8 +181,9 @@ def register(app: typer.Typer) -> None:
     def generate(
         target: str = typer.Option(..., "--target", help="HF target model directory."),
         prompt: str = typer.Option(..., "--prompt", help="Prompt text (see --chat/--raw)."),
-        drafter: Optional[str] = typer.Option(None, "--drafter", help="EAGLE-3 drafter (draftsmith/SGLang/EAGLE "
-                                              "layout). Without it: plain decoding."),
+        drafter: Optional[str] = typer.Option(
+            None, "--drafter", help="EAGLE-3 drafter (draftsmith/SGLang/EAGLE layout). Without it: plain decoding."
+        ),
         max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="New tokens to generate (>= 1)."),
         temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (finite)."),
         top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
@@ -174,8 +205,9 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto = bf16 on CUDA, fp32 on CPU."),
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
-        cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA "
-                                         "graphs on GPUs."),
+        cuda_graphs: bool = typer.Option(
+            True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA graphs on GPUs."
+        ),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
@@ -195,8 +227,9 @@ def register(app: typer.Typer) -> None:
         t, d = _load(target, drafter, device, dtype)
         tok = t.tokenizer
         if use_chat_template(tok, chat):
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         else:
             ids = tok(prompt)["input_ids"]
@@ -237,15 +270,23 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write(json.dumps(obj) + "\n")
         else:
             typer.echo(res.text)
-            typer.secho(f"[{len(res.token_ids)} tokens, {mode.kind}, tau={res.tau:.2f}, "
-                        f"{res.tokens_per_s:.1f} tok/s, finish={res.finish_reason}]", err=True, fg=typer.colors.CYAN)
+            typer.secho(
+                f"[{len(res.token_ids)} tokens, {mode.kind}, tau={res.tau:.2f}, "
+                f"{res.tokens_per_s:.1f} tok/s, finish={res.finish_reason}]",
+                err=True,
+                fg=typer.colors.CYAN,
+            )
 
     @app.command("eval")
     def eval_cmd(
         target: str = typer.Option(..., "--target", help="HF target model directory."),
         drafter: str = typer.Option(..., "--drafter", help="EAGLE-3 drafter to evaluate."),
-        prompts: str = typer.Option(..., "--prompts", help="JSONL with turns (EAGLE questions) / text / messages / "
-                                    "conversations / prompt records, or a text file with one prompt per line."),
+        prompts: str = typer.Option(
+            ...,
+            "--prompts",
+            help="JSONL with turns (EAGLE questions) / text / messages / "
+            "conversations / prompt records, or a text file with one prompt per line.",
+        ),
         chat: Optional[bool] = typer.Option(None, "--chat/--raw", help=_CHAT_HELP),
         limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N prompts (>= 1)."),
         max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="New tokens per prompt (>= 1)."),
@@ -257,19 +298,28 @@ def register(app: typer.Typer) -> None:
         top_k_draft: int = typer.Option(8, "--top-k-draft", help="Tree: frontier width / children per node."),
         depth: int = typer.Option(5, "--depth", help="Tree: max draft tokens on one path."),
         tree_tokens: int = typer.Option(32, "--tree-tokens", help="Tree: draft nodes verified per round."),
-        tune: bool = typer.Option(False, "--tune", help=_TUNE_HELP.replace("Overrides --draft-tokens/--tree.",
-                                  "Reported next to the fixed mode (eval.json 'tuned').")),
+        tune: bool = typer.Option(
+            False,
+            "--tune",
+            help=_TUNE_HELP.replace(
+                "Overrides --draft-tokens/--tree.", "Reported next to the fixed mode (eval.json 'tuned')."
+            ),
+        ),
         tune_prompts: Optional[str] = typer.Option(None, "--tune-prompts", help=_TUNE_PROMPTS_HELP),
         save_tuning: Optional[str] = typer.Option(None, "--save-tuning", help=_SAVE_TUNING_HELP),
-        tuning: Optional[str] = typer.Option(None, "--tuning", help="Evaluate the mode saved by --save-tuning "
-                                             "FILE next to the fixed one (eval.json 'tuned')."),
+        tuning: Optional[str] = typer.Option(
+            None,
+            "--tuning",
+            help="Evaluate the mode saved by --save-tuning FILE next to the fixed one (eval.json 'tuned').",
+        ),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (prompt i uses seed + i)."),
         out: Path = typer.Option(Path("eval_out"), "--out", help="Directory for eval.json and PNG plots."),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto = bf16 on CUDA, fp32 on CPU."),
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
-        cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA "
-                                         "graphs on GPUs."),
+        cuda_graphs: bool = typer.Option(
+            True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA graphs on GPUs."
+        ),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
@@ -278,8 +328,15 @@ def register(app: typer.Typer) -> None:
         """Measure a drafter: τ, acceptance rate, per-position acceptance, speedup vs plain (T=0 and T>0)."""
         from draftsmith.common import schema as S
         from draftsmith.common.io import atomic_write_json
-        from draftsmith.decode.evaluate import (load_prompt_ids, print_table, read_prompts_text, run_eval,
-                                                tuned_entry, use_chat_template, write_plots)
+        from draftsmith.decode.evaluate import (
+            load_prompt_ids,
+            print_table,
+            read_prompts_text,
+            run_eval,
+            tuned_entry,
+            use_chat_template,
+            write_plots,
+        )
 
         try:
             temps = [float(x) for x in temperatures.split(",") if x.strip()]
@@ -304,17 +361,24 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError(f"{prompts}: no prompts")
         cal = load_prompt_ids(tune_prompts, t.tokenizer, raw=not templated, limit=4) if tune_prompts else ids
         cap = _max_positions(t)
-        need = max_new_tokens + max(mode.cache_need, saved.mode.cache_need if saved else 0,
-                                    _tuning_need() if tune else 0) + 2
+        need = (
+            max_new_tokens
+            + max(mode.cache_need, saved.mode.cache_need if saved else 0, _tuning_need() if tune else 0)
+            + 2
+        )
         kept = [p for p in ids if len(p) + need <= cap]
         if len(kept) < len(ids):
-            typer.secho(f"skipping {len(ids) - len(kept)} prompts longer than {cap - need} tokens", err=True,
-                        fg=typer.colors.YELLOW)
+            typer.secho(
+                f"skipping {len(ids) - len(kept)} prompts longer than {cap - need} tokens",
+                err=True,
+                fg=typer.colors.YELLOW,
+            )
         if not kept:
             raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
         cal = [p for p in cal if len(p) + need <= cap] or kept
-        eng = _engine(t, d, min(cap, max(len(p) for p in kept + cal) + need), backend, cuda_graphs, compile,
-                      attn_impl, kernels)
+        eng = _engine(
+            t, d, min(cap, max(len(p) for p in kept + cal) + need), backend, cuda_graphs, compile, attn_impl, kernels
+        )
         report = run_eval(eng, kept, mode, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)
         if tune or saved is not None:
             if tune:
@@ -323,10 +387,18 @@ def register(app: typer.Typer) -> None:
             else:
                 res = saved
                 report["tuning"] = {"file": tuning, **saved.to_json()}
-            report["tuned"] = tuned_entry(eng, kept, res.mode, report, mode, temps[0], max_new_tokens, seed=seed,
-                                          top_p=top_p, top_k=top_k)
-        report.update({"target": target, "drafter": drafter, "prompts_file": prompts, "raw": not templated,
-                       "prompt_format": "chat template" if templated else "text as is"})
+            report["tuned"] = tuned_entry(
+                eng, kept, res.mode, report, mode, temps[0], max_new_tokens, seed=seed, top_p=top_p, top_k=top_k
+            )
+        report.update(
+            {
+                "target": target,
+                "drafter": drafter,
+                "prompts_file": prompts,
+                "raw": not templated,
+                "prompt_format": "chat template" if templated else "text as is",
+            }
+        )
         out.mkdir(parents=True, exist_ok=True)
         report["plots"] = write_plots(report, out)
         atomic_write_json(out / "eval.json", report)
@@ -335,10 +407,16 @@ def register(app: typer.Typer) -> None:
             tu = report["tuned"]
             from draftsmith.decode.tuning import describe, mode_from_json
 
-            typer.secho(f"tuned {describe(mode_from_json(tu['mode'], 'tuned'))}: {tu['tok_s']:.1f} tok/s vs plain "
-                        f"{tu['plain_tok_s']:.1f} = {tu['speedup']:.2f}x (T={temps[0]:g}, all prompts)", err=True,
-                        fg=typer.colors.CYAN)
-        typer.secho(f"wrote {out / 'eval.json'}" + (f" and {len(report['plots'])} plots" if report["plots"] else
-                                                    " (install matplotlib for plots)"), err=True)
+            typer.secho(
+                f"tuned {describe(mode_from_json(tu['mode'], 'tuned'))}: {tu['tok_s']:.1f} tok/s vs plain "
+                f"{tu['plain_tok_s']:.1f} = {tu['speedup']:.2f}x (T={temps[0]:g}, all prompts)",
+                err=True,
+                fg=typer.colors.CYAN,
+            )
+        typer.secho(
+            f"wrote {out / 'eval.json'}"
+            + (f" and {len(report['plots'])} plots" if report["plots"] else " (install matplotlib for plots)"),
+            err=True,
+        )
         if json_out:
             sys.stdout.write(json.dumps(report) + "\n")

@@ -67,8 +67,9 @@ class DecodeMode:
             if self.depth > 250:
                 raise ValueError("--depth must be <= 250")
             if self.tree_tokens > self.num_candidates:
-                raise ValueError(f"--tree-tokens {self.tree_tokens} > candidates top_k + (depth-1)*top_k^2 = "
-                                 f"{self.num_candidates}")
+                raise ValueError(
+                    f"--tree-tokens {self.tree_tokens} > candidates top_k + (depth-1)*top_k^2 = {self.num_candidates}"
+                )
 
     @property
     def cache_need(self) -> int:
@@ -111,15 +112,27 @@ class GenerationResult:
     def to_json(self) -> dict:
         n = len(self.token_ids)
         return {
-            "text": self.text, "token_ids": self.token_ids, "tau": self.tau, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens, "new_tokens": n, "rounds": self.rounds,
-            "accepted_per_round": self.accepted, "proposed_per_round": self.proposed_per_round,
-            "acceptance_rate": (sum(self.accepted) / (self.proposed_per_round * len(self.accepted))
-                                if self.accepted and self.proposed_per_round else None),
-            "timing": {"prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                       "total_s": self.prefill_s + self.decode_s,
-                       "tokens_per_s": n / max(self.prefill_s + self.decode_s, 1e-9),
-                       "decode_tokens_per_s": max(n - 1, 0) / max(self.decode_s, 1e-9)},
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "tau": self.tau,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": n,
+            "rounds": self.rounds,
+            "accepted_per_round": self.accepted,
+            "proposed_per_round": self.proposed_per_round,
+            "acceptance_rate": (
+                sum(self.accepted) / (self.proposed_per_round * len(self.accepted))
+                if self.accepted and self.proposed_per_round
+                else None
+            ),
+            "timing": {
+                "prefill_s": self.prefill_s,
+                "decode_s": self.decode_s,
+                "total_s": self.prefill_s + self.decode_s,
+                "tokens_per_s": n / max(self.prefill_s + self.decode_s, 1e-9),
+                "decode_tokens_per_s": max(n - 1, 0) / max(self.decode_s, 1e-9),
+            },
         }
 
 
@@ -175,9 +188,18 @@ class SpeculativeDecoder:
     # The threshold sits between: bmm once S x head_dim > 65,536 (8B: 512 slots; d=64: 1,024).
     SDPA_MAX_KEY_ELEMS = 65536
 
-    def __init__(self, target, drafter=None, max_len: int = 2048, backend: str = "auto",
-                 cuda_graphs: bool | None = None, aux_layers: Sequence[int] | None = None,
-                 compile: bool | str = False, attn_impl: str = "auto", kernels: str = "torch"):
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        max_len: int = 2048,
+        backend: str = "auto",
+        cuda_graphs: bool | None = None,
+        aux_layers: Sequence[int] | None = None,
+        compile: bool | str = False,
+        attn_impl: str = "auto",
+        kernels: str = "torch",
+    ):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
         if compile not in (False, True, "max-autotune"):
@@ -229,8 +251,9 @@ class SpeculativeDecoder:
             self.runner = HFGenericForward(model, layers, self.aux_layers, self.max_len)
             self.backend = "hf"
             if backend == "auto":
-                warnings.warn(f"using the generic HF path ({why}); it is slower and runs without CUDA graphs",
-                              stacklevel=2)
+                warnings.warn(
+                    f"using the generic HF path ({why}); it is slower and runs without CUDA graphs", stacklevel=2
+                )
         self.device = self.runner.device
         self.dtype = self.runner.dtype
         self.kernel_tuning: list[dict] = []  # the Triton gemv sweep of kernels="triton" on CUDA (tune_kernels)
@@ -240,13 +263,16 @@ class SpeculativeDecoder:
             from draftsmith.decode import kernels as K
 
             if self.backend != "llama":
-                raise ValueError("kernels='triton' needs the compact Llama-family forward (this target runs the "
-                                 "generic HF path)")
+                raise ValueError(
+                    "kernels='triton' needs the compact Llama-family forward (this target runs the generic HF path)"
+                )
             if not K.available():
                 raise ValueError("kernels='triton' needs triton (pip install triton; CUDA builds of torch bring it)")
             if self.device.type != "cuda" and not K.interpreted():
-                raise ValueError(f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
-                                 "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)")
+                raise ValueError(
+                    f"kernels='triton' needs a CUDA device (this target is on {self.device}; "
+                    "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)"
+                )
             self.runner.kernels = "triton"
             self.kernel_tuning = self.runner.tune_kernels()  # before any compile or graph capture
         self.vocab_size = int(cfg.vocab_size)
@@ -276,7 +302,7 @@ class SpeculativeDecoder:
             nh = int(dc.num_attention_heads)
             self.d_nkv = int(getattr(dc, "num_key_value_heads", None) or nh)
             self.d_hd = int(getattr(dc, "head_dim", None) or int(dc.hidden_size) // nh)
-            self.d_scale = self.d_hd ** -0.5
+            self.d_scale = self.d_hd**-0.5
             p = next(drafter.parameters())
             self.d_dtype = p.dtype
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
@@ -289,8 +315,10 @@ class SpeculativeDecoder:
                 self.d_ids = drafter.draft_to_target(torch.arange(n, device=dev))
             nfc = drafter.fc.in_features if hasattr(drafter, "fc") else None
             if nfc is not None and nfc != len(self.aux_layers) * int(cfg.hidden_size):
-                raise ValueError(f"drafter fc expects {nfc} inputs; {len(self.aux_layers)} aux layers x "
-                                 f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}")
+                raise ValueError(
+                    f"drafter fc expects {nfc} inputs; {len(self.aux_layers)} aux layers x "
+                    f"{cfg.hidden_size} = {len(self.aux_layers) * int(cfg.hidden_size)}"
+                )
         self._d_slots = None
         self._d_mask = None
         # kernels="triton": the drafter's attention over up to this many tokens through kernels.rows_attention, and
@@ -559,33 +587,46 @@ class SpeculativeDecoder:
         f_add, anc_add, new_idx = [], [], []
         for j in range(1, D):
             m = torch.zeros(k, R, dtype=torch.bool, device=dev)
-            m[:, (j - 1) * k:j * k] = eye_k
+            m[:, (j - 1) * k : j * k] = eye_k
             f_add.append(m)  # frontier row i attends to its own drafter slot at depth j
             n_c = k + (j - 1) * kk
             a = torch.zeros(kk, C, dtype=torch.bool, device=dev)
-            a[:, n_c:n_c + kk] = torch.eye(kk, dtype=torch.bool, device=dev)
+            a[:, n_c : n_c + kk] = torch.eye(kk, dtype=torch.bool, device=dev)
             anc_add.append(a)  # each new candidate is its own ancestor
             new_idx.append(n_c + torch.arange(kk, device=dev))
-        depth_all = torch.cat([torch.ones(k, dtype=torch.long, device=dev)] +
-                              [torch.full((kk,), j + 1, dtype=torch.long, device=dev) for j in range(1, D)])
+        depth_all = torch.cat(
+            [torch.ones(k, dtype=torch.long, device=dev)]
+            + [torch.full((kk,), j + 1, dtype=torch.long, device=dev) for j in range(1, D)]
+        )
         anc0 = torch.zeros(C, C, dtype=torch.bool, device=dev)
         anc0[:k, :k] = eye_k
         # parent -1 (the root) indexes cmap's last entry: node 0
-        cmap0 = torch.cat([torch.full((C,), -1, dtype=torch.long, device=dev),
-                           torch.zeros(1, dtype=torch.long, device=dev)])
+        cmap0 = torch.cat(
+            [torch.full((C,), -1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)]
+        )
         tmask0 = torch.zeros(N + 1, N + 1, dtype=torch.bool, device=dev)
         tmask0[:, 0].fill_(True)
-        c = {"f_add": f_add, "anc_add": anc_add, "new_idx": new_idx, "anc0": anc0, "cmap0": cmap0, "tmask0": tmask0,
-             "depth_all": depth_all, "depth_pen": depth_all.to(torch.float32) * 1e-6,
-             "parent0": torch.full((k,), -1, dtype=torch.long, device=dev),
-             "pos_off": torch.arange(max(D - 1, 1), device=dev)[:, None].expand(max(D - 1, 1), k).contiguous(),
-             "slot_off": torch.arange(max(D - 1, 1) * k, device=dev).view(max(D - 1, 1), k),
-             "ar_k": torch.arange(k, device=dev), "ar_R": torch.arange(R, device=dev),
-             "ar_N1": torch.arange(N + 1, device=dev),
-             "ar_1N": torch.arange(1, N + 1, device=dev), "ar_D1": torch.arange(D + 1, device=dev),
-             "zero1": torch.zeros(1, dtype=torch.long, device=dev),
-             "minus2": torch.full((1,), -2, dtype=torch.long, device=dev),
-             "far": torch.full((N + 1,), D + 1, dtype=torch.long, device=dev)}
+        c = {
+            "f_add": f_add,
+            "anc_add": anc_add,
+            "new_idx": new_idx,
+            "anc0": anc0,
+            "cmap0": cmap0,
+            "tmask0": tmask0,
+            "depth_all": depth_all,
+            "depth_pen": depth_all.to(torch.float32) * 1e-6,
+            "parent0": torch.full((k,), -1, dtype=torch.long, device=dev),
+            "pos_off": torch.arange(max(D - 1, 1), device=dev)[:, None].expand(max(D - 1, 1), k).contiguous(),
+            "slot_off": torch.arange(max(D - 1, 1) * k, device=dev).view(max(D - 1, 1), k),
+            "ar_k": torch.arange(k, device=dev),
+            "ar_R": torch.arange(R, device=dev),
+            "ar_N1": torch.arange(N + 1, device=dev),
+            "ar_1N": torch.arange(1, N + 1, device=dev),
+            "ar_D1": torch.arange(D + 1, device=dev),
+            "zero1": torch.zeros(1, dtype=torch.long, device=dev),
+            "minus2": torch.full((1,), -2, dtype=torch.long, device=dev),
+            "far": torch.full((N + 1,), D + 1, dtype=torch.long, device=dev),
+        }
         self._tree_cache[mode.key()] = c
         return c
 
@@ -618,7 +659,7 @@ class SpeculativeDecoder:
             tok = self.d_ids[ij.reshape(-1)]
             pc = f_cand.repeat_interleave(k)  # parent candidate of each child
             n_c = k + (j - 1) * k * k
-            anc[n_c:n_c + k * k] = anc.index_select(0, pc) | c["anc_add"][j - 1]
+            anc[n_c : n_c + k * k] = anc.index_select(0, pc) | c["anc_add"][j - 1]
             c_tok.append(tok)
             c_score.append(sc)
             c_parent.append(pc)
@@ -795,10 +836,19 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-                 mode: DecodeMode | None = None, seed: int | None = None, stop_strings: Sequence[str] = (),
-                 eos_ids: Sequence[int] | None = None, trace: bool = False, sync_every: int = 8,
-                 on_tokens=None) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        mode: DecodeMode | None = None,
+        seed: int | None = None,
+        stop_strings: Sequence[str] = (),
+        eos_ids: Sequence[int] | None = None,
+        trace: bool = False,
+        sync_every: int = 8,
+        on_tokens=None,
+    ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens after prompt_ids. Returns new tokens only.
 
         `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
@@ -853,20 +903,33 @@ class SpeculativeDecoder:
                 step()
                 vals = torch.cat([self.n_emit.view(1), self.out[: mode.max_accept + 1]]).tolist()
                 k = vals[0]
-                toks = vals[1:1 + k]
+                toks = vals[1 : 1 + k]
                 if rec:
                     res.margins += list(zip(self.out_gap[:k].tolist(), self.out_top[:k].tolist()))
                 res.accepted.append(k - 1)
                 res.rounds += 1
                 if trace:
-                    res.trace.append({"L": L_host, "tokens": toks, "draft": self._last_draft.tolist()
-                                      if mode.kind == "chain" and not self.cuda_graphs else None})
+                    res.trace.append(
+                        {
+                            "L": L_host,
+                            "tokens": toks,
+                            "draft": self._last_draft.tolist()
+                            if mode.kind == "chain" and not self.cuda_graphs
+                            else None,
+                        }
+                    )
                 L_host += k
                 finished = emit(toks)
             elif L_host + 1 < self.max_len:
                 # plain steps: several per host sync (over-generation past a stop is discarded)
-                m = max(1, min(sync_every if mode.kind == "plain" else 1, max_new_tokens - len(res.token_ids),
-                               self.max_len - 1 - L_host))
+                m = max(
+                    1,
+                    min(
+                        sync_every if mode.kind == "plain" else 1,
+                        max_new_tokens - len(res.token_ids),
+                        self.max_len - 1 - L_host,
+                    ),
+                )
                 buf = []
                 gaps = []
                 for _ in range(m):

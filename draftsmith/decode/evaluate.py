@@ -21,14 +21,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.common.errors import DraftsmithError
 
-
-PROMPT_RULE = ("Prompts go through the tokenizer's chat template (as one user message, generation prompt added) "
-               "when it has one, else they are tokenized as text; --raw always uses the text as is, --chat requires "
-               "a template. The same rule for generate and eval, every prompts-file format.")
+PROMPT_RULE = (
+    "Prompts go through the tokenizer's chat template (as one user message, generation prompt added) "
+    "when it has one, else they are tokenized as text; --raw always uses the text as is, --chat requires "
+    "a template. The same rule for generate and eval, every prompts-file format."
+)
 _PROMPT_KEYS = ("conversations", "messages", "turns", "text")
 
 
@@ -52,9 +53,11 @@ def read_prompts_text(path: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise DraftsmithError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}): a prompts file is "
-                              "JSONL or one prompt per line") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise DraftsmithError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}): a prompts file is "
+            "JSONL or one prompt per line"
+        ) from None
 
 
 def _as_records(text: str, path: str) -> list[str]:
@@ -74,8 +77,9 @@ def _as_records(text: str, path: str) -> list[str]:
                     continue
                 if isinstance(obj, dict) and "prompt" in obj and not any(k in obj for k in _PROMPT_KEYS):
                     if not isinstance(obj["prompt"], str):
-                        raise DraftsmithError(f"{path}:{i}: field 'prompt': expected a string, got "
-                                              f"{type(obj['prompt']).__name__}")
+                        raise DraftsmithError(
+                            f"{path}:{i}: field 'prompt': expected a string, got {type(obj['prompt']).__name__}"
+                        )
                     line = json.dumps({"turns": [obj["prompt"]]})
             out.append(line)
         return out
@@ -111,28 +115,49 @@ def _summary(results, K: int) -> dict:
     wall = sum(r.prefill_s + r.decode_s for r in results)
     decode_s = sum(r.decode_s for r in results)
     at_least = [sum(1 for a in acc if a >= i) / max(rounds, 1) for i in range(1, K + 1)]
-    cond = [at_least[0] if at_least else 0.0] + [at_least[i] / at_least[i - 1] if at_least[i - 1] else 0.0
-                                                  for i in range(1, len(at_least))]
+    cond = [at_least[0] if at_least else 0.0] + [
+        at_least[i] / at_least[i - 1] if at_least[i - 1] else 0.0 for i in range(1, len(at_least))
+    ]
     return {
-        "prompts": len(results), "new_tokens": new, "rounds": rounds,
+        "prompts": len(results),
+        "new_tokens": new,
+        "rounds": rounds,
         "tau": (sum(acc) + rounds) / rounds if rounds else None,
         "acceptance_rate": sum(acc) / (K * rounds) if rounds and K else None,
-        "p_at_least": at_least, "conditional": cond,
-        "tokens_per_s": new / wall if wall else None, "wall_s": wall,
+        "p_at_least": at_least,
+        "conditional": cond,
+        "tokens_per_s": new / wall if wall else None,
+        "wall_s": wall,
         "decode_tokens_per_s": (new - len(results)) / decode_s if decode_s else None,
     }
 
 
-def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode: DecodeMode,
-             temperatures: Sequence[float] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
-             top_p: float = 1.0, top_k: int = 0, progress=None, certificate: bool = True) -> dict:
+def run_eval(
+    engine: SpeculativeDecoder,
+    prompts: Sequence[Sequence[int]],
+    mode: DecodeMode,
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    progress=None,
+    certificate: bool = True,
+) -> dict:
     """Speculative vs plain decoding over prompts, per temperature. Returns a JSON-able dict."""
     mode.validate()
-    out = {"mode": mode.__dict__ | {"proposed_per_round": mode.max_accept}, "max_new_tokens": max_new_tokens,
-           "backend": engine.backend, "cuda_graphs": engine.cuda_graphs, "device": str(engine.device),
-           "attn_impl": getattr(engine, "attn_impl", None), "compiled": bool(getattr(engine, "_compiled", False)),
-           "kernels": getattr(getattr(engine, "runner", None), "kernels", "torch"),
-           "dtype": str(engine.dtype).replace("torch.", ""), "temperatures": {}}
+    out = {
+        "mode": mode.__dict__ | {"proposed_per_round": mode.max_accept},
+        "max_new_tokens": max_new_tokens,
+        "backend": engine.backend,
+        "cuda_graphs": engine.cuda_graphs,
+        "device": str(engine.device),
+        "attn_impl": getattr(engine, "attn_impl", None),
+        "compiled": bool(getattr(engine, "_compiled", False)),
+        "kernels": getattr(getattr(engine, "runner", None), "kernels", "torch"),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "temperatures": {},
+    }
     for temp in temperatures:
         sp = SamplingParams(temperature=float(temp), top_p=top_p, top_k=top_k)
         engine.warmup(mode, sp)
@@ -174,13 +199,24 @@ def run_eval(engine: SpeculativeDecoder, prompts: Sequence[Sequence[int]], mode:
             entry["greedy_mismatches"] = mismatches
         if sp.greedy and certificate:
             entry["greedy_divergences"], entry["greedy_divergence_details"] = _certify_all(
-                engine, prompts, mode, max_new_tokens, differing)
+                engine, prompts, mode, max_new_tokens, differing
+            )
         out["temperatures"][f"{float(temp):g}"] = entry
     return out
 
 
-def tuned_entry(engine, prompts, tuned_mode: DecodeMode, report: dict, fixed_mode: DecodeMode, temperature: float,
-                max_new_tokens: int, seed: int = 0, top_p: float = 1.0, top_k: int = 0) -> dict:
+def tuned_entry(
+    engine,
+    prompts,
+    tuned_mode: DecodeMode,
+    report: dict,
+    fixed_mode: DecodeMode,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> dict:
     """eval.json's "tuned" (a contract): {"mode", "tok_s", "plain_tok_s", "speedup"} of the tuned mode over all the
     eval prompts at `temperature` (the fixed mode's run is reused when the tuner chose it; plain is its own rate)."""
     from draftsmith.decode.tuning import mode_json
@@ -193,10 +229,23 @@ def tuned_entry(engine, prompts, tuned_mode: DecodeMode, report: dict, fixed_mod
     if tuned_mode == fixed_mode:
         e = fixed
     else:
-        e = run_eval(engine, prompts, tuned_mode, [temperature], max_new_tokens, seed=seed, top_p=top_p, top_k=top_k,
-                     certificate=False)["temperatures"][key]
-    return {"mode": mode_json(tuned_mode), "tok_s": e["speculative"]["tokens_per_s"],
-            "plain_tok_s": e["plain"]["tokens_per_s"], "speedup": e["speedup"]}
+        e = run_eval(
+            engine,
+            prompts,
+            tuned_mode,
+            [temperature],
+            max_new_tokens,
+            seed=seed,
+            top_p=top_p,
+            top_k=top_k,
+            certificate=False,
+        )["temperatures"][key]
+    return {
+        "mode": mode_json(tuned_mode),
+        "tok_s": e["speculative"]["tokens_per_s"],
+        "plain_tok_s": e["plain"]["tokens_per_s"],
+        "speedup": e["speedup"],
+    }
 
 
 def _certify_all(engine, prompts, mode, max_new_tokens: int, differing: Sequence[int]) -> tuple[dict, list]:
@@ -221,22 +270,36 @@ def print_table(report: dict, console=None) -> None:
 
     console = console or Console()
     m = report["mode"]
-    title = (f"{m['kind']} K={m['draft_tokens']}" if m["kind"] == "chain"
-             else f"tree top_k={m['top_k']} depth={m['depth']} tokens={m['tree_tokens']}")
+    title = (
+        f"{m['kind']} K={m['draft_tokens']}"
+        if m["kind"] == "chain"
+        else f"tree top_k={m['top_k']} depth={m['depth']} tokens={m['tree_tokens']}"
+    )
     t = Table(title=f"draftsmith eval — {title} ({report['device']}, {report['backend']})")
     for c in ("T", "τ", "accept rate", "per-position (≥i)", "spec tok/s", "plain tok/s", "speedup", "greedy ok"):
         t.add_column(c, justify="right")
     for temp, e in report["temperatures"].items():
         s = e["speculative"]
         per = " ".join(f"{x:.2f}" for x in s["p_at_least"])
-        ok = "" if "greedy_mismatches" not in e else ("yes" if e["greedy_mismatches"] == 0 else
-                                                       f"{e['greedy_mismatches']} differ")
+        ok = (
+            ""
+            if "greedy_mismatches" not in e
+            else ("yes" if e["greedy_mismatches"] == 0 else f"{e['greedy_mismatches']} differ")
+        )
         gd = e.get("greedy_divergences")
         if gd and (gd["near_tie"] or gd["real"]):
             ok += f" ({gd['near_tie']} near-tie, {gd['real']} real; ε={gd['epsilon']:.3g})"
         f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-        t.add_row(temp, f(s["tau"]), f(s["acceptance_rate"]), per, f(s["tokens_per_s"], 1),
-                  f(e["plain"]["tokens_per_s"], 1), f(e["speedup"]) + "×", ok)
+        t.add_row(
+            temp,
+            f(s["tau"]),
+            f(s["acceptance_rate"]),
+            per,
+            f(s["tokens_per_s"], 1),
+            f(e["plain"]["tokens_per_s"], 1),
+            f(e["speedup"]) + "×",
+            ok,
+        )
     console.print(t)
 
 
@@ -261,8 +324,13 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     for temp, e in report["temperatures"].items():
         ys = e["speculative"]["p_at_least"]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"T={temp} (≥i accepted)")
-        ax.plot(range(1, len(ys) + 1), e["speculative"]["conditional"], ls="--", marker="x",
-                label=f"T={temp} (α_i conditional)")
+        ax.plot(
+            range(1, len(ys) + 1),
+            e["speculative"]["conditional"],
+            ls="--",
+            marker="x",
+            label=f"T={temp} (α_i conditional)",
+        )
     ax.set_xlabel("draft position i")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.05)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.drafter.model import Attention, Drafter, MLP, apply_rope
+from draftsmith.drafter.model import MLP, Attention, Drafter, apply_rope
 
 
 class _FusedAttention(nn.Module):
@@ -35,7 +35,7 @@ class _FusedAttention(nn.Module):
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(bsz, t, nh + 2 * nkv, d).transpose(1, 2)
         qk = apply_rope(qkv[:, : nh + nkv], cos, sin)  # q and k heads rotated together
-        out = attn_fn(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:], self.layer_idx)
+        out = attn_fn(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :], self.layer_idx)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, nh * d))
 
 
@@ -67,8 +67,10 @@ def fused_for_decoding(drafter: nn.Module) -> nn.Module:
     """The decoding view of a draftsmith `Drafter` (see the module doc); any other module is returned as is."""
     if not isinstance(drafter, Drafter):
         return drafter
-    layers = nn.ModuleList(_with_children(layer, self_attn=_FusedAttention(layer.self_attn), mlp=_FusedMLP(layer.mlp))
-                           for layer in drafter.layers)
+    layers = nn.ModuleList(
+        _with_children(layer, self_attn=_FusedAttention(layer.self_attn), mlp=_FusedMLP(layer.mlp))
+        for layer in drafter.layers
+    )
     view = _with_children(drafter, layers=layers)
     view._fused_from = _source_versions(drafter)
     return view

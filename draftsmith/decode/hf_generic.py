@@ -53,6 +53,7 @@ class HFGenericForward:
     def _hook(self, lid):
         def fn(_mod, _inp, out):
             self._captured[lid] = _layer_output(out)
+
         return fn
 
     def close(self):
@@ -74,8 +75,9 @@ class HFGenericForward:
         am = torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill(~m, minv)[None, None]
         self._captured.clear()
         kw = {self._cache_kw: self.cache}
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=am,
-                         use_cache=True, **kw)
+        out = self.model(
+            input_ids=input_ids[None], position_ids=positions[None], attention_mask=am, use_cache=True, **kw
+        )
         logits = out.logits[0]
         if logits_rows is not None:
             logits = logits.index_select(0, logits_rows)

@@ -65,10 +65,31 @@ NUM_WARPS = 4
 # prefetch=1 loads the next K block before the current one is summed: triton does not pipeline a loop without
 # tl.dot, so without it every iteration waits one full memory latency (a 4096-wide matrix in 512-wide blocks is
 # 8 such waits per program, ~6 us — the whole budget of a 33 MB o projection at 4 TB/s is 8 us).
-GEMV_CONFIGS = [(2, 2048, 8, 0), (4, 512, 4, 0), (4, 1024, 4, 0), (8, 256, 4, 0), (8, 512, 4, 0), (8, 1024, 8, 0),
-                (16, 256, 4, 0), (16, 512, 4, 0), (16, 512, 8, 0), (32, 128, 4, 0), (32, 256, 4, 0), (32, 256, 8, 0),
-                (4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 8, 1), (16, 256, 4, 1), (16, 256, 8, 1),
-                (16, 512, 8, 1), (32, 128, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1), (4, 2048, 8, 1)]
+GEMV_CONFIGS = [
+    (2, 2048, 8, 0),
+    (4, 512, 4, 0),
+    (4, 1024, 4, 0),
+    (8, 256, 4, 0),
+    (8, 512, 4, 0),
+    (8, 1024, 8, 0),
+    (16, 256, 4, 0),
+    (16, 512, 4, 0),
+    (16, 512, 8, 0),
+    (32, 128, 4, 0),
+    (32, 256, 4, 0),
+    (32, 256, 8, 0),
+    (4, 512, 4, 1),
+    (8, 256, 4, 1),
+    (8, 512, 4, 1),
+    (8, 512, 8, 1),
+    (16, 256, 4, 1),
+    (16, 256, 8, 1),
+    (16, 512, 8, 1),
+    (32, 128, 4, 1),
+    (4, 1024, 4, 1),
+    (8, 1024, 8, 1),
+    (4, 2048, 8, 1),
+]
 # (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps, prefetch), filled by `tune_gemv`
 _TUNED: dict = {}
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
@@ -83,9 +104,24 @@ ATTN_TARGET_CHUNKS = 64
 # The sweep of `tune_attention`: (BLOCK_S, key blocks per program, num_warps); 0 blocks = one program per KV head.
 # One query token's attention is latency-bound (a few kB per KV head per block): short chains of loads over many
 # programs beat long ones, down to the extra combine kernel's cost.
-ATTN_CONFIGS = [(64, 0, 4), (16, 2, 4), (16, 4, 4), (32, 1, 2), (32, 2, 2), (32, 1, 4), (32, 2, 4), (32, 4, 4),
-                (64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4),
-                (64, 1, 8), (64, 2, 8), (128, 1, 8), (128, 2, 8)]
+ATTN_CONFIGS = [
+    (64, 0, 4),
+    (16, 2, 4),
+    (16, 4, 4),
+    (32, 1, 2),
+    (32, 2, 2),
+    (32, 1, 4),
+    (32, 2, 4),
+    (32, 4, 4),
+    (64, 1, 4),
+    (64, 2, 4),
+    (64, 4, 4),
+    (64, 8, 4),
+    (64, 1, 8),
+    (64, 2, 8),
+    (128, 1, 8),
+    (128, 2, 8),
+]
 ATTN_MAX_SPLIT = 128  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
 # (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
 _TUNED_ATTN: dict = {}
@@ -139,10 +175,28 @@ if triton is not None:
         return (a.to(tl.float32) * u).to(out_ty)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, N, K, stride_w, eps,
-                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                     USE_PDL: tl.constexpr, GLU: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        nw_ptr,
+        b_ptr,
+        r_ptr,
+        N,
+        K,
+        stride_w,
+        eps,
+        HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        ACT_MUL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        GLU: tl.constexpr,
+    ):
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -210,10 +264,25 @@ if triton is not None:
         tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qkn_ptr,
-                           stride_t, stride_cache_h, eps,
-                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_QKN: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+    def _rope_cache_kernel(
+        qkv_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        qkn_ptr,
+        stride_t,
+        stride_cache_h,
+        eps,
+        NH: tl.constexpr,
+        NKV: tl.constexpr,
+        D: tl.constexpr,
+        HAS_QKN: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         _pdl_start(USE_PDL)
         t = tl.program_id(0)
         hd = tl.program_id(1)  # 0..NH-1: q heads, then NKV k heads, then NKV v heads
@@ -266,10 +335,28 @@ if triton is not None:
         return m_new, l_sum, acc * alpha[:, None] + pv
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
-                           S, split_len, n_split, stride_cache_h, scale,
-                           G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                           SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    def _attn_split_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        mask_ptr,
+        o_ptr,
+        pm_ptr,
+        pl_ptr,
+        po_ptr,
+        S,
+        split_len,
+        n_split,
+        stride_cache_h,
+        scale,
+        G: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        SINGLE: tl.constexpr,
+        IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         _pdl_start(USE_PDL)
         h = tl.program_id(0)  # KV head: its G query heads are the rows of one tile
         sp = tl.program_id(1)  # key chunk
@@ -304,11 +391,36 @@ if triton is not None:
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def _rows_attn_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr,
-                          T, S, split_len, n_split, stride_qt, stride_qh, stride_mt, stride_cache_h, scale,
-                          NH: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                          SINGLE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    def _rows_attn_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        mask_ptr,
+        slot_ptr,
+        o_ptr,
+        pm_ptr,
+        pl_ptr,
+        po_ptr,
+        T,
+        S,
+        split_len,
+        n_split,
+        stride_qt,
+        stride_qh,
+        stride_mt,
+        stride_cache_h,
+        scale,
+        NH: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        HAS_SLOTS: tl.constexpr,
+        SINGLE: tl.constexpr,
+        IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
         are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program. With HAS_SLOTS the
         keys read are those up to the highest slot this forward wrote (a scalar bound, so the K/V loads do not
@@ -327,8 +439,9 @@ if triton is not None:
         t = rr // G
         qh = h * G + rr % G  # query head
         r_ok = t < T
-        q = tl.load(q_ptr + t[:, None] * stride_qt + qh[:, None] * stride_qh + rd[None, :], mask=r_ok[:, None],
-                    other=0.0)
+        q = tl.load(
+            q_ptr + t[:, None] * stride_qt + qh[:, None] * stride_qh + rd[None, :], mask=r_ok[:, None], other=0.0
+        )
         m = tl.full([BLOCK_R], -1.0e30, tl.float32)
         l_sum = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -339,8 +452,10 @@ if triton is not None:
         for s0 in range(start, stop, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
             s_ok = rs < stop
-            vis = tl.load(mask_ptr + t[:, None] * stride_mt + rs[None, :], mask=r_ok[:, None] & s_ok[None, :],
-                          other=0) != 0
+            vis = (
+                tl.load(mask_ptr + t[:, None] * stride_mt + rs[None, :], mask=r_ok[:, None] & s_ok[None, :], other=0)
+                != 0
+            )
             if HAS_SLOTS:
                 seen = s_ok
             else:
@@ -359,8 +474,9 @@ if triton is not None:
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def _attn_combine_kernel(o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+    def _attn_combine_kernel(
+        o_ptr, pm_ptr, pl_ptr, po_ptr, n_split, D: tl.constexpr, BLOCK_SP: tl.constexpr, USE_PDL: tl.constexpr
+    ):
         _pdl_start(USE_PDL)
         row = tl.program_id(0)  # query head
         rp = tl.arange(0, BLOCK_SP)
@@ -378,10 +494,29 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, b_ptr, r_ptr, T, N, K, stride_x, stride_w, eps,
-                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+    def _rows_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        nw_ptr,
+        b_ptr,
+        r_ptr,
+        T,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        eps,
+        HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         """`gemv` for T <= BLOCK_M rows (a verify's tokens): one program per BLOCK_N outputs, all T rows as one
         tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`."""
         _pdl_start(USE_PDL)
@@ -398,8 +533,9 @@ if triton is not None:
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
-                             other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(
+                    tl.float32
+                )
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -462,15 +598,26 @@ def _need():
         raise RuntimeError("triton is not installed: the compact forward's torch path needs no kernels")
 
 
-def _gemv_key(N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool,
-              glu: bool = False) -> tuple:
+def _gemv_key(
+    N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool, glu: bool = False
+) -> tuple:
     return (int(N), int(K), str(dtype), has_norm, has_bias, has_res, act_mul, glu)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, act_mul: bool = False,
-         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         prefetch: int | None = None, glu: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    act_mul: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    prefetch: int | None = None,
+    glu: bool = False,
+) -> torch.Tensor:
     """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
     dtype. See the module docstring."""
     _need()
@@ -481,8 +628,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
     if glu and w.shape[0] % 2:
         raise ValueError(f"gemv: glu needs cat(gate, up) weights, an even number of rows, not {w.shape[0]}")
     if x.shape[-1] != (2 * K if act_mul else K) or w.stride(1) != 1:
-        raise ValueError(f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
-                         f"features{' (act_mul: 2K)' if act_mul else ''}")
+        raise ValueError(
+            f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
+            f"features{' (act_mul: 2K)' if act_mul else ''}"
+        )
     key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul, glu)
     bn, bk, nw, pf = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS, 0))
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
@@ -491,14 +640,29 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = No
     y = torch.empty(N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
     grid = (triton.cdiv(N, bn),)
-    _gemv_kernel[grid](xf, w, y, norm_weight if norm_weight is not None else dummy,
-                       bias if bias is not None else dummy,
-                       residual.reshape(N).contiguous() if residual is not None else dummy,
-                       N, K, w.stride(0), float(eps),
-                       HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                       ACT_MUL=bool(act_mul), BLOCK_N=bn, BLOCK_K=bk,
-                       NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX), PREFETCH=bool(pf), num_warps=nw,
-                       GLU=bool(glu), **_pdl(x))
+    _gemv_kernel[grid](
+        xf,
+        w,
+        y,
+        norm_weight if norm_weight is not None else dummy,
+        bias if bias is not None else dummy,
+        residual.reshape(N).contiguous() if residual is not None else dummy,
+        N,
+        K,
+        w.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        ACT_MUL=bool(act_mul),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX),
+        PREFETCH=bool(pf),
+        num_warps=nw,
+        GLU=bool(glu),
+        **_pdl(x),
+    )
     return y[None]
 
 
@@ -510,9 +674,18 @@ ROWS_NUM_WARPS = 4
 ROWS_MAX = 64
 
 
-def gemm_rows(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, glu: bool = False,
-              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def gemm_rows(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    glu: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul)."""
     _need()
@@ -520,25 +693,53 @@ def gemm_rows(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None
     T, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
     if T > ROWS_MAX or w.shape[1] != K or w.stride(1) != 1 or (glu and w.shape[0] % 2):
-        raise ValueError(f"gemm_rows: {T} rows of {K} features (at most {ROWS_MAX} rows) do not fit weight "
-                         f"{tuple(w.shape)} (strides {w.stride()}){' as cat(gate, up)' if glu else ''}")
+        raise ValueError(
+            f"gemm_rows: {T} rows of {K} features (at most {ROWS_MAX} rows) do not fit weight "
+            f"{tuple(w.shape)} (strides {w.stride()}){' as cat(gate, up)' if glu else ''}"
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     bn, bk, nw = block_n or ROWS_BLOCK_N, block_k or ROWS_BLOCK_K, num_warps or ROWS_NUM_WARPS
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
     _rows_kernel[(triton.cdiv(N, bn),)](
-        x, w, y, norm_weight if norm_weight is not None else dummy, bias if bias is not None else dummy,
-        residual.reshape(T, N).contiguous() if residual is not None else dummy, T, N, K, x.stride(0), w.stride(0),
-        float(eps), HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        GLU=bool(glu), BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=bn, BLOCK_K=bk,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, num_warps=nw, **_pdl(x))
+        x,
+        w,
+        y,
+        norm_weight if norm_weight is not None else dummy,
+        bias if bias is not None else dummy,
+        residual.reshape(T, N).contiguous() if residual is not None else dummy,
+        T,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        GLU=bool(glu),
+        BLOCK_M=max(16, triton.next_power_of_2(T)),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=nw,
+        **_pdl(x),
+    )
     return y
 
 
-def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              residual: bool = False, act_mul: bool = False, glu: bool = False, reps: int = 5,
-              configs: list[tuple[int, int, int, int]] | None = None, force: bool = False) -> list[dict]:
+def tune_gemv(
+    mats: list[torch.Tensor],
+    norm_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: bool = False,
+    act_mul: bool = False,
+    glu: bool = False,
+    reps: int = 5,
+    configs: list[tuple[int, int, int, int]] | None = None,
+    force: bool = False,
+) -> list[dict]:
     """Time every config of `GEMV_CONFIGS` on `mats` (same shape; one pass over all of them per timing, so with a
     model's 32 layers the weights stream from memory, not L2) and keep the fastest for their key. Returns one row
     per config (`us` per matrix), [] when the key was tuned before (unless `force`). On CPU (the interpreter)
@@ -557,10 +758,23 @@ def tune_gemv(mats: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
     rows = []
     for bn, bk, nw, pf in configs or GEMV_CONFIGS:
+
         def run():
             for w in mats:
-                gemv(x, w, norm_weight, bias=bias, residual=r, act_mul=act_mul, block_n=bn, block_k=bk, num_warps=nw,
-                     prefetch=pf, glu=glu)
+                gemv(
+                    x,
+                    w,
+                    norm_weight,
+                    bias=bias,
+                    residual=r,
+                    act_mul=act_mul,
+                    block_n=bn,
+                    block_k=bk,
+                    num_warps=nw,
+                    prefetch=pf,
+                    glu=glu,
+                )
+
         us, err = _time_graph(run, len(mats), reps)
         rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "prefetch": pf, "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
@@ -596,9 +810,19 @@ def _time_graph(run, per: int, reps: int) -> tuple[float | None, str]:
     return best, ""
 
 
-def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
-                   qk_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rope_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    qk_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) d] (the fused projection); positions/slots [T]; cos/sin [max_len, d] in the model
     dtype; caches [1, nkv, max_len, d] (one layer); qk_norm [(nh + nkv), d] per-head RMSNorm weights or None.
     Writes k (normed, rotated) and v at `slots` and returns q [T, nh, d] (normed, rotated)."""
@@ -612,9 +836,25 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
         qkv = qkv.contiguous()
     q = torch.empty(T, n_heads, d, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(T, n_heads + 2 * n_kv)](
-        qkv, q, k_cache, v_cache, cos, sin, positions, slots, qk_norm if qk_norm is not None else cos,
-        qkv.stride(0), k_cache.stride(1), float(eps), NH=n_heads, NKV=n_kv, D=d, HAS_QKN=qk_norm is not None,
-        num_warps=1 if d <= 128 else 2, **_pdl(qkv))
+        qkv,
+        q,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        positions,
+        slots,
+        qk_norm if qk_norm is not None else cos,
+        qkv.stride(0),
+        k_cache.stride(1),
+        float(eps),
+        NH=n_heads,
+        NKV=n_kv,
+        D=d,
+        HAS_QKN=qk_norm is not None,
+        num_warps=1 if d <= 128 else 2,
+        **_pdl(qkv),
+    )
     return q
 
 
@@ -622,8 +862,9 @@ def _attn_key(S: int, nkv: int, G: int, d: int, dtype) -> tuple:
     return (int(S), int(nkv), int(G), int(d), str(dtype))
 
 
-def _attn_plan(S: int, nkv: int, G: int, d: int, dtype, device, split_len: int | None, block_s: int | None,
-               num_warps: int | None) -> tuple[int, int, int]:
+def _attn_plan(
+    S: int, nkv: int, G: int, d: int, dtype, device, split_len: int | None, block_s: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
     """(split_len, BLOCK_S, num_warps): the arguments, else a plan kept for this shape (`tune_attention(keep=True)`
     or a benchmark forcing one), else the default: ATTN_BLOCK_S-key blocks, the smallest power-of-two number of
     them per chunk that keeps the chunks per KV head within ATTN_TARGET_CHUNKS."""
@@ -639,9 +880,16 @@ def _attn_plan(S: int, nkv: int, G: int, d: int, dtype, device, split_len: int |
     return split_len, bs, num_warps or 4
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                     split_len: int | None = None, block_s: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    split_len: int | None = None,
+    block_s: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
     used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of `block_s`):
     keys per program; by default what `tune_attention` picked for this shape, else the rule of `_attn_plan`."""
@@ -651,8 +899,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nh = q.shape[0]
     S = mask.shape[-1]
     if not _pow2(d) or d < 16 or nh % nkv or S > max_len:
-        raise ValueError(f"decode_attention: head_dim {d} (a power of two >= 16 needed), {nh} heads over {nkv} KV "
-                         f"heads, {S} mask slots of {max_len}")
+        raise ValueError(
+            f"decode_attention: head_dim {d} (a power of two >= 16 needed), {nh} heads over {nkv} KV "
+            f"heads, {S} mask slots of {max_len}"
+        )
     G = nh // nkv
     split_len, bs, nw = _attn_plan(S, nkv, G, d, q.dtype, q.device, split_len, block_s, num_warps)
     if split_len % bs:
@@ -668,13 +918,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         po = torch.empty(nh, n_split, d, dtype=torch.float32, device=q.device)
     mask = mask.reshape(-1)
     _attn_split_kernel[(nkv, n_split)](
-        q.contiguous(), k_cache, v_cache, mask, o, pm, pl, po, S, split_len, n_split, k_cache.stride(1), float(scale),
-        G=G, BLOCK_R=max(16, triton.next_power_of_2(G)), D=d, BLOCK_S=bs, SINGLE=single,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=nw, **_pdl(q))
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        mask,
+        o,
+        pm,
+        pl,
+        po,
+        S,
+        split_len,
+        n_split,
+        k_cache.stride(1),
+        float(scale),
+        G=G,
+        BLOCK_R=max(16, triton.next_power_of_2(G)),
+        D=d,
+        BLOCK_S=bs,
+        SINGLE=single,
+        IEEE=q.dtype == torch.float32 or _INTERPRET,
+        num_warps=nw,
+        **_pdl(q),
+    )
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
-        _attn_combine_kernel[(nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d),
-                                    **_pdl(q))
+        _attn_combine_kernel[(nh,)](
+            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q)
+        )
     return o.reshape(1, nh * d)
 
 
@@ -698,18 +968,38 @@ def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int 
     return split_len, bs
 
 
-def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                    slots: torch.Tensor | None = None, split_len: int | None = None, block_s: int | None = None,
-                    block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def _rows_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+    split_len: int | None = None,
+    block_s: int | None = None,
+    block_r: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     _need()
     T, nh, d = q.shape
     nkv, max_len = k_cache.shape[1], k_cache.shape[2]
     S = mask.shape[-1]
-    if (not _pow2(d) or d < 16 or nh % nkv or S > max_len or mask.shape[0] != T or q.stride(2) != 1
-            or k_cache.stride(3) != 1 or k_cache.stride(2) != d or v_cache.stride() != k_cache.stride()):
-        raise ValueError(f"rows_attention: q {tuple(q.shape)} (strides {q.stride()}), caches {tuple(k_cache.shape)} "
-                         f"(strides {k_cache.stride()}), mask {tuple(mask.shape)}: head_dim a power of two >= 16, "
-                         "heads a multiple of the KV heads, one mask row per token over at most the cache's slots")
+    if (
+        not _pow2(d)
+        or d < 16
+        or nh % nkv
+        or S > max_len
+        or mask.shape[0] != T
+        or q.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or k_cache.stride(2) != d
+        or v_cache.stride() != k_cache.stride()
+    ):
+        raise ValueError(
+            f"rows_attention: q {tuple(q.shape)} (strides {q.stride()}), caches {tuple(k_cache.shape)} "
+            f"(strides {k_cache.stride()}), mask {tuple(mask.shape)}: head_dim a power of two >= 16, "
+            "heads a multiple of the KV heads, one mask row per token over at most the cache's slots"
+        )
     G = nh // nkv
     br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
     n_rb = triton.cdiv(T * G, br)
@@ -730,14 +1020,41 @@ def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if slots is not None and slots.shape != (T,):
         raise ValueError(f"rows_attention: slots {tuple(slots.shape)} is not one per token ({T})")
     _rows_attn_kernel[(nkv, n_split, n_rb)](
-        q, k_cache, v_cache, mask, slots if slots is not None else mask, o, pm, pl, po, T, S, split_len, n_split,
-        q.stride(0), q.stride(1), mask.stride(0), k_cache.stride(1), float(scale), NH=nh, G=G, BLOCK_R=br, D=d,
-        BLOCK_S=bs, BLOCK_T=triton.next_power_of_2(T), HAS_SLOTS=slots is not None, SINGLE=single,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=num_warps or ROWS_ATTN_WARPS, **_pdl(q))
+        q,
+        k_cache,
+        v_cache,
+        mask,
+        slots if slots is not None else mask,
+        o,
+        pm,
+        pl,
+        po,
+        T,
+        S,
+        split_len,
+        n_split,
+        q.stride(0),
+        q.stride(1),
+        mask.stride(0),
+        k_cache.stride(1),
+        float(scale),
+        NH=nh,
+        G=G,
+        BLOCK_R=br,
+        D=d,
+        BLOCK_S=bs,
+        BLOCK_T=triton.next_power_of_2(T),
+        HAS_SLOTS=slots is not None,
+        SINGLE=single,
+        IEEE=q.dtype == torch.float32 or _INTERPRET,
+        num_warps=num_warps or ROWS_ATTN_WARPS,
+        **_pdl(q),
+    )
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
-        _attn_combine_kernel[(T * nh,)](o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d),
-                                        **_pdl(q))
+        _attn_combine_kernel[(T * nh,)](
+            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q)
+        )
     return o.reshape(T, nh * d)
 
 
@@ -745,8 +1062,14 @@ if triton is not None:
     # an opaque operator to torch.compile (dynamo does not trace the launch; inductor calls it between its own
     # kernels), so a compiled verify can take it
     @torch.library.custom_op("draftsmith::rows_attention", mutates_args=())
-    def _rows_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                           slots: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def _rows_attention_op(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        mask: torch.Tensor,
+        slots: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
         return _rows_attention(q, k_cache, v_cache, mask, scale, slots)
 
     @_rows_attention_op.register_fake
@@ -754,9 +1077,18 @@ if triton is not None:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float,
-                   slots: torch.Tensor | None = None, split_len: int | None = None, block_s: int | None = None,
-                   block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def rows_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+    split_len: int | None = None,
+    block_s: int | None = None,
+    block_r: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """T query tokens, each with its own mask row: q [T, nh, d] (any strides, head_dim contiguous); caches
     [1, nkv, max_len, d] (one layer); mask [T, S] bool (True = attend) -> [T, nh * d] in q's dtype. Flash-decoding
     as `decode_attention`, with the tile's rows the (token, query head) pairs of one KV head.
@@ -779,8 +1111,19 @@ TOPK_MAX = 16
 if triton is not None:
 
     @triton.jit
-    def _topk_block_kernel(x_ptr, cv_ptr, ci_ptr, bm_ptr, bs_ptr, V, stride_x, NB,
-                           K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _topk_block_kernel(
+        x_ptr,
+        cv_ptr,
+        ci_ptr,
+        bm_ptr,
+        bs_ptr,
+        V,
+        stride_x,
+        NB,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         """Pass 1 of `topk_logprobs`: one block of BLOCK columns of one row -> its K largest (value, column), first
         column first among equal values, and the block's max and sum of exp(x - max) for the log-softmax."""
         _pdl_start(USE_PDL)
@@ -801,8 +1144,20 @@ if triton is not None:
             x = tl.where(cols == j, float("-inf"), x)
 
     @triton.jit
-    def _topk_merge_kernel(cv_ptr, ci_ptr, bm_ptr, bs_ptr, ov_ptr, oi_ptr, NB, V,
-                           K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr):
+    def _topk_merge_kernel(
+        cv_ptr,
+        ci_ptr,
+        bm_ptr,
+        bs_ptr,
+        ov_ptr,
+        oi_ptr,
+        NB,
+        V,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         """Pass 2: the K best of a row's blocks' candidates, in descending order (ties: lower column first), minus
         the row's log-sum-exp -> log-probs and columns."""
         _pdl_start(USE_PDL)
@@ -839,14 +1194,40 @@ def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     bs = torch.empty_like(bm)
     ov = torch.empty(R, k, dtype=torch.float32, device=dev)
     oi = torch.empty(R, k, dtype=torch.int64, device=dev)
-    _topk_block_kernel[(R, nb)](logits, cv, ci, bm, bs, V, logits.stride(0), nb, K=k, BLOCK=block,
-                                num_warps=8 if block >= 2048 else 4, **_pdl(logits))
-    _topk_merge_kernel[(R,)](cv, ci, bm, bs, ov, oi, nb, V, K=k, BLOCK_C=max(16, triton.next_power_of_2(nb * k)),
-                             BLOCK_B=max(2, triton.next_power_of_2(nb)), num_warps=1, **_pdl(logits))
+    _topk_block_kernel[(R, nb)](
+        logits,
+        cv,
+        ci,
+        bm,
+        bs,
+        V,
+        logits.stride(0),
+        nb,
+        K=k,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        **_pdl(logits),
+    )
+    _topk_merge_kernel[(R,)](
+        cv,
+        ci,
+        bm,
+        bs,
+        ov,
+        oi,
+        nb,
+        V,
+        K=k,
+        BLOCK_C=max(16, triton.next_power_of_2(nb * k)),
+        BLOCK_B=max(2, triton.next_power_of_2(nb)),
+        num_warps=1,
+        **_pdl(logits),
+    )
     return ov, oi
 
 
 if triton is not None:
+
     @torch.library.custom_op("draftsmith::topk_logprobs", mutates_args=())
     def _topk_logprobs_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _topk_logprobs(logits, k)
@@ -885,9 +1266,17 @@ def attention_plans(S: int, configs: list[tuple[int, int, int]] | None = None) -
     return out
 
 
-def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n_heads: int, S: int, scale: float,
-                   reps: int = 5, configs: list[tuple[int, int, int]] | None = None,
-                   force: bool = False, keep: bool = False) -> list[dict]:
+def tune_attention(
+    k_layers: list[torch.Tensor],
+    v_layers: list[torch.Tensor],
+    n_heads: int,
+    S: int,
+    scale: float,
+    reps: int = 5,
+    configs: list[tuple[int, int, int]] | None = None,
+    force: bool = False,
+    keep: bool = False,
+) -> list[dict]:
     """Time every plan of `ATTN_CONFIGS` for one query token over the first S slots of each layer's cache (every
     key visible: the longest the step gets); with `keep`, the fastest becomes this shape's plan. One row per plan
     (`us` per layer); [] on CPU or when this shape was kept before (unless `force`).
@@ -908,12 +1297,23 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
     mask = torch.ones(S, dtype=torch.bool, device=kc0.device)
     rows = []
     for split_len, bs, nw in attention_plans(S, configs):
+
         def run(split_len=split_len, bs=bs, nw=nw):
             for kc, vc in zip(k_layers, v_layers):
                 decode_attention(q, kc, vc, mask, scale, split_len=split_len, block_s=bs, num_warps=nw)
+
         us, err = _time_graph(run, len(k_layers), reps)
-        rows.append({"S": S, "BLOCK_S": bs, "split_len": split_len, "chunks": triton.cdiv(S, split_len),
-                     "warps": nw, "us": us, "error": err})
+        rows.append(
+            {
+                "S": S,
+                "BLOCK_S": bs,
+                "split_len": split_len,
+                "chunks": triton.cdiv(S, split_len),
+                "warps": nw,
+                "us": us,
+                "error": err,
+            }
+        )
     ok = [row for row in rows if row["us"] is not None]
     if ok and keep:
         top = min(ok, key=lambda row: row["us"])
@@ -921,7 +1321,16 @@ def tune_attention(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], n
     return rows
 
 
-__all__ = ["available", "gemv", "gemm_rows", "tune_gemv", "rope_and_cache", "decode_attention", "rows_attention",
-           "topk_logprobs",
-           "tune_attention", "GEMV_CONFIGS",
-           "ATTN_CONFIGS"]
+__all__ = [
+    "available",
+    "gemv",
+    "gemm_rows",
+    "tune_gemv",
+    "rope_and_cache",
+    "decode_attention",
+    "rows_attention",
+    "topk_logprobs",
+    "tune_attention",
+    "GEMV_CONFIGS",
+    "ATTN_CONFIGS",
+]

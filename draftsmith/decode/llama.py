@@ -134,8 +134,16 @@ class LayerWeights:
 class LlamaFamilyForward(torch.nn.Module):
     """Static-cache forward of a Llama-family decoder for batch size 1."""
 
-    def __init__(self, cfg, weights: dict, cos: torch.Tensor, sin: torch.Tensor, aux_layers: Sequence[int],
-                 max_len: int, fuse: bool = True):
+    def __init__(
+        self,
+        cfg,
+        weights: dict,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        aux_layers: Sequence[int],
+        max_len: int,
+        fuse: bool = True,
+    ):
         super().__init__()
         self.cfg = cfg
         self.n_layers = int(cfg.num_hidden_layers)
@@ -145,7 +153,7 @@ class LlamaFamilyForward(torch.nn.Module):
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.n_heads)
         self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.vocab_size = int(cfg.vocab_size)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[getattr(cfg, "hidden_act", "silu")]
@@ -177,12 +185,26 @@ class LlamaFamilyForward(torch.nn.Module):
                 gu_b = [torch.cat(gu_b, 0)] if gu_b[0] is not None else [None]
             q_norm, k_norm = g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight")
             # one RMSNorm over q and k heads together (per-head weights)
-            qk_norm = (torch.cat([q_norm.expand(self.n_heads, -1), k_norm.expand(self.n_kv, -1)])
-                       if q_norm is not None else None)
-            L = LayerWeights(input_norm=g("input_layernorm.weight"), post_norm=g("post_attention_layernorm.weight"),
-                             qkv=qkv, qkv_bias=qkv_b, q_norm=q_norm, k_norm=k_norm, qk_norm=qk_norm,
-                             o=g("self_attn.o_proj.weight"), o_bias=g("self_attn.o_proj.bias"), gate_up=gu,
-                             gate_up_bias=gu_b, down=g("mlp.down_proj.weight"), down_bias=g("mlp.down_proj.bias"))
+            qk_norm = (
+                torch.cat([q_norm.expand(self.n_heads, -1), k_norm.expand(self.n_kv, -1)])
+                if q_norm is not None
+                else None
+            )
+            L = LayerWeights(
+                input_norm=g("input_layernorm.weight"),
+                post_norm=g("post_attention_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=qkv_b,
+                q_norm=q_norm,
+                k_norm=k_norm,
+                qk_norm=qk_norm,
+                o=g("self_attn.o_proj.weight"),
+                o_bias=g("self_attn.o_proj.bias"),
+                gate_up=gu,
+                gate_up_bias=gu_b,
+                down=g("mlp.down_proj.weight"),
+                down_bias=g("mlp.down_proj.bias"),
+            )
             self.layers.append(L)
         self.embed = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
@@ -207,7 +229,7 @@ class LlamaFamilyForward(torch.nn.Module):
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_hf(cls, model, aux_layers: Sequence[int], max_len: int, fuse: bool = True) -> "LlamaFamilyForward":
+    def from_hf(cls, model, aux_layers: Sequence[int], max_len: int, fuse: bool = True) -> LlamaFamilyForward:
         cfg = _text_config(model.config)
         ok, why = supports(cfg, max_len)
         if not ok:
@@ -220,8 +242,9 @@ class LlamaFamilyForward(torch.nn.Module):
         return cls(cfg, weights, cos, sin, aux_layers, max_len, fuse=fuse)
 
     @classmethod
-    def random(cls, cfg, aux_layers: Sequence[int], max_len: int, device="cuda", dtype=torch.bfloat16,
-               seed: int = 0) -> "LlamaFamilyForward":
+    def random(
+        cls, cfg, aux_layers: Sequence[int], max_len: int, device="cuda", dtype=torch.bfloat16, seed: int = 0
+    ) -> LlamaFamilyForward:
         """Random weights of a config's shape (benchmarks of large shapes without an HF model)."""
         gen = torch.Generator(device=device).manual_seed(seed)
         H, I = int(cfg.hidden_size), int(cfg.intermediate_size)
@@ -250,9 +273,12 @@ class LlamaFamilyForward(torch.nn.Module):
         cos, sin = rope_table(cfg, max_len, device, None)
         # fuse=False keeps a single copy of each matrix (the 8B shape fits twice, but why pay)
         obj = cls(cfg, w, cos, sin, aux_layers, max_len, fuse=False)
-        obj.layers = [dataclasses.replace(L, qkv=[torch.cat(L.qkv, 0)], gate_up=[torch.cat(L.gate_up, 0)],
-                                          qkv_bias=[None], gate_up_bias=[None])
-                      for L in obj.layers]
+        obj.layers = [
+            dataclasses.replace(
+                L, qkv=[torch.cat(L.qkv, 0)], gate_up=[torch.cat(L.gate_up, 0)], qkv_bias=[None], gate_up_bias=[None]
+            )
+            for L in obj.layers
+        ]
         for i in range(obj.n_layers):  # drop the unfused copies
             for n in ("q", "k", "v"):
                 w.pop(f"layers.{i}.self_attn.{n}_proj.weight")
@@ -276,8 +302,9 @@ class LlamaFamilyForward(torch.nn.Module):
         tensors = [self.norm, self.lm_head]
         for L in self.layers:
             tensors += [L.input_norm, L.post_norm, L.o, L.down, *L.qkv, *L.gate_up]
-            tensors += [t for t in (L.q_norm, L.k_norm, L.o_bias, L.down_bias, *L.qkv_bias, *L.gate_up_bias)
-                        if t is not None]
+            tensors += [
+                t for t in (L.q_norm, L.k_norm, L.o_bias, L.down_bias, *L.qkv_bias, *L.gate_up_bias) if t is not None
+            ]
         for t in tensors:
             if t is None or t.data_ptr() in seen:
                 continue
@@ -310,8 +337,9 @@ class LlamaFamilyForward(torch.nn.Module):
         d = self.head_dim
         attn_ok = d >= 16 and not d & (d - 1)
         if T > self._kernel_rows():
-            return frozenset({"attn"}) if attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops \
-                else frozenset()
+            return (
+                frozenset({"attn"}) if attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops else frozenset()
+            )
         ops = set(self.triton_ops)
         if d & (d - 1):
             ops -= {"rope", "attn"}
@@ -335,12 +363,16 @@ class LlamaFamilyForward(torch.nn.Module):
         `kernels.tune_gemv` keyword arguments, with layer 0's norm weight and bias standing for all layers')."""
         L0 = self.layers[0]
         glu, act_mul = self._mlp_folds(self.triton_ops_for(1) or frozenset(self.triton_ops))
-        return {"qkv": ([L.qkv[0] for L in self.layers], dict(norm_weight=L0.input_norm, bias=L0.qkv_bias[0])),
-                "o": ([L.o for L in self.layers], dict(bias=L0.o_bias, residual=True)),
-                "gate_up": ([L.gate_up[0] for L in self.layers], dict(norm_weight=L0.post_norm, bias=L0.gate_up_bias[0],
-                                                                   glu=glu)),
-                "down": ([L.down for L in self.layers], dict(bias=L0.down_bias, residual=True, act_mul=act_mul)),
-                "lm_head": ([self.lm_head], dict(norm_weight=self.norm))}
+        return {
+            "qkv": ([L.qkv[0] for L in self.layers], dict(norm_weight=L0.input_norm, bias=L0.qkv_bias[0])),
+            "o": ([L.o for L in self.layers], dict(bias=L0.o_bias, residual=True)),
+            "gate_up": (
+                [L.gate_up[0] for L in self.layers],
+                dict(norm_weight=L0.post_norm, bias=L0.gate_up_bias[0], glu=glu),
+            ),
+            "down": ([L.down for L in self.layers], dict(bias=L0.down_bias, residual=True, act_mul=act_mul)),
+            "lm_head": ([self.lm_head], dict(norm_weight=self.norm)),
+        }
 
     def _mlp_folds(self, ops, T: int = 1) -> tuple[bool, bool]:
         """Where a T-token forward computes silu(gate) * up: (in gate_up's epilogue, in down's prologue — the
@@ -355,14 +387,22 @@ class LlamaFamilyForward(torch.nn.Module):
         `kernels.tune_attention` says why.)"""
         from draftsmith.decode import kernels as K
 
-        return [{"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items()
-                for r in K.tune_gemv(mats, **kw)]
+        return [
+            {"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items() for r in K.tune_gemv(mats, **kw)
+        ]
 
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-                logits_rows: torch.Tensor | None = None, want_aux: bool = True):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
+        want_aux: bool = True,
+    ):
         """input_ids/positions/slots [T] long; mask [T, S] bool over cache slots 0..S-1 (S <= max_len).
 
         Writes the T tokens' K/V at `slots`, then attends with `mask`. Returns (logits [R, V] fp32 for
@@ -391,11 +431,12 @@ class LlamaFamilyForward(torch.nn.Module):
                 qkv = self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
             kc, vc = self.k_layers[i], self.v_layers[i]
             if "rope" in ops:  # q/k norm, RoPE and both cache writes in one kernel
-                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm,
-                                     self.eps)[None]  # [1, T, nh, d]
+                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm, self.eps)[
+                    None
+                ]  # [1, T, nh, d]
             else:
                 qkv = qkv.view(1, T, nh + 2 * nkv, d)
-                qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
+                qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
                 if L.qk_norm is not None:
                     qk = _rms(qk, L.qk_norm, self.eps)
                 qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
@@ -407,8 +448,7 @@ class LlamaFamilyForward(torch.nn.Module):
             elif "attn" in ops:
                 o = K.rows_attention(q[0], kc, vc, mask, self.scale, slots)  # [T, nh * d]
             else:
-                o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale,
-                                      self.attn_impl)
+                o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
                 o = o.transpose(1, 2).reshape(T, nh * d)
             if "o" in ops:
                 h = lin(o, L.o, bias=L.o_bias, residual=h)
@@ -471,5 +511,14 @@ def rope_table(cfg, max_len: int, device, rotary_module=None):
     return emb.cos(), emb.sin()
 
 
-__all__ = ["LayerWeights", "LlamaFamilyForward", "supports", "rope_table", "grouped_attention", "prepare_mask", "SUPPORTED_MODEL_TYPES",
-           "ATTENTION_IMPLS", "TRITON_OPS"]
+__all__ = [
+    "LayerWeights",
+    "LlamaFamilyForward",
+    "supports",
+    "rope_table",
+    "grouped_attention",
+    "prepare_mask",
+    "SUPPORTED_MODEL_TYPES",
+    "ATTENTION_IMPLS",
+    "TRITON_OPS",
+]

@@ -28,8 +28,12 @@ from draftsmith.decode.sampling import SamplingParams
 # chain of 1 costs about one plain step a round, so even a weak drafter's first-token acceptance pays), a small and
 # a deep tree for targets whose verify rows are nearly free
 DEFAULT_CANDIDATES = (
-    DecodeMode("chain", draft_tokens=1), DecodeMode("chain", draft_tokens=2), DecodeMode("chain", draft_tokens=3), DecodeMode("chain", draft_tokens=4),
-    DecodeMode("chain", draft_tokens=6), DecodeMode("tree", top_k=4, depth=4, tree_tokens=16),
+    DecodeMode("chain", draft_tokens=1),
+    DecodeMode("chain", draft_tokens=2),
+    DecodeMode("chain", draft_tokens=3),
+    DecodeMode("chain", draft_tokens=4),
+    DecodeMode("chain", draft_tokens=6),
+    DecodeMode("tree", top_k=4, depth=4, tree_tokens=16),
     DecodeMode("tree", top_k=8, depth=6, tree_tokens=48),
 )
 CALIBRATION_PROMPTS = 4
@@ -53,14 +57,24 @@ class Tuning:
 
     def summary(self) -> str:
         if self.mode.kind == "plain":
-            return (f"tuned: plain decoding (no speculative setting beat it: plain {self.plain_tok_s:.1f} tok/s, "
-                    f"best {max((c['tok_s'] for c in self.candidates[1:]), default=0.0):.1f})")
-        return f"tuned: {describe(self.mode)}, {self.tok_s:.1f} tok/s = {self.speedup:.2f}x plain ({self.plain_tok_s:.1f})"
+            return (
+                f"tuned: plain decoding (no speculative setting beat it: plain {self.plain_tok_s:.1f} tok/s, "
+                f"best {max((c['tok_s'] for c in self.candidates[1:]), default=0.0):.1f})"
+            )
+        return (
+            f"tuned: {describe(self.mode)}, {self.tok_s:.1f} tok/s = {self.speedup:.2f}x plain ({self.plain_tok_s:.1f})"
+        )
 
     def to_json(self) -> dict:
-        return {"mode": mode_json(self.mode), "tok_s": self.tok_s, "plain_tok_s": self.plain_tok_s,
-                "speedup": self.speedup, "candidates": self.candidates, "prompts": self.prompts,
-                "max_new_tokens": self.max_new_tokens}
+        return {
+            "mode": mode_json(self.mode),
+            "tok_s": self.tok_s,
+            "plain_tok_s": self.plain_tok_s,
+            "speedup": self.speedup,
+            "candidates": self.candidates,
+            "prompts": self.prompts,
+            "max_new_tokens": self.max_new_tokens,
+        }
 
     def save(self, path: str | Path, **context) -> None:
         from draftsmith.common.io import atomic_write_json
@@ -68,7 +82,7 @@ class Tuning:
         atomic_write_json(Path(path), {"format": "draftsmith-tuning/1", **self.to_json(), **context})
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tuning":
+    def load(cls, path: str | Path) -> Tuning:
         """A file written by `save` (`--save-tuning`); errors name the file and the field."""
         p = Path(path)
         try:
@@ -86,8 +100,14 @@ class Tuning:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise DraftsmithError(f"{path}: field {k!r}: expected a number >= 0, got {v!r}")
             nums[k] = float(v)
-        return cls(mode, nums["tok_s"], nums["plain_tok_s"], list(obj.get("candidates") or []),
-                   int(obj.get("prompts") or 0), int(obj.get("max_new_tokens") or 0))
+        return cls(
+            mode,
+            nums["tok_s"],
+            nums["plain_tok_s"],
+            list(obj.get("candidates") or []),
+            int(obj.get("prompts") or 0),
+            int(obj.get("max_new_tokens") or 0),
+        )
 
 
 def describe(mode: DecodeMode) -> str:
@@ -135,14 +155,25 @@ def _measure(engine, prompts, mode: DecodeMode, sp: SamplingParams, max_new_toke
         rounds += r.rounds
         accepted += sum(r.accepted) + len(r.accepted)
     tau = accepted / rounds if mode.kind != "plain" and rounds else 1.0
-    return {"mode": mode_json(mode), "tok_s": new / wall if wall else 0.0, "tau": tau,
-            "round_ms": 1e3 * decode / rounds if rounds else None, "new_tokens": new,
-            "calibration_s": time.perf_counter() - t0}
+    return {
+        "mode": mode_json(mode),
+        "tok_s": new / wall if wall else 0.0,
+        "tau": tau,
+        "round_ms": 1e3 * decode / rounds if rounds else None,
+        "new_tokens": new,
+        "calibration_s": time.perf_counter() - t0,
+    }
 
 
-def tune(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = CALIBRATION_TOKENS,
-         candidates: Sequence[DecodeMode] | None = None, sampling: SamplingParams | None = None, seed: int = 0,
-         progress=None) -> Tuning:
+def tune(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = CALIBRATION_TOKENS,
+    candidates: Sequence[DecodeMode] | None = None,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
+    progress=None,
+) -> Tuning:
     """Measure plain decoding and each candidate mode on `prompts` (use a few: calibration should be short) and
     return the fastest, or plain when none beats it. Without a drafter the answer is plain."""
     if not prompts:
@@ -154,8 +185,9 @@ def tune(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = CALIBRA
     need = max([m.cache_need for m in cands] + [1]) + 2
     usable = [p for p in prompts if len(p) + max_new_tokens + need <= engine.max_len]
     if not usable:
-        raise ValueError(f"no calibration prompt fits the engine's cache ({engine.max_len} tokens) with "
-                         f"{max_new_tokens} new tokens")
+        raise ValueError(
+            f"no calibration prompt fits the engine's cache ({engine.max_len} tokens) with {max_new_tokens} new tokens"
+        )
     rows = [_measure(engine, usable, DecodeMode("plain"), sp, max_new_tokens, seed)]
     if progress:
         progress(rows[-1])

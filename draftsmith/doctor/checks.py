@@ -40,8 +40,10 @@ def aux_fix(fmt: str, layer_output_ids: list[int]) -> str:
         return f"set aux_layer_ids to {lo} (layer-output ids)"
     if fmt == "speculators":
         return f"set eagle_aux_hidden_state_layer_ids to {hs} (hidden_states ids)"
-    return (f"set eagle_config.eagle_aux_hidden_state_layer_ids to {lo} (layer-output ids) and the top-level "
-            f"eagle_aux_hidden_state_layer_ids to {hs} (hidden_states ids)")
+    return (
+        f"set eagle_config.eagle_aux_hidden_state_layer_ids to {lo} (layer-output ids) and the top-level "
+        f"eagle_aux_hidden_state_layer_ids to {hs} (hidden_states ids)"
+    )
 
 
 def d2t_readings(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor | None]:
@@ -56,38 +58,57 @@ def d2t_readings(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor |
     return out
 
 
-def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_error: str | None,
-                  store: str | None = None) -> list[dict]:
+def static_checks(
+    target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_error: str | None, store: str | None = None
+) -> list[dict]:
     from draftsmith.target_model.facts import target_facts
     from draftsmith.target_model.layers import default_aux_layers
 
     facts = target_facts(target)
     raw = read_json(Path(path) / "config.json", "drafter config")
     N, H, V = facts["num_layers"], facts["hidden_size"], facts["vocab_size"]
-    out = [check("loads", load_error is None,
-                 f"{fmt} layout, loads with Drafter.from_pretrained" if load_error is None else
-                 f"Drafter.from_pretrained refuses it: {load_error}")]
+    out = [
+        check(
+            "loads",
+            load_error is None,
+            f"{fmt} layout, loads with Drafter.from_pretrained"
+            if load_error is None
+            else f"Drafter.from_pretrained refuses it: {load_error}",
+        )
+    ]
 
     # sizes and vocab fit
     problems = []
     if cfg.vocab_size != V:
-        problems.append(f"vocab_size {cfg.vocab_size} != target's {V}: a drafter for another tokenizer; retrain "
-                        "it for this target")
+        problems.append(
+            f"vocab_size {cfg.vocab_size} != target's {V}: a drafter for another tokenizer; retrain it for this target"
+        )
     if cfg.target_hidden_size != H:
         problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {H}")
     if cfg.hidden_size != H and notes.get("embedding") is None:
         problems.append(f"hidden_size {cfg.hidden_size} != target's {H} and no own embedding in the checkpoint")
-    out.append(check("sizes", not problems, "; ".join(problems) or
-                     f"hidden {cfg.hidden_size}, target hidden {cfg.target_hidden_size}, vocab {cfg.vocab_size}, "
-                     f"draft vocab {cfg.draft_vocab_size}, {cfg.num_hidden_layers} layer(s)"))
+    out.append(
+        check(
+            "sizes",
+            not problems,
+            "; ".join(problems)
+            or f"hidden {cfg.hidden_size}, target hidden {cfg.target_hidden_size}, vocab {cfg.vocab_size}, "
+            f"draft vocab {cfg.draft_vocab_size}, {cfg.num_hidden_layers} layer(s)",
+        )
+    )
 
     # aux ids: valid and distinct for this target
-    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else (default_aux_layers(N) if cfg.num_aux == 3
-                                                                  else None)
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else (default_aux_layers(N) if cfg.num_aux == 3 else None)
     assumed = cfg.aux_layer_ids is None
     if ids is None:
-        out.append(check("aux_ids", False, f"no aux layer ids and fc takes {cfg.num_aux} states: "
-                         + aux_fix(fmt, default_aux_layers(N)[: cfg.num_aux])))
+        out.append(
+            check(
+                "aux_ids",
+                False,
+                f"no aux layer ids and fc takes {cfg.num_aux} states: "
+                + aux_fix(fmt, default_aux_layers(N)[: cfg.num_aux]),
+            )
+        )
     else:
         bad = [i for i in ids if not 0 <= i < N]
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -97,15 +118,22 @@ def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_
         elif dup:
             spare = [i for i in range(N) if i not in distinct]
             fix = sorted(distinct + spare[: len(ids) - len(distinct)])
-            detail, ok = (f"layer-output ids {ids} repeat {dup}: SGLang and vLLM capture each layer once (set "
-                          f"membership / de-duplication), so fc gets fewer states than it takes; retrain with "
-                          f"distinct layers, e.g. {fix}"), False
+            detail, ok = (
+                (
+                    f"layer-output ids {ids} repeat {dup}: SGLang and vLLM capture each layer once (set "
+                    f"membership / de-duplication), so fc gets fewer states than it takes; retrain with "
+                    f"distinct layers, e.g. {fix}"
+                ),
+                False,
+            )
         else:
             detail, ok = f"layer-output ids {ids} (hidden_states ids {[i + 1 for i in ids]})", True
             if ids != sorted(ids):
                 ok = False
-                detail += (f": not ascending -- draftsmith concatenates aux states in this order, SGLang/vLLM in "
-                           f"layer order {sorted(ids)}; reorder fc.weight's column blocks to ascending layers")
+                detail += (
+                    f": not ascending -- draftsmith concatenates aux states in this order, SGLang/vLLM in "
+                    f"layer order {sorted(ids)}; reorder fc.weight's column blocks to ascending layers"
+                )
         if assumed:
             detail += " (none written: the engines' default for this target is assumed)"
         out.append(check("aux_ids", ok, detail))
@@ -120,8 +148,7 @@ def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_
         v = [int(i) for i in v]
         lo = v if conv == "lo" else [i - 1 for i in v]
         named[fld] = lo
-        written.append(f"{fld}={v} ({'layer-output' if conv == 'lo' else 'hidden_states'} ids -> layer outputs "
-                       f"{lo})")
+        written.append(f"{fld}={v} ({'layer-output' if conv == 'lo' else 'hidden_states'} ids -> layer outputs {lo})")
     ok = len({tuple(v) for v in named.values()}) <= 1
     detail = "; ".join(written) or "no aux id field written"
     if not ok:
@@ -129,17 +156,25 @@ def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_
     elif fmt == "sglang" and "eagle_aux_hidden_state_layer_ids" not in named and named:
         lo = next(iter(named.values()))
         ok = False
-        detail += (f": vLLM (V1) reads these nested ids raw as hidden_states ids, i.e. layer outputs "
-                   f"{[i - 1 for i in lo]}; add the top-level eagle_aux_hidden_state_layer_ids {[i + 1 for i in lo]}")
+        detail += (
+            f": vLLM (V1) reads these nested ids raw as hidden_states ids, i.e. layer outputs "
+            f"{[i - 1 for i in lo]}; add the top-level eagle_aux_hidden_state_layer_ids {[i + 1 for i in lo]}"
+        )
     out.append(check("aux_id_conventions", ok, detail))
 
     # draft vocab mapping: d2t (offsets) vs t2d
     d2t = sd.get("d2t")
     t2d = sd.get("t2d")
     if d2t is None:
-        out.append(check("draft_vocab_mapping", cfg.draft_vocab_size == cfg.vocab_size,
-                         "no d2t: identity draft vocab" if cfg.draft_vocab_size == cfg.vocab_size else
-                         f"no d2t but draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size}"))
+        out.append(
+            check(
+                "draft_vocab_mapping",
+                cfg.draft_vocab_size == cfg.vocab_size,
+                "no d2t: identity draft vocab"
+                if cfg.draft_vocab_size == cfg.vocab_size
+                else f"no d2t but draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size}",
+            )
+        )
     else:
         readings = d2t_readings(d2t, cfg.vocab_size)
         in_t2d = None
@@ -147,17 +182,31 @@ def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_
             t2d_ids = torch.nonzero(t2d.to(torch.bool)).flatten()
             in_t2d = {k: (v is not None and torch.equal(torch.sort(v).values, t2d_ids)) for k, v in readings.items()}
         if readings["offsets"] is not None and (in_t2d is None or in_t2d["offsets"]):
-            out.append(check("draft_vocab_mapping", True, f"d2t offsets name {d2t.numel()} distinct target ids"
-                             + ("" if in_t2d is None else ", t2d agrees")))
+            out.append(
+                check(
+                    "draft_vocab_mapping",
+                    True,
+                    f"d2t offsets name {d2t.numel()} distinct target ids" + ("" if in_t2d is None else ", t2d agrees"),
+                )
+            )
         elif readings["absolute"] is not None and (in_t2d is None or in_t2d["absolute"]):
-            out.append(check("draft_vocab_mapping", False,
-                             "d2t holds absolute target ids, engines read offsets (target = draft + d2t[draft]): "
-                             "write d2t[i] - i"
-                             + ("" if in_t2d is None else " (t2d agrees with the absolute reading)")))
+            out.append(
+                check(
+                    "draft_vocab_mapping",
+                    False,
+                    "d2t holds absolute target ids, engines read offsets (target = draft + d2t[draft]): "
+                    "write d2t[i] - i" + ("" if in_t2d is None else " (t2d agrees with the absolute reading)"),
+                )
+            )
         else:
-            out.append(check("draft_vocab_mapping", False,
-                             "d2t and t2d do not describe one draft vocab of this target (under either reading): "
-                             "rebuild the draft vocab from this target's token counts"))
+            out.append(
+                check(
+                    "draft_vocab_mapping",
+                    False,
+                    "d2t and t2d do not describe one draft vocab of this target (under either reading): "
+                    "rebuild the draft vocab from this target's token counts",
+                )
+            )
 
     # dtype against the target (engine layouts only: draftsmith's own engine casts the drafter to its dtype, and
     # `draftsmith export` writes the serving dtype)
@@ -166,27 +215,60 @@ def static_checks(target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_
     tdt = str(getattr(tcfg, "dtype", None) or getattr(tcfg, "torch_dtype", None) or target.dtype)
     tdt = tdt.replace("torch.", "")
     ok = fmt == "draftsmith" or ddt == tdt
-    out.append(check("dtype", ok, f"drafter {ddt}, target {tdt}" + (
-        "" if ok else f": set torch_dtype to {tdt} in config.json (SGLang's --dtype auto turns a float32 draft "
-                      f"config into float16 beside a {tdt} target)")))
+    out.append(
+        check(
+            "dtype",
+            ok,
+            f"drafter {ddt}, target {tdt}"
+            + (
+                ""
+                if ok
+                else f": set torch_dtype to {tdt} in config.json (SGLang's --dtype auto turns a float32 draft "
+                f"config into float16 beside a {tdt} target)"
+            ),
+        )
+    )
 
     # RoPE vs the target
-    same = (abs(float(cfg.rope_theta) - float(facts["rope_theta"])) < 1e-6 * max(1.0, float(facts["rope_theta"]))
-            and (cfg.rope_scaling or None) == (facts["rope_scaling"] or None))
-    out.append(check("rope", same, f"theta {cfg.rope_theta:g}, scaling {cfg.rope_scaling}" + (
-        " = target's" if same else f"; target: theta {facts['rope_theta']:g}, scaling {facts['rope_scaling']}: "
-                                   f"set rope_theta to {facts['rope_theta']:g} and rope_scaling to "
-                                   f"{facts['rope_scaling']} unless the drafter was trained with its own")))
+    same = abs(float(cfg.rope_theta) - float(facts["rope_theta"])) < 1e-6 * max(1.0, float(facts["rope_theta"])) and (
+        cfg.rope_scaling or None
+    ) == (facts["rope_scaling"] or None)
+    out.append(
+        check(
+            "rope",
+            same,
+            f"theta {cfg.rope_theta:g}, scaling {cfg.rope_scaling}"
+            + (
+                " = target's"
+                if same
+                else f"; target: theta {facts['rope_theta']:g}, scaling {facts['rope_scaling']}: "
+                f"set rope_theta to {facts['rope_theta']:g} and rope_scaling to "
+                f"{facts['rope_scaling']} unless the drafter was trained with its own"
+            ),
+        )
+    )
 
     # norm_before_residual as each engine reads it
     if fmt == "speculators":
         written_nbr = raw.get("norm_before_residual")
         ok = written_nbr is not None
-        out.append(check("norm_before_residual", ok, f"norm_before_residual={written_nbr}" + (
-            "" if ok else ": not written; vLLM's speculators config defaults it to true -- write it explicitly")))
+        out.append(
+            check(
+                "norm_before_residual",
+                ok,
+                f"norm_before_residual={written_nbr}"
+                + ("" if ok else ": not written; vLLM's speculators config defaults it to true -- write it explicitly"),
+            )
+        )
     elif fmt in ("sglang", "vllm", "eagle") and cfg.norm_before_residual:
-        out.append(check("norm_before_residual", False, "norm_before_residual=true: SGLang does not read it (its "
-                         "residual is always the un-normed hidden); serve with vLLM or retrain without it"))
+        out.append(
+            check(
+                "norm_before_residual",
+                False,
+                "norm_before_residual=true: SGLang does not read it (its "
+                "residual is always the un-normed hidden); serve with vLLM or retrain without it",
+            )
+        )
 
     if store:
         out.extend(store_checks(target, store, cfg))
@@ -203,18 +285,42 @@ def store_checks(target, store: str, cfg) -> list[dict]:
     tpath = target.path
     ch, th = config_hash(tpath), tokenizer_hash(tpath)
     ok = ident.get("config_hash") == ch
-    out.append(check("store_config_hash", ok, "store made from this target's config" if ok else
-                     f"store target.config_hash {str(ident.get('config_hash'))[:12]} != {ch[:12]} of {tpath}: the "
-                     f"drafter was trained on another model's states ({ident.get('path')})"))
+    out.append(
+        check(
+            "store_config_hash",
+            ok,
+            "store made from this target's config"
+            if ok
+            else f"store target.config_hash {str(ident.get('config_hash'))[:12]} != {ch[:12]} of {tpath}: the "
+            f"drafter was trained on another model's states ({ident.get('path')})",
+        )
+    )
     ok = ident.get("tokenizer_hash") == th
-    out.append(check("store_tokenizer_hash", ok, "store made with this target's tokenizer" if ok else
-                     f"store target.tokenizer_hash {str(ident.get('tokenizer_hash'))[:12]} != {th[:12]}: another "
-                     "tokenizer (its draft vocab names other tokens)"))
+    out.append(
+        check(
+            "store_tokenizer_hash",
+            ok,
+            "store made with this target's tokenizer"
+            if ok
+            else f"store target.tokenizer_hash {str(ident.get('tokenizer_hash'))[:12]} != {th[:12]}: another "
+            "tokenizer (its draft vocab names other tokens)",
+        )
+    )
     aux = m.get("aux_layers")
     if aux is not None and cfg.aux_layer_ids is not None:
         ok = [int(i) for i in aux] == list(cfg.aux_layer_ids)
-        out.append(check("store_aux_layers", ok, f"store aux_layers {aux} (layer-output ids)" + (
-            " = drafter's" if ok else f" != drafter's {cfg.aux_layer_ids}: the drafter was trained on layers {aux}")))
+        out.append(
+            check(
+                "store_aux_layers",
+                ok,
+                f"store aux_layers {aux} (layer-output ids)"
+                + (
+                    " = drafter's"
+                    if ok
+                    else f" != drafter's {cfg.aux_layer_ids}: the drafter was trained on layers {aux}"
+                ),
+            )
+        )
     return out
 
 
@@ -234,7 +340,11 @@ def read_tau_sim(drafter_path: str) -> dict[str, Any] | None:
                 if "eval_tau_sim" in rec or "tau_sim" in rec:
                     last = rec
             if last is not None:
-                return {"file": str(cand), "step": last.get("step"),
-                        "tau_sim": last.get("eval_tau_sim", last.get("tau_sim")),
-                        "acc": last.get("eval_acc", last.get("acc")), "held_out": "eval_tau_sim" in last}
+                return {
+                    "file": str(cand),
+                    "step": last.get("step"),
+                    "tau_sim": last.get("eval_tau_sim", last.get("tau_sim")),
+                    "acc": last.get("eval_acc", last.get("acc")),
+                    "held_out": "eval_tau_sim" in last,
+                }
     return None

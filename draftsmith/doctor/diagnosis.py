@@ -22,8 +22,16 @@ from draftsmith.common.errors import DraftsmithError
 from draftsmith.doctor import measure as M
 from draftsmith.doctor.checks import aux_fix, d2t_readings, read_tau_sim, static_checks
 
-FAULTS = ("aux_layer_shift", "aux_layer_order", "final_norm", "norm_before_residual", "d2t_absolute",
-          "chat_template", "rope", "draft_vocab")
+FAULTS = (
+    "aux_layer_shift",
+    "aux_layer_order",
+    "final_norm",
+    "norm_before_residual",
+    "d2t_absolute",
+    "chat_template",
+    "rope",
+    "draft_vocab",
+)
 # A correctly wired drafter accepts best as configured: every variant perturbs the inputs it was trained on, so a
 # variant that gains consistently across both prompt halves is evidence of a fault even well below 1.5x (on the demo
 # target a drafter trained on post-norm states loses 15% of its acceptance when served pre-norm states).
@@ -90,8 +98,15 @@ def load_for_doctor(path: str, target) -> dict:
     cfg = drafter.config
     d2t = sd.get("d2t")
     d2t = drafter.d2t.clone() if d2t is None else d2t.to(torch.int64)
-    return {"format": fmt, "config": cfg, "state": sd, "notes": notes, "drafter": drafter,
-            "load_error": load_error, "d2t": d2t}
+    return {
+        "format": fmt,
+        "config": cfg,
+        "state": sd,
+        "notes": notes,
+        "drafter": drafter,
+        "load_error": load_error,
+        "d2t": d2t,
+    }
 
 
 def clone_drafter(drafter, **changes):
@@ -147,13 +162,16 @@ def build_traces(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
 def _fc_order_fix(ids: list[int], perm: tuple[int, ...], width: int) -> str:
     order = [ids[p] for p in perm]
     blocks = [order.index(i) for i in ids]
-    return (f"fc.weight's input blocks are in the order of layers {order}, not {ids}: rewrite fc.weight as its "
-            f"column blocks {blocks} ({width} columns each) so block i reads layer {ids}[i], or for draftsmith's own "
-            f"engine only set aux_layer_ids to {order} (SGLang and vLLM concatenate aux states in layer order)")
+    return (
+        f"fc.weight's input blocks are in the order of layers {order}, not {ids}: rewrite fc.weight as its "
+        f"column blocks {blocks} ({width} columns each) so block i reads layer {ids}[i], or for draftsmith's own "
+        f"engine only set aux_layer_ids to {order} (SGLang and vLLM concatenate aux states in layer order)"
+    )
 
 
-def candidate_variants(info: dict, target, base: Variant, template_available: bool, template_used: bool,
-                       skip: set[str] = frozenset()) -> list[Variant]:
+def candidate_variants(
+    info: dict, target, base: Variant, template_available: bool, template_used: bool, skip: set[str] = frozenset()
+) -> list[Variant]:
     """Every candidate mis-wiring, each changing one thing of `base` (the configuration, or the configuration with
     the faults found so far fixed); families in `skip` are left out."""
     import dataclasses
@@ -175,8 +193,9 @@ def candidate_variants(info: dict, target, base: Variant, template_available: bo
         for delta in (+1, -1):
             shifted = [i + delta for i in ids]
             if all(0 <= i < N for i in shifted):
-                out.append(v("aux_layer_shift", f"aux ids {delta:+d} ({shifted})", aux_fix(fmt, shifted),
-                             aux_layers=shifted))
+                out.append(
+                    v("aux_layer_shift", f"aux ids {delta:+d} ({shifted})", aux_fix(fmt, shifted), aux_layers=shifted)
+                )
     if "aux_layer_order" not in skip:
         seen = {tuple(ids)}
         for perm in itertools.permutations(range(k)):
@@ -184,50 +203,95 @@ def candidate_variants(info: dict, target, base: Variant, template_available: bo
             if tuple(order) not in seen:
                 seen.add(tuple(order))
                 fix = _fc_order_fix(ids, perm, cfg.target_hidden_size)
-                out.append(v("aux_layer_order", f"fc blocks read layers {order}", fix,
-                             aux_layers=order))
+                out.append(v("aux_layer_order", f"fc blocks read layers {order}", fix, aux_layers=order))
     if "final_norm" not in skip:
         for slot in range(k):
             last = ids[slot] == N - 1
-            why = (f"the drafter expects layer {ids[slot]}'s state after the target's final norm"
-                   + (" (HF output_hidden_states[-1] is post-norm)" if last else "")
-                   + "; engines and draftsmith capture it before the norm: retrain on pre-norm states "
-                   "(draftsmith capture stores them)")
-            out.append(v("final_norm", f"final norm on layer {ids[slot]}", why,
-                         normed_slots=tuple(sorted(set(base.normed_slots) | {slot}))))
+            why = (
+                f"the drafter expects layer {ids[slot]}'s state after the target's final norm"
+                + (" (HF output_hidden_states[-1] is post-norm)" if last else "")
+                + "; engines and draftsmith capture it before the norm: retrain on pre-norm states "
+                "(draftsmith capture stores them)"
+            )
+            out.append(
+                v(
+                    "final_norm",
+                    f"final norm on layer {ids[slot]}",
+                    why,
+                    normed_slots=tuple(sorted(set(base.normed_slots) | {slot})),
+                )
+            )
         if k > 1:
-            out.append(v("final_norm", "final norm on every aux state",
-                         "the drafter expects every aux state after the target's final norm; engines capture them "
-                         "before it: retrain on pre-norm states", normed_slots=tuple(range(k))))
+            out.append(
+                v(
+                    "final_norm",
+                    "final norm on every aux state",
+                    "the drafter expects every aux state after the target's final norm; engines capture them "
+                    "before it: retrain on pre-norm states",
+                    normed_slots=tuple(range(k)),
+                )
+            )
     if "norm_before_residual" not in skip:
         flip = not cfg.norm_before_residual
-        out.append(v("norm_before_residual", f"norm_before_residual={str(flip).lower()}",
-                     f"set norm_before_residual to {str(flip).lower()}",
-                     drafter=clone_drafter(drafter, norm_before_residual=flip)))
+        out.append(
+            v(
+                "norm_before_residual",
+                f"norm_before_residual={str(flip).lower()}",
+                f"set norm_before_residual to {str(flip).lower()}",
+                drafter=clone_drafter(drafter, norm_before_residual=flip),
+            )
+        )
     if "d2t_absolute" not in skip and base.table == "config":
         readings = d2t_readings(info["d2t"], cfg.vocab_size)
         if readings["absolute"] is not None or readings["offsets"] is None:
-            out.append(v("d2t_absolute", "d2t read as absolute ids",
-                         "d2t holds absolute target ids but engines read offsets (target = draft + d2t[draft]): "
-                         "write d2t[i] - i", table="absolute"))
+            out.append(
+                v(
+                    "d2t_absolute",
+                    "d2t read as absolute ids",
+                    "d2t holds absolute target ids but engines read offsets (target = draft + d2t[draft]): "
+                    "write d2t[i] - i",
+                    table="absolute",
+                )
+            )
     if "draft_vocab" not in skip and info.get("remap_available") and base.table == "config":
-        out.append(v("draft_vocab", "draft ids mapped by lm_head rows",
-                     "the draft vocab (d2t/t2d) does not name the tokens lm_head was trained for (built for another "
-                     "tokenizer or other token counts): rebuild d2t/t2d with the vocab the drafter was trained with "
-                     "(its lm_head rows match the target's rows of those tokens)", table="remap"))
+        out.append(
+            v(
+                "draft_vocab",
+                "draft ids mapped by lm_head rows",
+                "the draft vocab (d2t/t2d) does not name the tokens lm_head was trained for (built for another "
+                "tokenizer or other token counts): rebuild d2t/t2d with the vocab the drafter was trained with "
+                "(its lm_head rows match the target's rows of those tokens)",
+                table="remap",
+            )
+        )
     facts = target_facts(target)
-    if "rope" not in skip and (abs(cfg.rope_theta - facts["rope_theta"]) > 1e-6 * facts["rope_theta"]
-                               or (cfg.rope_scaling or None) != (facts["rope_scaling"] or None)):
-        out.append(v("rope", f"target's RoPE (theta {facts['rope_theta']:g}, scaling {facts['rope_scaling']})",
-                     f"set rope_theta to {facts['rope_theta']:g} and rope_scaling to {facts['rope_scaling']}",
-                     drafter=clone_drafter(drafter, rope_theta=facts["rope_theta"],
-                                           rope_scaling=facts["rope_scaling"])))
+    if "rope" not in skip and (
+        abs(cfg.rope_theta - facts["rope_theta"]) > 1e-6 * facts["rope_theta"]
+        or (cfg.rope_scaling or None) != (facts["rope_scaling"] or None)
+    ):
+        out.append(
+            v(
+                "rope",
+                f"target's RoPE (theta {facts['rope_theta']:g}, scaling {facts['rope_scaling']})",
+                f"set rope_theta to {facts['rope_theta']:g} and rope_scaling to {facts['rope_scaling']}",
+                drafter=clone_drafter(drafter, rope_theta=facts["rope_theta"], rope_scaling=facts["rope_scaling"]),
+            )
+        )
     if "chat_template" not in skip and template_available:
         other = not (template_used if base.template is None else base.template)
-        out.append(v("chat_template", f"prompts {'with' if other else 'without'} the chat template",
-                     ("render prompts with the tokenizer's chat template (the drafter was trained on chats)" if other
-                      else "send raw text without the chat template (the drafter was trained on raw text), or "
-                      "retrain on chats"), template=other))
+        out.append(
+            v(
+                "chat_template",
+                f"prompts {'with' if other else 'without'} the chat template",
+                (
+                    "render prompts with the tokenizer's chat template (the drafter was trained on chats)"
+                    if other
+                    else "send raw text without the chat template (the drafter was trained on raw text), or "
+                    "retrain on chats"
+                ),
+                template=other,
+            )
+        )
     return out
 
 
@@ -266,7 +330,7 @@ def lm_head_remap(drafter, target, chunk: int = 4096) -> torch.Tensor | None:
     best = torch.full((dn.shape[0],), -2.0, device=dev)
     arg = torch.zeros(dn.shape[0], dtype=torch.long, device=dev)
     for i in range(0, head.shape[0], chunk):
-        tn = torch.nn.functional.normalize(head[i: i + chunk].detach().float(), dim=-1)
+        tn = torch.nn.functional.normalize(head[i : i + chunk].detach().float(), dim=-1)
         v, j = (dn @ tn.T).max(-1)
         better = v > best
         best = torch.where(better, v, best)
@@ -293,8 +357,9 @@ def measure_variant(v: Variant, traces: list[M.Trace], base_drafter, tables: dic
         acc = M.accepted_per_start(drafts, tr.target_next, starts)
         rounds.append(M.engine_rounds(acc, starts))
     summary = M.summarize(rounds, K)
-    summary["halves"] = [M.summarize([r for i, r in enumerate(rounds) if prompt_half(i) == h], K)["acceptance_rate"]
-                         for h in (0, 1)]
+    summary["halves"] = [
+        M.summarize([r for i, r in enumerate(rounds) if prompt_half(i) == h], K)["acceptance_rate"] for h in (0, 1)
+    ]
     summary["rounds_per_prompt"] = rounds
     return summary
 
@@ -302,14 +367,18 @@ def measure_variant(v: Variant, traces: list[M.Trace], base_drafter, tables: dic
 def draft_vocab_coverage(traces: list[M.Trace], table: torch.Tensor) -> float:
     """Share of the target's greedy tokens (continuations) that the draft vocab can propose at all."""
     vocab = {int(t) for t in table.tolist() if t >= 0}
-    toks = [int(t) for tr in traces for t in tr.target_next[tr.prompt_len - 1: tr.prompt_len - 1 +
-                                                            tr.max_new_tokens].tolist()]
+    toks = [
+        int(t)
+        for tr in traces
+        for t in tr.target_next[tr.prompt_len - 1 : tr.prompt_len - 1 + tr.max_new_tokens].tolist()
+    ]
     return sum(t in vocab for t in toks) / max(len(toks), 1)
 
 
 # ------------------------------------------------------------------------------------------ verdict
-def qualifying(reference: dict, variants: list[Variant], ratio: float = RATIO,
-               static_evidence: frozenset[str] = frozenset()) -> list[tuple[Variant, float]]:
+def qualifying(
+    reference: dict, variants: list[Variant], ratio: float = RATIO, static_evidence: frozenset[str] = frozenset()
+) -> list[tuple[Variant, float]]:
     """The best variant of each fault family that beats `reference` clearly (module docstring), best first.
     Families in `static_evidence` (a static check already shows the files disagree with the target) need only a
     gain above the noise, not `ratio`."""
@@ -341,30 +410,57 @@ def suggestions(config: dict, coverage: float, tau_sim: dict | None, K: int) -> 
         acc = list(tau_sim["acc"])[:K]
         expect = 1.0 + sum(float(torch.tensor(acc[: i + 1]).prod()) for i in range(len(acc)))
         kind = "held-out" if tau_sim.get("held_out") else "training"
-        gap = "close to" if abs(expect - config["tau"]) <= 0.15 * expect else (
-            "well below" if config["tau"] < expect else "above")
-        out.append(f"training's {kind} τ_sim at K={len(acc)} predicts τ ≈ {expect:.2f} ({tau_sim['file']}, step "
-                   f"{tau_sim['step']}); measured τ {config['tau']:.2f} is {gap} it"
-                   + ("" if gap != "well below" else ": the prompts differ from the training data, or a "
-                      "serving-side difference not covered by the variants"))
+        gap = (
+            "close to"
+            if abs(expect - config["tau"]) <= 0.15 * expect
+            else ("well below" if config["tau"] < expect else "above")
+        )
+        out.append(
+            f"training's {kind} τ_sim at K={len(acc)} predicts τ ≈ {expect:.2f} ({tau_sim['file']}, step "
+            f"{tau_sim['step']}); measured τ {config['tau']:.2f} is {gap} it"
+            + (
+                ""
+                if gap != "well below"
+                else ": the prompts differ from the training data, or a "
+                "serving-side difference not covered by the variants"
+            )
+        )
     if coverage < 0.9:
-        out.append(f"the draft vocab covers only {coverage:.0%} of the target's greedy tokens on these prompts: "
-                   "a larger --draft-vocab-size, or token counts from data like these prompts")
+        out.append(
+            f"the draft vocab covers only {coverage:.0%} of the target's greedy tokens on these prompts: "
+            "a larger --draft-vocab-size, or token counts from data like these prompts"
+        )
     if cond and cond[0] < 0.3:
-        out.append(f"the first draft is accepted only {cond[0]:.0%} of the time: undertrained, or trained on "
-                   "different data than these prompts")
+        out.append(
+            f"the first draft is accepted only {cond[0]:.0%} of the time: undertrained, or trained on "
+            "different data than these prompts"
+        )
     if len(cond) > 1 and cond[0] >= 0.3 and min(cond[1:]) < 0.6 * cond[0]:
-        out.append("acceptance falls off fast with draft position (α_i " + " ".join(f"{c:.2f}" for c in cond)
-                   + "): undertrained for later steps (more data / steps, or more TTT steps)")
+        out.append(
+            "acceptance falls off fast with draft position (α_i "
+            + " ".join(f"{c:.2f}" for c in cond)
+            + "): undertrained for later steps (more data / steps, or more TTT steps)"
+        )
     if not out:
-        out.append("no mis-wiring found and acceptance holds up by position (α_i "
-                   + " ".join(f"{c:.2f}" for c in cond) + ")")
+        out.append(
+            "no mis-wiring found and acceptance holds up by position (α_i " + " ".join(f"{c:.2f}" for c in cond) + ")"
+        )
     return out
 
 
-def diagnose(target, drafter_path: str, prompts_file: str | None = None, store: str | None = None,
-             max_prompts: int | None = None, draft_tokens: int = 4, max_new_tokens: int = 64, raw: bool = False,
-             trace_cache: dict | None = None, progress=None, ratio: float = RATIO) -> dict:
+def diagnose(
+    target,
+    drafter_path: str,
+    prompts_file: str | None = None,
+    store: str | None = None,
+    max_prompts: int | None = None,
+    draft_tokens: int = 4,
+    max_new_tokens: int = 64,
+    raw: bool = False,
+    trace_cache: dict | None = None,
+    progress=None,
+    ratio: float = RATIO,
+) -> dict:
     """The whole doctor run on a loaded draftsmith Target; returns the report dict (the --json object).
     trace_cache: a dict reused across calls with the same target/prompts (tests) to skip the target passes."""
     K = int(draft_tokens)
@@ -372,8 +468,16 @@ def diagnose(target, drafter_path: str, prompts_file: str | None = None, store: 
         raise DraftsmithError(f"--draft-tokens: must be >= 1, got {K}")
     say = progress or (lambda msg: None)
     info = load_for_doctor(str(drafter_path), target)
-    checks = static_checks(target, str(drafter_path), info["format"], info["config"], info["state"], info["notes"],
-                           info["load_error"], store)
+    checks = static_checks(
+        target,
+        str(drafter_path),
+        info["format"],
+        info["config"],
+        info["state"],
+        info["notes"],
+        info["load_error"],
+        store,
+    )
     tok = target.tokenizer
     template_available = has_chat_template(tok)
     template_used = template_available and not raw
@@ -422,21 +526,41 @@ def diagnose(target, drafter_path: str, prompts_file: str | None = None, store: 
         if not found:
             break
         top, noise = found[0]
-        faults.append({"fault": top.fault, "fix": top.fix, "acceptance_rate": config["acceptance_rate"],
-                       "variant_acceptance_rate": top.result["acceptance_rate"], "variant": top.label,
-                       "noise": noise})
+        faults.append(
+            {
+                "fault": top.fault,
+                "fix": top.fix,
+                "acceptance_rate": config["acceptance_rate"],
+                "variant_acceptance_rate": top.result["acceptance_rate"],
+                "variant": top.label,
+                "noise": noise,
+            }
+        )
         seen.add(top.fault)
         base, reference = top, top.result
     coverage = draft_vocab_coverage(traces, tables["config"])
-    checks.append({"name": "draft_vocab_coverage", "ok": coverage >= 0.9,
-                   "detail": f"the draft vocab holds {coverage:.1%} of the target's greedy tokens on these prompts"})
+    checks.append(
+        {
+            "name": "draft_vocab_coverage",
+            "ok": coverage >= 0.9,
+            "detail": f"the draft vocab holds {coverage:.1%} of the target's greedy tokens on these prompts",
+        }
+    )
     best = max(variants, key=lambda v: v.result["acceptance_rate"]) if variants else None
     report = {
         "checks": checks,
         "acceptance_rate": config["acceptance_rate"],
         "tau": config["tau"],
-        "variants": [{"fault": v.fault, "label": v.label, "acceptance_rate": v.result["acceptance_rate"],
-                      "tau": v.result["tau"], "p_at_least": v.result["p_at_least"]} for v in variants],
+        "variants": [
+            {
+                "fault": v.fault,
+                "label": v.label,
+                "acceptance_rate": v.result["acceptance_rate"],
+                "tau": v.result["tau"],
+                "p_at_least": v.result["p_at_least"],
+            }
+            for v in variants
+        ],
         "likely_faults": faults,
         "p_at_least": config["p_at_least"],
         "conditional": config["conditional"],
@@ -447,9 +571,14 @@ def diagnose(target, drafter_path: str, prompts_file: str | None = None, store: 
         "max_new_tokens": max_new_tokens,
         "chat_template": template_used,
         "format": info["format"],
-        "best_variant": None if best is None else {"fault": best.fault, "label": best.label,
-                                                   "acceptance_rate": best.result["acceptance_rate"],
-                                                   "p_at_least": best.result["p_at_least"]},
+        "best_variant": None
+        if best is None
+        else {
+            "fault": best.fault,
+            "label": best.label,
+            "acceptance_rate": best.result["acceptance_rate"],
+            "p_at_least": best.result["p_at_least"],
+        },
     }
     if not faults:
         report["suggestions"] = suggestions(config, coverage, read_tau_sim(str(drafter_path)), K)

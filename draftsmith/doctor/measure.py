@@ -82,8 +82,13 @@ def trace_prompt(target, prompt_ids: Sequence[int], max_new_tokens: int, lookahe
     with cap:
         logits = model(input_ids=ids).logits[0]
     states = cap.aux[0].view(len(seq), n, -1).cpu()  # the target's dtype: every layer of a large target is big
-    return Trace(input_ids=ids[0].cpu(), prompt_len=len(prompt_ids), layer_states=states,
-                 target_next=logits.float().argmax(-1).cpu(), max_new_tokens=emitted)
+    return Trace(
+        input_ids=ids[0].cpu(),
+        prompt_len=len(prompt_ids),
+        layer_states=states,
+        target_next=logits.float().argmax(-1).cpu(),
+        max_new_tokens=emitted,
+    )
 
 
 def _eos_ids(model) -> set[int]:
@@ -101,8 +106,9 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chain_drafts(drafter, aux: torch.Tensor, input_ids: torch.Tensor, starts: torch.Tensor, K: int,
-                 draft_to_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def chain_drafts(
+    drafter, aux: torch.Tensor, input_ids: torch.Tensor, starts: torch.Tensor, K: int, draft_to_target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(target ids, draft ids) [R, K] the chain drafts at each round start in `starts` (root = input_ids[n];
     target id -1 = a draft id with no valid target id under `draft_to_target`). aux: [T, k*H] in drafter order."""
     dev = next(drafter.parameters()).device
@@ -139,8 +145,9 @@ def chain_drafts(drafter, aux: torch.Tensor, input_ids: torch.Tensor, starts: to
         vals = torch.cat([v0.expand(R, -1, -1, -1), vc], 2)
         mask = torch.cat([prefix_ok, torch.ones(R, kc.shape[2], dtype=torch.bool, device=dev)], 1)
         n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, _repeat_kv(keys, n_rep), _repeat_kv(vals, n_rep),
-                                              attn_mask=mask[:, None, None, :])
+        return F.scaled_dot_product_attention(
+            q, _repeat_kv(keys, n_rep), _repeat_kv(vals, n_rep), attn_mask=mask[:, None, None, :]
+        )
 
     drafts = torch.empty(R, K, dtype=torch.long, device=dev)
     draft_ids = torch.empty(R, K, dtype=torch.long, device=dev)
@@ -190,7 +197,13 @@ def summarize(rounds_per_prompt: Sequence[Sequence[int]], K: int) -> dict:
     acc = [a for r in rounds_per_prompt for a in r]
     n = len(acc)
     at_least = [sum(1 for a in acc if a >= i) / n if n else 0.0 for i in range(1, K + 1)]
-    cond = [at_least[0] if at_least else 0.0] + [at_least[i] / at_least[i - 1] if at_least[i - 1] else 0.0
-                                                  for i in range(1, K)]
-    return {"acceptance_rate": sum(acc) / (K * n) if n else 0.0, "tau": (sum(acc) + n) / n if n else 1.0,
-            "p_at_least": at_least, "conditional": cond, "rounds": n}
+    cond = [at_least[0] if at_least else 0.0] + [
+        at_least[i] / at_least[i - 1] if at_least[i - 1] else 0.0 for i in range(1, K)
+    ]
+    return {
+        "acceptance_rate": sum(acc) / (K * n) if n else 0.0,
+        "tau": (sum(acc) + n) / n if n else 1.0,
+        "p_at_least": at_least,
+        "conditional": cond,
+        "rounds": n,
+    }

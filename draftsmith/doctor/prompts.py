@@ -4,7 +4,7 @@ Interleaved code / prose so that the two halves doctor compares for noise (even 
 """
 
 BUILTIN_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Explain in a few sentences why the sky is blue.",
     "import json\n\n\ndef load_config(path):\n",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

@@ -12,8 +12,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  {'✔' if c['ok'] else '✘'} {c['name']}: {c['detail']}")
     K = report["draft_tokens"]
     lines.append("")
-    lines.append(f"Measured (greedy chain, K={K}, {report['prompts']} prompts x {report['max_new_tokens']} new tokens, "
-                 f"{report['rounds']} rounds{', chat template' if report.get('chat_template') else ''})")
+    lines.append(
+        f"Measured (greedy chain, K={K}, {report['prompts']} prompts x {report['max_new_tokens']} new tokens, "
+        f"{report['rounds']} rounds{', chat template' if report.get('chat_template') else ''})"
+    )
     head = f"  {'setting':<52} {'fault':<22} {'accept':>7} {'τ':>6}  ≥i accepted (i=1..{K})"
     lines.append(head)
     lines.append("  " + "-" * (len(head) - 2))
@@ -29,9 +31,11 @@ def format_report(report: dict) -> str:
     if report["likely_faults"]:
         lines.append("Likely faults")
         for f in report["likely_faults"]:
-            lines.append(f"  ✘ {f['fault']}: acceptance {f['acceptance_rate']:.3f} -> "
-                         f"{f['variant_acceptance_rate']:.3f} "
-                         f"with {f['variant']} (noise between prompt halves {f['noise']:.3f})")
+            lines.append(
+                f"  ✘ {f['fault']}: acceptance {f['acceptance_rate']:.3f} -> "
+                f"{f['variant_acceptance_rate']:.3f} "
+                f"with {f['variant']} (noise between prompt halves {f['noise']:.3f})"
+            )
             lines.append(f"    fix: {f['fix']}")
     else:
         lines.append("No likely fault: no variant accepts clearly more than the configuration.")
@@ -64,8 +68,9 @@ def write_plot(report: dict, path: str | Path) -> str | None:
         if v is not None:
             best = {"label": v["label"], "acceptance_rate": v["acceptance_rate"], "p_at_least": v["p_at_least"]}
     if best is not None:
-        ax.plot(xs, best["p_at_least"], marker="x", ls="--",
-                label=f"{best['label']} (rate {best['acceptance_rate']:.2f})")
+        ax.plot(
+            xs, best["p_at_least"], marker="x", ls="--", label=f"{best['label']} (rate {best['acceptance_rate']:.2f})"
+        )
     ax.set_xlabel("draft position i")
     ax.set_ylabel("share of rounds accepting >= i drafts")
     ax.set_ylim(0, 1.05)

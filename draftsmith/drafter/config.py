@@ -86,17 +86,30 @@ class DrafterConfig:
         def bad(fld: str, why: str) -> DraftsmithError:
             return DraftsmithError(f"drafter config: field '{fld}': {why}")
 
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "draft_vocab_size", "num_hidden_layers", "target_hidden_size", "num_aux"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "draft_vocab_size",
+            "num_hidden_layers",
+            "target_hidden_size",
+            "num_aux",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise bad(name, f"must be a positive integer, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise bad("num_key_value_heads", f"{self.num_key_value_heads} does not divide "
-                      f"num_attention_heads={self.num_attention_heads}")
+            raise bad(
+                "num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            )
         if self.draft_vocab_size > self.vocab_size:
-            raise bad("draft_vocab_size", f"{self.draft_vocab_size} is larger than the target vocab_size "
-                      f"{self.vocab_size}")
+            raise bad(
+                "draft_vocab_size", f"{self.draft_vocab_size} is larger than the target vocab_size {self.vocab_size}"
+            )
         if self.hidden_act not in SUPPORTED_ACTS:
             raise bad("hidden_act", f"{self.hidden_act!r} not supported (supported: {', '.join(SUPPORTED_ACTS)})")
         if self.aux_layer_ids is not None:
@@ -105,15 +118,21 @@ class DrafterConfig:
             if any(i < 0 for i in self.aux_layer_ids):
                 raise bad("aux_layer_ids", f"negative layer-output id in {self.aux_layer_ids}")
             if self.target_num_layers is not None and max(self.aux_layer_ids) >= self.target_num_layers:
-                raise bad("aux_layer_ids", f"{self.aux_layer_ids} (layer-output ids) out of range for a target "
-                          f"with {self.target_num_layers} layers")
+                raise bad(
+                    "aux_layer_ids",
+                    f"{self.aux_layer_ids} (layer-output ids) out of range for a target "
+                    f"with {self.target_num_layers} layers",
+                )
         if self.rope_scaling is not None:
             rtype = self.rope_scaling.get("rope_type")
             if rtype not in SUPPORTED_ROPE_TYPES:
-                raise bad("rope_scaling", f"rope_type {rtype!r} not supported (supported: "
-                          f"{', '.join(SUPPORTED_ROPE_TYPES)})")
-            need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                    "linear": ("factor",)}.get(rtype, ())
+                raise bad(
+                    "rope_scaling", f"rope_type {rtype!r} not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+            need = {
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "linear": ("factor",),
+            }.get(rtype, ())
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise bad("rope_scaling", f"rope_type {rtype!r} needs {missing}")
@@ -156,17 +175,27 @@ class DrafterConfig:
 
     def to_json_dict(self) -> dict[str, Any]:
         """draftsmith's own config.json content."""
-        out = {"architectures": [NATIVE_ARCH], "model_type": NATIVE_MODEL_TYPE,
-               "draftsmith_format_version": FORMAT_VERSION,
-               "aux_layer_ids_convention": "layer-output"}
+        out = {
+            "architectures": [NATIVE_ARCH],
+            "model_type": NATIVE_MODEL_TYPE,
+            "draftsmith_format_version": FORMAT_VERSION,
+            "aux_layer_ids_convention": "layer-output",
+        }
         out.update(self.to_dict())
         return out
 
     @classmethod
     def from_json_dict(cls, d: dict[str, Any], where: str = "config.json") -> DrafterConfig:
         d = dict(d)
-        for k in ("architectures", "model_type", "draftsmith_format_version", "aux_layer_ids_convention",
-                  "torch_dtype", "dtype", "draftsmith_version"):
+        for k in (
+            "architectures",
+            "model_type",
+            "draftsmith_format_version",
+            "aux_layer_ids_convention",
+            "torch_dtype",
+            "dtype",
+            "draftsmith_version",
+        ):
             d.pop(k, None)
         return cls.from_dict(d, where)
 

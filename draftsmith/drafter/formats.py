@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.drafter.config import NATIVE_ARCH, NATIVE_MODEL_TYPE, DrafterConfig
-from draftsmith.drafter.vocab import check_mappings, identity_draft_vocab
 from draftsmith.common.dtypes import dtype_name, torch_dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import read_json
+from draftsmith.drafter.config import NATIVE_ARCH, NATIVE_MODEL_TYPE, DrafterConfig
+from draftsmith.drafter.vocab import check_mappings, identity_draft_vocab
 from draftsmith.target_model.facts import _rope_from_config, target_facts, target_tensors
 from draftsmith.target_model.layers import engine_default_aux_layers, from_hidden_states_ids, to_hidden_states_ids
 
@@ -93,15 +93,18 @@ def read_weights(root: Path) -> tuple[dict[str, torch.Tensor], str]:
         try:
             sd = torch.load(str(binf), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - anything but plain tensors is refused
-            raise DraftsmithError(f"{binf}: not loadable with weights_only=True ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise DraftsmithError(
+                f"{binf}: not loadable with weights_only=True ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
         if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
             sd = sd["state_dict"]
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise DraftsmithError(f"{binf}: expected a flat dict of tensors")
         return dict(sd), binf.name
-    raise DraftsmithError(f"{root}: no weights found (model.safetensors, model.safetensors.index.json or "
-                          "pytorch_model.bin)")
+    raise DraftsmithError(
+        f"{root}: no weights found (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+    )
 
 
 def read_export_marker(root: str | os.PathLike) -> dict:
@@ -116,8 +119,9 @@ def read_export_marker(root: str | os.PathLike) -> dict:
     return d if isinstance(d, dict) else {}
 
 
-def detect_format(config: dict, keys: list[str] | None = None, weights_file: str | None = None,
-                  marker: dict | None = None) -> str:
+def detect_format(
+    config: dict, keys: list[str] | None = None, weights_file: str | None = None, marker: dict | None = None
+) -> str:
     """One of FORMATS, from a config.json dict (and the weight names, when known; `marker`: the directory's
     draftsmith_export.json, which names the layout of our own exports)."""
     archs = config.get("architectures") or []
@@ -125,8 +129,11 @@ def detect_format(config: dict, keys: list[str] | None = None, weights_file: str
         return "draftsmith"
     if "speculators_model_type" in config or any(a in SPECULATORS_ARCHS for a in archs):
         return "speculators"
-    if any(a in EAGLE3_ARCHS for a in archs) or (keys and any(k.split(".")[0] in ("midlayer", "model") for k in keys)
-                                                  and any(k.endswith("fc.weight") for k in keys)):
+    if any(a in EAGLE3_ARCHS for a in archs) or (
+        keys
+        and any(k.split(".")[0] in ("midlayer", "model") for k in keys)
+        and any(k.endswith("fc.weight") for k in keys)
+    ):
         top = config.get("eagle_aux_hidden_state_layer_ids") is not None
         eagle_cfg = config.get("eagle_config") or {}
         nested = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") is not None
@@ -144,8 +151,10 @@ def detect_format(config: dict, keys: list[str] | None = None, weights_file: str
         if weights_file == "pytorch_model.bin" or not eagle_cfg:
             return "eagle"
         return "sglang"
-    raise DraftsmithError(f"config.json: field 'architectures' {archs}: not a known EAGLE-3 drafter layout "
-                          f"(expected one of {[NATIVE_ARCH, *EAGLE3_ARCHS, *SPECULATORS_ARCHS]})")
+    raise DraftsmithError(
+        f"config.json: field 'architectures' {archs}: not a known EAGLE-3 drafter layout "
+        f"(expected one of {[NATIVE_ARCH, *EAGLE3_ARCHS, *SPECULATORS_ARCHS]})"
+    )
 
 
 def _normalize_keys(sd: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -153,9 +162,9 @@ def _normalize_keys(sd: dict[str, torch.Tensor], where: str) -> dict[str, torch.
     for k, v in sd.items():
         n = k
         if n.startswith("model."):
-            n = n[len("model."):]
+            n = n[len("model.") :]
         if n.startswith("midlayer."):
-            n = "layers.0." + n[len("midlayer."):]
+            n = "layers.0." + n[len("midlayer.") :]
         if n == "draft_id_to_target_id":
             n = "d2t"
         if n in _IGNORED_KEYS or n.endswith("rotary_emb.inv_freq"):
@@ -164,7 +173,11 @@ def _normalize_keys(sd: dict[str, torch.Tensor], where: str) -> dict[str, torch.
             raise DraftsmithError(f"{where}: weight '{k}' appears twice (with and without a prefix)")
         out[n] = v
     # vLLM builds a hidden_norm in every layer; only layer 0 uses it
-    for k in [k for k in out if k.startswith("layers.") and k.endswith(".hidden_norm.weight") and not k.startswith("layers.0.")]:
+    for k in [
+        k
+        for k in out
+        if k.startswith("layers.") and k.endswith(".hidden_norm.weight") and not k.startswith("layers.0.")
+    ]:
         del out[k]
     return out
 
@@ -181,11 +194,18 @@ def _llama_fields(d: dict, where: str) -> dict[str, Any]:
         raise DraftsmithError(f"{where}: field {e} is missing") from None
     theta, scaling = _rope_from_config(d)
     return dict(
-        hidden_size=h, intermediate_size=int(d.get("intermediate_size", 0)), num_attention_heads=heads,
-        num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(d.get("head_dim") or h // heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)), hidden_act=d.get("hidden_act", "silu"),
-        num_hidden_layers=int(d.get("num_hidden_layers", 1)), attention_bias=bool(d.get("attention_bias", False)),
+        hidden_size=h,
+        intermediate_size=int(d.get("intermediate_size", 0)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or h // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        hidden_act=d.get("hidden_act", "silu"),
+        num_hidden_layers=int(d.get("num_hidden_layers", 1)),
+        attention_bias=bool(d.get("attention_bias", False)),
         mlp_bias=bool(d.get("mlp_bias", False)),
     )
 
@@ -197,20 +217,25 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
     if fmt == "speculators":
         for flag in ("norm_before_fc", "fc_norm", "norm_output"):
             if d.get(flag):
-                raise DraftsmithError(f"{where}: field '{flag}': true is a speculators variant draftsmith does not "
-                                      "implement")
+                raise DraftsmithError(
+                    f"{where}: field '{flag}': true is a speculators variant draftsmith does not implement"
+                )
         tl = d.get("transformer_layer_config")
         if not isinstance(tl, dict):
             raise DraftsmithError(f"{where}: field 'transformer_layer_config' is missing")
         f = _llama_fields(tl, f"{where} transformer_layer_config")
         vocab = int(tl.get("vocab_size", 0))
         aux, notes["aux_ids_as_written"] = _aux_from_fields(d, where)
-        verifier = ((d.get("speculators_config") or {}).get("verifier") or {})
-        f.update(vocab_size=vocab, draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-                 target_hidden_size=d.get("target_hidden_size") or f["hidden_size"],
-                 norm_before_residual=bool(d.get("norm_before_residual", False)), aux_layer_ids=aux,
-                 target_name_or_path=verifier.get("name_or_path"),
-                 target_model_type=None)
+        verifier = (d.get("speculators_config") or {}).get("verifier") or {}
+        f.update(
+            vocab_size=vocab,
+            draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+            target_hidden_size=d.get("target_hidden_size") or f["hidden_size"],
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            aux_layer_ids=aux,
+            target_name_or_path=verifier.get("name_or_path"),
+            target_model_type=None,
+        )
         props = (d.get("speculators_config") or {}).get("proposal_methods") or []
         if props and isinstance(props[0], dict) and "speculative_tokens" in props[0]:
             notes["speculative_tokens"] = props[0]["speculative_tokens"]
@@ -218,13 +243,19 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
         f = _llama_fields(d, where)
         vocab = int(d.get("vocab_size", 0))
         aux, notes["aux_ids_as_written"] = _aux_from_fields(d, where)
-        f.update(vocab_size=vocab, draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-                 target_hidden_size=int(d.get("target_hidden_size") or f["hidden_size"]),
-                 norm_before_residual=bool(d.get("norm_before_residual", False)), aux_layer_ids=aux,
-                 target_model_type=None)
+        f.update(
+            vocab_size=vocab,
+            draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(d.get("target_hidden_size") or f["hidden_size"]),
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            aux_layer_ids=aux,
+            target_model_type=None,
+        )
         if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
-            raise DraftsmithError(f"{where}: field 'eagle_config.use_aux_hidden_state' is false (an EAGLE-1/2 style "
-                                  "drafter); only EAGLE-3 drafters are supported")
+            raise DraftsmithError(
+                f"{where}: field 'eagle_config.use_aux_hidden_state' is false (an EAGLE-1/2 style "
+                "drafter); only EAGLE-3 drafters are supported"
+            )
     if not vocab:
         if "t2d" in sd:
             f["vocab_size"] = int(sd["t2d"].numel())
@@ -237,12 +268,15 @@ def config_from_external(fmt: str, d: dict, sd: dict[str, torch.Tensor], where: 
         raise DraftsmithError(f"{where}: weight 'fc.weight' is missing")
     fc_in = int(sd["fc.weight"].shape[1])
     if fc_in % int(f["target_hidden_size"]):
-        raise DraftsmithError(f"{where}: weight 'fc.weight' has {fc_in} inputs, not a multiple of "
-                              f"target_hidden_size={f['target_hidden_size']}")
+        raise DraftsmithError(
+            f"{where}: weight 'fc.weight' has {fc_in} inputs, not a multiple of "
+            f"target_hidden_size={f['target_hidden_size']}"
+        )
     f["num_aux"] = fc_in // int(f["target_hidden_size"])
     if f["aux_layer_ids"] is not None and len(f["aux_layer_ids"]) != f["num_aux"]:
-        raise DraftsmithError(f"{where}: {len(f['aux_layer_ids'])} aux layer ids but fc.weight takes "
-                              f"{f['num_aux']} aux states")
+        raise DraftsmithError(
+            f"{where}: {len(f['aux_layer_ids'])} aux layer ids but fc.weight takes {f['num_aux']} aux states"
+        )
     if not f["intermediate_size"] and "layers.0.mlp.gate_proj.weight" in sd:
         f["intermediate_size"] = int(sd["layers.0.mlp.gate_proj.weight"].shape[0])
     n_layers = 1 + max([int(k.split(".")[1]) for k in sd if k.startswith("layers.")] or [0])
@@ -256,20 +290,24 @@ def _aux_from_fields(d: dict, where: str) -> tuple[list[int] | None, dict]:
     speculators); when both are present they must name the same layers. Also returns the fields as written."""
     nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = d.get("eagle_aux_hidden_state_layer_ids")
-    as_written = {"eagle_config.eagle_aux_hidden_state_layer_ids (layer-output ids)": nested,
-                  "eagle_aux_hidden_state_layer_ids (hidden_states ids)": top}
+    as_written = {
+        "eagle_config.eagle_aux_hidden_state_layer_ids (layer-output ids)": nested,
+        "eagle_aux_hidden_state_layer_ids (hidden_states ids)": top,
+    }
     try:
         aux = [int(i) for i in nested] if nested is not None else None
         top_ids = [int(i) for i in top] if top is not None else None
     except (TypeError, ValueError):
-        raise DraftsmithError(f"{where}: fields 'eagle_aux_hidden_state_layer_ids': expected lists of integers, "
-                              f"got {nested!r} / {top!r}") from None
+        raise DraftsmithError(
+            f"{where}: fields 'eagle_aux_hidden_state_layer_ids': expected lists of integers, got {nested!r} / {top!r}"
+        ) from None
     if top_ids is not None:
         top_lo = from_hidden_states_ids(top_ids, f"{where}: field 'eagle_aux_hidden_state_layer_ids'")
         if aux is not None and aux != top_lo:
             raise DraftsmithError(
                 f"{where}: fields 'eagle_config.eagle_aux_hidden_state_layer_ids' {nested} (layer-output ids) and "
-                f"'eagle_aux_hidden_state_layer_ids' {top} (hidden_states ids) name different layers")
+                f"'eagle_aux_hidden_state_layer_ids' {top} (hidden_states ids) name different layers"
+            )
         aux = top_lo
     return aux, as_written
 
@@ -300,8 +338,15 @@ def read_checkpoint(path: str | os.PathLike, format: str | None = None):
     # A drafter narrower than its target (hidden_size != target_hidden_size) cannot use the target's embedding;
     # EAGLE trains and ships its own in that case (cnets.py loads the target's only without target_hidden_size).
     own = next((v for k, v in raw.items() if k in ("embed_tokens.weight", "model.embed_tokens.weight")), None)
-    notes["embedding"] = own if (own is not None and cfg.hidden_size != cfg.target_hidden_size and
-                                 tuple(own.shape) == (cfg.vocab_size, cfg.hidden_size)) else None
+    notes["embedding"] = (
+        own
+        if (
+            own is not None
+            and cfg.hidden_size != cfg.target_hidden_size
+            and tuple(own.shape) == (cfg.vocab_size, cfg.hidden_size)
+        )
+        else None
+    )
     notes["dtype"] = _dtype_of(d) or (sd["fc.weight"].dtype if "fc.weight" in sd else torch.float32)
     return fmt, cfg, sd, notes
 
@@ -323,7 +368,9 @@ def load_drafter(cls, path, target=None, dtype=None, format=None):
             cfg.target_name_or_path = facts["name_or_path"]
         problems = fit_problems(cfg, facts)
         if problems:
-            raise DraftsmithError(f"{path}: drafter does not fit target {facts['name_or_path']}: " + "; ".join(problems))
+            raise DraftsmithError(
+                f"{path}: drafter does not fit target {facts['name_or_path']}: " + "; ".join(problems)
+            )
     cfg.extra = {**cfg.extra, "source_format": fmt} if fmt != "draftsmith" else cfg.extra
     model = cls(cfg)
     _load_state(model, sd, str(path))
@@ -342,10 +389,13 @@ def assume_engine_default_aux(path: Any, num_layers: int) -> list[int]:
     import warnings
 
     aux = engine_default_aux_layers(num_layers)
-    warnings.warn(f"{path}: the drafter config names no aux layers (no 'aux_layer_ids' / "
-                  f"'eagle_aux_hidden_state_layer_ids'); assuming the engines' default for a {num_layers}-layer "
-                  f"target: layer-output ids {aux} = hidden_states ids {to_hidden_states_ids(aux)}",
-                  UserWarning, stacklevel=3)
+    warnings.warn(
+        f"{path}: the drafter config names no aux layers (no 'aux_layer_ids' / "
+        f"'eagle_aux_hidden_state_layer_ids'); assuming the engines' default for a {num_layers}-layer "
+        f"target: layer-output ids {aux} = hidden_states ids {to_hidden_states_ids(aux)}",
+        UserWarning,
+        stacklevel=3,
+    )
     return aux
 
 
@@ -375,8 +425,10 @@ def _load_state(model, sd: dict[str, torch.Tensor], where: str) -> None:
     sd = dict(sd)
     if "d2t" not in sd:
         if cfg.draft_vocab_size != cfg.vocab_size:
-            raise DraftsmithError(f"{where}: weight 'd2t' is missing and draft_vocab_size {cfg.draft_vocab_size} != "
-                                  f"vocab_size {cfg.vocab_size}")
+            raise DraftsmithError(
+                f"{where}: weight 'd2t' is missing and draft_vocab_size {cfg.draft_vocab_size} != "
+                f"vocab_size {cfg.vocab_size}"
+            )
         sd["d2t"], sd["t2d"] = identity_draft_vocab(cfg.vocab_size, cfg.draft_vocab_size)
     if "t2d" not in sd:
         d2t = sd["d2t"].to(torch.int64)

@@ -75,21 +75,29 @@ def inspect_drafter(path: str | os.PathLike, target: Any = None) -> dict[str, An
             problems = fit_problems(cfg, facts) + [f"drafter weights: {p}" for p in weights_problems]
             problems += [f"target weights: {p}" for p in target_weight_problems(target)]
             if cfg.hidden_size != facts["hidden_size"]:
-                problems.append(f"field 'hidden_size': drafter {cfg.hidden_size} != target embedding width "
-                                f"{facts['hidden_size']} (the drafter embeds tokens with the target's embedding)")
+                problems.append(
+                    f"field 'hidden_size': drafter {cfg.hidden_size} != target embedding width "
+                    f"{facts['hidden_size']} (the drafter embeds tokens with the target's embedding)"
+                )
             trained_layers = out["target_num_layers"]
             if trained_layers is not None and trained_layers != facts["num_layers"]:
-                problems.append(f"field 'target_num_layers': trained for a {trained_layers}-layer target, "
-                                f"this one has {facts['num_layers']}")
+                problems.append(
+                    f"field 'target_num_layers': trained for a {trained_layers}-layer target, "
+                    f"this one has {facts['num_layers']}"
+                )
             out.update(target=facts["name_or_path"] or str(target), fits_target=not problems, fit_problems=problems)
     if source == "engine default for the target":
-        warnings.append(f"the drafter config names no aux layers; assuming the engines' default for this "
-                        f"{facts['num_layers']}-layer target: layer-output ids {aux} = "
-                        f"hidden_states ids {to_hidden_states_ids(aux)}")
+        warnings.append(
+            f"the drafter config names no aux layers; assuming the engines' default for this "
+            f"{facts['num_layers']}-layer target: layer-output ids {aux} = "
+            f"hidden_states ids {to_hidden_states_ids(aux)}"
+        )
     elif source == "unknown" and cfg.num_aux == 3:
-        warnings.append("the drafter config names no aux layers; engines assume EAGLE-3's default, layer-output ids "
-                        "[1, N//2-1, N-4] = hidden_states ids [2, N//2, N-3] for an N-layer target (pass --target "
-                        "to resolve them)")
+        warnings.append(
+            "the drafter config names no aux layers; engines assume EAGLE-3's default, layer-output ids "
+            "[1, N//2-1, N-4] = hidden_states ids [2, N//2, N-3] for an N-layer target (pass --target "
+            "to resolve them)"
+        )
     out["aux_layer_ids"] = aux
     out["aux_hidden_states_ids"] = None if aux is None else to_hidden_states_ids(aux)
     out["aux_ids_source"] = source

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.drafter.config import DrafterConfig
 from draftsmith.drafter.vocab import build_draft_vocab, check_mappings, identity_draft_vocab
-from draftsmith.common.errors import DraftsmithError
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -258,15 +258,18 @@ class Drafter(nn.Module):
             field = "vocab_size" if shape[0] != want[0] else "hidden_size"
             raise DraftsmithError(
                 f"drafter field '{field}': the target embedding is {list(shape)}, the drafter needs "
-                f"[vocab_size={want[0]}, hidden_size={want[1]}]")
+                f"[vocab_size={want[0]}, hidden_size={want[1]}]"
+            )
         self.embed_tokens = _frozen_embedding(weight.to(self.fc.weight.device))
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor | None = None) -> None:
         """Install a draft vocab (d2t offsets; t2d derived when not given)."""
         d2t = torch.as_tensor(d2t, dtype=torch.int64)
         if d2t.numel() != self.config.draft_vocab_size:
-            raise DraftsmithError(f"drafter field 'draft_vocab_size': d2t has {d2t.numel()} entries, "
-                                  f"the drafter has {self.config.draft_vocab_size}")
+            raise DraftsmithError(
+                f"drafter field 'draft_vocab_size': d2t has {d2t.numel()} entries, "
+                f"the drafter has {self.config.draft_vocab_size}"
+            )
         check_mappings(d2t, t2d, self.config.vocab_size)
         if t2d is None:
             t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
@@ -296,8 +299,10 @@ class Drafter(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
-            raise DraftsmithError("drafter has no token embedding: call set_embedding(target embedding) or "
-                                  "load with Drafter.from_pretrained(path, target=...)")
+            raise DraftsmithError(
+                "drafter has no token embedding: call set_embedding(target embedding) or "
+                "load with Drafter.from_pretrained(path, target=...)"
+            )
         return self.embed_tokens(input_ids)
 
     def rope_table(self, max_len: int, device: torch.device, dtype: torch.dtype):
@@ -307,9 +312,15 @@ class Drafter(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq(device), pos, dtype)
         return cos[0], sin[0]
 
-    def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attn_fn: AttnFn | None = None, inputs_embeds: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_fn: AttnFn | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One draft step. input_ids [B,T] (or inputs_embeds [B,T,H]); hidden [B,T,H] = fused aux at
         step 0 or the previous step's output; position_ids [B,T] (default 0..T-1); rope: precomputed
         (cos, sin) [B,T,head_dim] for those positions (rows of `rope_table`), else computed here.
@@ -358,8 +369,9 @@ class Drafter(nn.Module):
         return save_native(self, path, dtype=dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target: Any = None, dtype: torch.dtype | None = None,
-                        format: str | None = None) -> Drafter:
+    def from_pretrained(
+        cls, path: str | os.PathLike, target: Any = None, dtype: torch.dtype | None = None, format: str | None = None
+    ) -> Drafter:
         """Load a drafter in any supported layout (draftsmith, sglang/SpecForge/EAGLE, vllm, speculators,
         the official EAGLE-3 release). With `target` (path or Target), check it fits and attach its embedding."""
         from draftsmith.drafter.formats import load_drafter
@@ -367,8 +379,9 @@ class Drafter(nn.Module):
         return load_drafter(cls, path, target=target, dtype=dtype, format=format)
 
     @classmethod
-    def from_target(cls, target: Any, token_counts: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                    **overrides: Any) -> Drafter:
+    def from_target(
+        cls, target: Any, token_counts: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, **overrides: Any
+    ) -> Drafter:
         """An untrained drafter sized for `target` (path or Target). H = H_t unless overridden; heads,
         head_dim, RoPE, eps, intermediate size from the target; the target's embedding attached; lm_head
         rows copied from the target's lm_head for the draft vocab (the V_d most frequent ids of
@@ -377,14 +390,23 @@ class Drafter(nn.Module):
 
         facts = target_facts(target)
         fields: dict[str, Any] = dict(
-            hidden_size=facts["hidden_size"], target_hidden_size=facts["hidden_size"],
-            intermediate_size=facts["intermediate_size"], num_attention_heads=facts["num_attention_heads"],
-            num_key_value_heads=facts["num_key_value_heads"], head_dim=facts["head_dim"],
-            rms_norm_eps=facts["rms_norm_eps"], rope_theta=facts["rope_theta"], rope_scaling=facts["rope_scaling"],
-            max_position_embeddings=facts["max_position_embeddings"], hidden_act=facts["hidden_act"],
-            vocab_size=facts["vocab_size"], draft_vocab_size=min(32000, facts["vocab_size"]),
-            num_hidden_layers=1, aux_layer_ids=default_aux_layers(facts["num_layers"]),
-            target_num_layers=facts["num_layers"], target_model_type=facts["model_type"],
+            hidden_size=facts["hidden_size"],
+            target_hidden_size=facts["hidden_size"],
+            intermediate_size=facts["intermediate_size"],
+            num_attention_heads=facts["num_attention_heads"],
+            num_key_value_heads=facts["num_key_value_heads"],
+            head_dim=facts["head_dim"],
+            rms_norm_eps=facts["rms_norm_eps"],
+            rope_theta=facts["rope_theta"],
+            rope_scaling=facts["rope_scaling"],
+            max_position_embeddings=facts["max_position_embeddings"],
+            hidden_act=facts["hidden_act"],
+            vocab_size=facts["vocab_size"],
+            draft_vocab_size=min(32000, facts["vocab_size"]),
+            num_hidden_layers=1,
+            aux_layer_ids=default_aux_layers(facts["num_layers"]),
+            target_num_layers=facts["num_layers"],
+            target_model_type=facts["model_type"],
             target_name_or_path=facts["name_or_path"],
         )
         if "aux_layer_ids" in overrides and "num_aux" not in overrides:
@@ -407,15 +429,20 @@ class Drafter(nn.Module):
                 model.lm_head.weight.copy_(head[model.draft_target_ids.to(head.device)])
             model.set_embedding(embed)  # shared with the target (its dtype), not copied
         else:
-            warnings.warn(f"drafter hidden_size {cfg.hidden_size} != target hidden size {facts['hidden_size']}: the "
-                          "target embedding cannot be used and lm_head stays randomly initialised; attach an "
-                          "embedding of the drafter's width with set_embedding()", stacklevel=2)
+            warnings.warn(
+                f"drafter hidden_size {cfg.hidden_size} != target hidden size {facts['hidden_size']}: the "
+                "target embedding cannot be used and lm_head stays randomly initialised; attach an "
+                "embedding of the drafter's width with set_embedding()",
+                stacklevel=2,
+            )
         return model
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"H={c.hidden_size}, H_t={c.target_hidden_size}, V={c.vocab_size}, V_d={c.draft_vocab_size}, "
-                f"aux_layer_ids(layer-output)={c.aux_layer_ids}, layers={c.num_hidden_layers}")
+        return (
+            f"H={c.hidden_size}, H_t={c.target_hidden_size}, V={c.vocab_size}, V_d={c.draft_vocab_size}, "
+            f"aux_layer_ids(layer-output)={c.aux_layer_ids}, layers={c.num_hidden_layers}"
+        )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -430,8 +457,10 @@ def fit_problems(cfg: DrafterConfig, facts: dict[str, Any]) -> list[str]:
     if cfg.vocab_size != facts["vocab_size"]:
         out.append(f"field 'vocab_size': drafter {cfg.vocab_size} != target {facts['vocab_size']}")
     if cfg.target_hidden_size != facts["hidden_size"]:
-        out.append(f"field 'target_hidden_size': drafter fc expects {cfg.target_hidden_size}-wide aux states, "
-                   f"target hidden size is {facts['hidden_size']}")
+        out.append(
+            f"field 'target_hidden_size': drafter fc expects {cfg.target_hidden_size}-wide aux states, "
+            f"target hidden size is {facts['hidden_size']}"
+        )
     if cfg.aux_layer_ids is not None:
         n = facts["num_layers"]
         bad = [i for i in cfg.aux_layer_ids if not 0 <= i < n]

@@ -20,7 +20,9 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
         raise DraftsmithError(f"token_counts: expected a 1-D tensor [vocab_size], got shape {tuple(counts.shape)}")
     vocab_size = counts.numel()
     if not 0 < int(draft_vocab_size) <= vocab_size:
-        raise DraftsmithError(f"draft_vocab_size: {draft_vocab_size} must be in 1..{vocab_size} (the target vocab size)")
+        raise DraftsmithError(
+            f"draft_vocab_size: {draft_vocab_size} must be in 1..{vocab_size} (the target vocab size)"
+        )
     # a stable descending sort keeps lower ids first among equal counts
     order = torch.sort(counts.to(torch.int64), descending=True, stable=True).indices
     ids = torch.sort(order[: int(draft_vocab_size)]).values
@@ -30,7 +32,9 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
 def identity_draft_vocab(vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `draft_vocab_size` target ids (used when no token statistics are given)."""
     if not 0 < int(draft_vocab_size) <= int(vocab_size):
-        raise DraftsmithError(f"draft_vocab_size: {draft_vocab_size} must be in 1..{vocab_size} (the target vocab size)")
+        raise DraftsmithError(
+            f"draft_vocab_size: {draft_vocab_size} must be in 1..{vocab_size} (the target vocab size)"
+        )
     return ids_to_mappings(torch.arange(int(draft_vocab_size)), int(vocab_size))
 
 
@@ -57,4 +61,6 @@ def check_mappings(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int,
         expect = torch.zeros(vocab_size, dtype=torch.bool)
         expect[target_ids] = True
         if not torch.equal(t2d.to(torch.bool), expect):
-            raise DraftsmithError(f"{where}: fields 't2d' and 'd2t' disagree about which target ids are in the draft vocab")
+            raise DraftsmithError(
+                f"{where}: fields 't2d' and 'd2t' disagree about which target ids are in the draft vocab"
+            )

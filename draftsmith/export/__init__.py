@@ -48,8 +48,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.formats import EXPORT_FORMATS, export_files  # noqa: F401
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.export.formats import EXPORT_FORMATS, export_files  # noqa: F401
 
 __all__ = ["EXPORT_FORMATS", "convert_command", "export", "export_files", "serve_command"]
 
@@ -69,8 +69,10 @@ def _resolve_dtype(dtype: Any, target_dtype: str | None) -> tuple[Any, str | Non
     if name == "auto":
         if target_dtype in _DTYPE_NAMES:
             return _DTYPE_NAMES[target_dtype], None
-        return None, ("the target's dtype is unknown (no --target, or its config names no dtype): weights kept as "
-                      "they are; pass --dtype bf16/fp16/fp32 to choose")
+        return None, (
+            "the target's dtype is unknown (no --target, or its config names no dtype): weights kept as "
+            "they are; pass --dtype bf16/fp16/fp32 to choose"
+        )
     if name not in _DTYPE_NAMES:
         raise DraftsmithError(f"--dtype: unknown dtype {dtype!r} (choose from auto, fp32, bf16, fp16, keep)")
     return _DTYPE_NAMES[name], None
@@ -90,19 +92,35 @@ def _check_out(out: Path, format: str, overwrite: bool) -> list[str]:
     if ours and marker.get("format") == format:
         return []
     if not overwrite:
-        what = (f"a draftsmith {marker.get('format')} export, not {format}" if ours else
-                "not a draftsmith drafter export (no draftsmith_export.json)")
-        raise DraftsmithError(f"--out {out}: directory is not empty and is {what}; choose a new or empty "
-                              "directory, or pass --overwrite to replace its config.json and model.safetensors")
-    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and (
-        p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json")))
+        what = (
+            f"a draftsmith {marker.get('format')} export, not {format}"
+            if ours
+            else "not a draftsmith drafter export (no draftsmith_export.json)"
+        )
+        raise DraftsmithError(
+            f"--out {out}: directory is not empty and is {what}; choose a new or empty "
+            "directory, or pass --overwrite to replace its config.json and model.safetensors"
+        )
+    others = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name not in EXPORT_FILES
+        and (p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json"))
+    )
     if others:
         return [f"--overwrite left other weight files in {out} that an engine may also load: {', '.join(others)}"]
     return []
 
 
-def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None, dtype: Any = "auto",
-           speculative_tokens: int = 3, overwrite: bool = False) -> dict:
+def export(
+    drafter: Any,
+    out: str | os.PathLike,
+    format: str,
+    target: Any = None,
+    dtype: Any = "auto",
+    speculative_tokens: int = 3,
+    overwrite: bool = False,
+) -> dict:
     """Write `drafter` (a Drafter or a path in any readable layout) to `out` in `format`.
 
     dtype: "auto" (the target's dtype, from its config; the weights as they are when it is unknown), "keep",
@@ -132,8 +150,11 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
 
             drafter.set_embedding(target_tensors(target)[0])
     cfg = drafter.config
-    local_target = cfg.target_name_or_path if (cfg.target_name_or_path and target is None and
-                                               (Path(cfg.target_name_or_path) / "config.json").is_file()) else None
+    local_target = (
+        cfg.target_name_or_path
+        if (cfg.target_name_or_path and target is None and (Path(cfg.target_name_or_path) / "config.json").is_file())
+        else None
+    )
     if drafter.embed_tokens is None and local_target and not drafter.fit_problems(local_target):
         from draftsmith.target_model.facts import target_tensors
 
@@ -151,10 +172,16 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
     torch_dtype, dtype_note = _resolve_dtype(dtype, facts.get("dtype") if facts else None)
     if dtype_note:
         notes.append(dtype_note)
-    export_drafter(drafter, out, format, dtype=torch_dtype, speculative_tokens=speculative_tokens,
-                   verifier_architectures=facts["architectures"] if facts else [],
-                   target=str(target_path) if target_path else None,
-                   target_num_layers=facts["num_layers"] if facts else None)
+    export_drafter(
+        drafter,
+        out,
+        format,
+        dtype=torch_dtype,
+        speculative_tokens=speculative_tokens,
+        verifier_architectures=facts["architectures"] if facts else [],
+        target=str(target_path) if target_path else None,
+        target_num_layers=facts["num_layers"] if facts else None,
+    )
     written = json.loads((out / "config.json").read_text())
     target_for_cmd = target_path or cfg.target_name_or_path or "TARGET"
     if Path(target_for_cmd).is_dir():  # absolute, so the printed command works from any directory
@@ -164,12 +191,14 @@ def export(drafter: Any, out: str | os.PathLike, format: str, target: Any = None
         "out": str(out),
         "format": format,
         "dtype": written.get("dtype"),
-        "serve_command": serve_command(format, out.resolve(), target_for_cmd, speculative_tokens,
-                                       (facts or {}).get("dtype")),
+        "serve_command": serve_command(
+            format, out.resolve(), target_for_cmd, speculative_tokens, (facts or {}).get("dtype")
+        ),
         "aux_layer_ids": cfg.aux_layer_ids,
         "aux_hidden_states_ids": cfg.aux_hidden_states_ids,
-        "speculators_convert_command": (convert_command(out.resolve(), target_for_cmd, cfg.aux_hidden_states_ids)
-                                        if format == "sglang" else None),
+        "speculators_convert_command": (
+            convert_command(out.resolve(), target_for_cmd, cfg.aux_hidden_states_ids) if format == "sglang" else None
+        ),
     }
 
 
@@ -177,25 +206,35 @@ def convert_command(sglang_dir: str | os.PathLike, target: str | os.PathLike, au
     """`speculators convert` for an sglang-layout export; the aux ids must be passed (hidden_states ids):
     the converter does not read eagle_config."""
     kw = json.dumps({"eagle_aux_hidden_state_layer_ids": list(aux_hidden_states_ids or [])})
-    return (f"speculators convert {shlex.quote(str(sglang_dir))} --algorithm eagle3 --verifier "
-            f"{shlex.quote(str(target))} --output-path {shlex.quote(str(sglang_dir) + '-speculators')} "
-            f"--algorithm-kwargs {shlex.quote(kw)}")
+    return (
+        f"speculators convert {shlex.quote(str(sglang_dir))} --algorithm eagle3 --verifier "
+        f"{shlex.quote(str(target))} --output-path {shlex.quote(str(sglang_dir) + '-speculators')} "
+        f"--algorithm-kwargs {shlex.quote(kw)}"
+    )
 
 
-def serve_command(format: str, drafter_dir: str | os.PathLike, target: str | os.PathLike,
-                  speculative_tokens: int = 3, dtype: str | None = None) -> str:
+def serve_command(
+    format: str,
+    drafter_dir: str | os.PathLike,
+    target: str | os.PathLike,
+    speculative_tokens: int = 3,
+    dtype: str | None = None,
+) -> str:
     """The command that serves the exported drafter with the engine of `format`. `dtype`: the target's (SGLang's
     --dtype applies to target and drafter; bfloat16 when unknown or not a half type)."""
     d, t = shlex.quote(str(drafter_dir)), shlex.quote(str(target))
     if format == "sglang":
         half = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
-        return (f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {d} --speculative-num-steps {speculative_tokens} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1} --dtype {half}")
+        return (
+            f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {d} --speculative-num-steps {speculative_tokens} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1} --dtype {half}"
+        )
     if format in ("vllm", "speculators"):
         # The same for the speculators layout: `vllm serve DIR` would take the verifier from its config, and vLLM
         # accepts only a Hub id there (it raises when the path exists locally).
-        spec = json.dumps({"method": "eagle3", "model": str(drafter_dir),
-                           "num_speculative_tokens": int(speculative_tokens)})
+        spec = json.dumps(
+            {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(speculative_tokens)}
+        )
         return f"vllm serve {t} --speculative-config {shlex.quote(spec)}"
     raise DraftsmithError(f"--format: unknown format {format!r} (choose from {', '.join(EXPORT_FORMATS)})")

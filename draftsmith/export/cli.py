@@ -10,28 +10,56 @@ from draftsmith.common.errors import DraftsmithError
 
 
 def export_cmd(
-    drafter: str = typer.Argument(..., help="Drafter directory, in any layout draftsmith reads (its own, "
-                                  "sglang/SpecForge/EAGLE, vllm, speculators)."),
-    format: str = typer.Option(..., "--format", "-f", help="Target layout: sglang (also EAGLE/SpecForge/ModelOpt), "
-                               "vllm, or speculators."),
-    out: str = typer.Option(..., "--out", "-o", help="Output directory: new, empty, or an earlier draftsmith export "
-                            "of the same --format (recognised by its draftsmith_export.json); anything else is "
-                            "refused without --overwrite."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty --out that is not an earlier "
-                                   "export of this format, replacing its config.json and model.safetensors (other "
-                                   "files stay)."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model directory: checks the drafter "
-                                         "fits (vocab, hidden size, aux layers), resolves default aux layers of "
-                                         "checkpoints that do not name them, gives --dtype auto its dtype, and fills "
-                                         "speculators' verifier (default: the target the drafter records)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Weights dtype in the export, also written as the config's "
-                              "dtype: auto (the target's, from its config: engines build the drafter in the dtype "
-                              "the config names), fp32, bf16, fp16, or keep (as loaded)."),
-    speculative_tokens: int = typer.Option(3, "--speculative-tokens", help="Draft tokens per step written into "
-                                           "speculators' proposal method and the printed serve command."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow running Python code shipped "
-                                           "in the target directory (config auto_map) when its weights must be "
-                                           "loaded through transformers. Off: such a target is refused."),
+    drafter: str = typer.Argument(
+        ...,
+        help="Drafter directory, in any layout draftsmith reads (its own, sglang/SpecForge/EAGLE, vllm, speculators).",
+    ),
+    format: str = typer.Option(
+        ..., "--format", "-f", help="Target layout: sglang (also EAGLE/SpecForge/ModelOpt), vllm, or speculators."
+    ),
+    out: str = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Output directory: new, empty, or an earlier draftsmith export "
+        "of the same --format (recognised by its draftsmith_export.json); anything else is "
+        "refused without --overwrite.",
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Write into a non-empty --out that is not an earlier "
+        "export of this format, replacing its config.json and model.safetensors (other "
+        "files stay).",
+    ),
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        "-t",
+        help="Target model directory: checks the drafter "
+        "fits (vocab, hidden size, aux layers), resolves default aux layers of "
+        "checkpoints that do not name them, gives --dtype auto its dtype, and fills "
+        "speculators' verifier (default: the target the drafter records).",
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="Weights dtype in the export, also written as the config's "
+        "dtype: auto (the target's, from its config: engines build the drafter in the dtype "
+        "the config names), fp32, bf16, fp16, or keep (as loaded).",
+    ),
+    speculative_tokens: int = typer.Option(
+        3,
+        "--speculative-tokens",
+        help="Draft tokens per step written into speculators' proposal method and the printed serve command.",
+    ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Allow running Python code shipped "
+        "in the target directory (config auto_map) when its weights must be "
+        "loaded through transformers. Off: such a target is refused.",
+    ),
 ) -> None:
     """Export DRAFTER to --format sglang|vllm|speculators and print the command that serves it.
 
@@ -51,13 +79,22 @@ def export_cmd(
     with warnings.catch_warnings(record=True) as caught, trust_remote_code_scope(trust_remote_code):
         warnings.simplefilter("always", UserWarning)
         try:
-            info = export(drafter, out, format.lower(), target=target, dtype=dtype.lower(),
-                          speculative_tokens=speculative_tokens, overwrite=overwrite)
+            info = export(
+                drafter,
+                out,
+                format.lower(),
+                target=target,
+                dtype=dtype.lower(),
+                speculative_tokens=speculative_tokens,
+                overwrite=overwrite,
+            )
         finally:  # shown before an error too: a warning may explain it
             for w in caught:  # one line each (Python's own format adds the source line)
                 typer.secho(f"warning: {w.message}", fg=typer.colors.YELLOW, err=True)
-    typer.echo(f"exported {drafter} -> {info['out']} ({info['format']}, {info['dtype']}); aux layers: layer-output "
-               f"ids {info['aux_layer_ids']} = hidden_states ids {info['aux_hidden_states_ids']}")
+    typer.echo(
+        f"exported {drafter} -> {info['out']} ({info['format']}, {info['dtype']}); aux layers: layer-output "
+        f"ids {info['aux_layer_ids']} = hidden_states ids {info['aux_hidden_states_ids']}"
+    )
     for note in info.get("notes", []):
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
     typer.echo("serve with:")

@@ -8,10 +8,14 @@ import typer
 
 
 def pipeline_command(
-    config: str = typer.Argument(..., help="Pipeline YAML: target, out, and the sections regenerate / capture / "
-                                 "train / eval / export (each takes its command's flags). See examples/."),
-    check: bool = typer.Option(False, "--check", help="Validate the config and print the stages' commands; run "
-                               "nothing."),
+    config: str = typer.Argument(
+        ...,
+        help="Pipeline YAML: target, out, and the sections regenerate / capture / "
+        "train / eval / export (each takes its command's flags). See examples/.",
+    ),
+    check: bool = typer.Option(
+        False, "--check", help="Validate the config and print the stages' commands; run nothing."
+    ),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory (overrides the config's 'out')."),
 ) -> None:
     """Run regenerate -> capture (or online training) -> train -> eval -> export from one config.
@@ -33,10 +37,14 @@ def pipeline_command(
 
 def demo_command(
     out: str = typer.Option("runs/demo", "--out", "-o", help="Run directory of the demo."),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="Demo recipe (default: "
-                                         "examples/pycode-tiny-demo.yaml)."),
-    fresh: bool = typer.Option(False, "--fresh", help="Remove the run directory first (default: reuse what is "
-                               "up to date, as `draftsmith pipeline` does)."),
+    config: Optional[str] = typer.Option(
+        None, "--config", "-c", help="Demo recipe (default: examples/pycode-tiny-demo.yaml)."
+    ),
+    fresh: bool = typer.Option(
+        False,
+        "--fresh",
+        help="Remove the run directory first (default: reuse what is up to date, as `draftsmith pipeline` does).",
+    ),
 ) -> None:
     """The whole pipeline on the bundled demo target on CPU, then τ and the measured speedup.
 

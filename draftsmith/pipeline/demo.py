@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from draftsmith.common.errors import DraftsmithError
 
@@ -35,8 +36,9 @@ def _cwd(path: Path):
         os.chdir(old)
 
 
-def run_demo(out: str = "runs/demo", config: Optional[str] = None, fresh: bool = False,
-             log: Callable[[str], None] = print) -> dict:
+def run_demo(
+    out: str = "runs/demo", config: Optional[str] = None, fresh: bool = False, log: Callable[[str], None] = print
+) -> dict:
     from draftsmith.pipeline.runner import load_config, plan, run_pipeline
 
     recipe = Path(config).resolve() if config else DEFAULT_RECIPE
@@ -47,7 +49,7 @@ def run_demo(out: str = "runs/demo", config: Optional[str] = None, fresh: bool =
         shutil.rmtree(run_dir)
     with _cwd(REPO):  # the recipe's paths (assets/...) are relative to the repository
         cfg = load_config(str(recipe))
-        drafters = ((cfg.get("eval") or {}).get("drafters") or {})
+        drafters = (cfg.get("eval") or {}).get("drafters") or {}
         missing = [k for k, v in drafters.items() if not Path(v).is_dir()]
         overrides = {"out": str(run_dir)}
         if missing:
@@ -69,8 +71,10 @@ def _print_summary(data: dict, log) -> None:
     if not rows:
         return
     log("")
-    log("speculative decoding on this CPU (chain of %s draft tokens, greedy) vs the engine's plain decoding:"
-        % (rows[0][1].get("draft_tokens")))
+    log(
+        f"speculative decoding on this CPU (chain of {rows[0][1].get('draft_tokens')} draft tokens, greedy) vs the "
+        "engine's plain decoding:"
+    )
     for label, r in rows:
         same = r.get("greedy_mismatches")
         eq = "output identical to plain decoding" if same == 0 else (f"{same} prompts differ" if same else "")

@@ -32,9 +32,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from draftsmith.common.errors import DraftsmithError
 
@@ -167,8 +168,10 @@ def _dry_parse(path: str, section: str, command_name: str, argv: list[str]) -> N
 
 
 # commands whose options typer passes as strings and the stage's schema converts and checks (common.schema)
-SCHEMA_CONFIGS = {"train": ("draftsmith.train.config", "TrainConfig"),
-                  "capture": ("draftsmith.capture.config", "CaptureConfig")}
+SCHEMA_CONFIGS = {
+    "train": ("draftsmith.train.config", "TrainConfig"),
+    "capture": ("draftsmith.capture.config", "CaptureConfig"),
+}
 
 
 def _schema_check(command_name: str, params: dict) -> None:
@@ -286,11 +289,14 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
     tsec = section("train")
     online = bool(tsec.get("online"))
     if store is not None and online:
-        raise DraftsmithError(f"{_where(path, 'train', 'online')}: with a capture section train reads its store; "
-                              "drop one of them")
+        raise DraftsmithError(
+            f"{_where(path, 'train', 'online')}: with a capture section train reads its store; drop one of them"
+        )
     if store is None and not online:
-        raise DraftsmithError(f"{_where(path, 'train', 'online')}: without a capture section train must run online "
-                              "(online: true, data: ...)")
+        raise DraftsmithError(
+            f"{_where(path, 'train', 'online')}: without a capture section train must run online "
+            "(online: true, data: ...)"
+        )
     if online:
         if "data" not in tsec and data_after_regen:
             tsec["data"] = data_after_regen
@@ -314,15 +320,23 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
         drafters = {"trained": str(drafter)}
         for label, d in extra.items():
             if not str(label).replace("-", "").replace("_", "").isalnum() or label == "trained":
-                raise DraftsmithError(f"{_where(path, 'eval', f'drafters.{label}')}: labels are letters, digits, "
-                                      "'-' and '_' ('trained' is the drafter of this run)")
+                raise DraftsmithError(
+                    f"{_where(path, 'eval', f'drafters.{label}')}: labels are letters, digits, "
+                    "'-' and '_' ('trained' is the drafter of this run)"
+                )
             need_path("eval", f"drafters.{label}", d)
             drafters[str(label)] = str(d)
         for label, d in drafters.items():
             out = run / "eval" / label
-            stages.append(Stage(f"eval:{label}", "eval",
-                                ["--target", target, "--drafter", d, "--out", str(out)] + flags, out,
-                                inputs=[sec["prompts"]] + ([d + "/config.json"] if label != "trained" else [])))
+            stages.append(
+                Stage(
+                    f"eval:{label}",
+                    "eval",
+                    ["--target", target, "--drafter", d, "--out", str(out)] + flags,
+                    out,
+                    inputs=[sec["prompts"]] + ([d + "/config.json"] if label != "trained" else []),
+                )
+            )
 
     if norm.get("export") is not None:
         sec = section("export")
@@ -331,13 +345,21 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
             formats = [formats]
         for f in formats:
             if f not in EXPORT_FORMATS:
-                raise DraftsmithError(f"{_where(path, 'export', 'formats')}: unknown format {f!r} (choose from "
-                                      f"{', '.join(EXPORT_FORMATS)})")
+                raise DraftsmithError(
+                    f"{_where(path, 'export', 'formats')}: unknown format {f!r} (choose from "
+                    f"{', '.join(EXPORT_FORMATS)})"
+                )
         flags = _argv_for(path, "export", sec, _command("export"), skip=EXTRA_FIELDS["export"])
         for f in formats:
             out = run / "export" / f
-            stages.append(Stage(f"export:{f}", "export", [str(drafter), "--format", f, "--out", str(out),
-                                                         "--target", target] + flags, out))
+            stages.append(
+                Stage(
+                    f"export:{f}",
+                    "export",
+                    [str(drafter), "--format", f, "--out", str(out), "--target", target] + flags,
+                    out,
+                )
+            )
 
     for st in stages:
         _dry_parse(path, st.name.split(":")[0], st.command, st.argv)
@@ -474,8 +496,16 @@ def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table
         t0 = time.perf_counter()
         _invoke(st.command, argv)
         st.seconds = time.perf_counter() - t0
-        atomic_write_json(rec_path, {"stage": st.name, "fingerprint": st.fingerprint, "argv": argv, "done": True,
-                                     "seconds": round(st.seconds, 2)})
+        atomic_write_json(
+            rec_path,
+            {
+                "stage": st.name,
+                "fingerprint": st.fingerprint,
+                "argv": argv,
+                "done": True,
+                "seconds": round(st.seconds, 2),
+            },
+        )
         st.status = "done"
         log(f"{head}: done in {st.seconds:.1f} s")
     from draftsmith.pipeline.report import write_report

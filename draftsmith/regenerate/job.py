@@ -24,16 +24,27 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from draftsmith.common.errors import BadRecordError, DraftsmithError
 from draftsmith.data import records as R
 
 # Settings that must match for a resume (others, like batch size, only change speed).
-RESUME_KEYS = ("target", "target_config_hash", "data", "max_new_tokens", "temperature", "top_p", "seed",
-               "max_samples", "on_bad", "chat_template_kwargs")
+RESUME_KEYS = (
+    "target",
+    "target_config_hash",
+    "data",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_samples",
+    "on_bad",
+    "chat_template_kwargs",
+)
 
 
 @dataclass
@@ -102,8 +113,9 @@ def _prepare(where: str, obj, on_bad: str) -> _Item:
     ckeys = []
     default = "value" if key == "conversations" else "content"
     for m in obj[key]:
-        ckeys.append(default if default in m else ("content" if "content" in m else "value" if "value" in m
-                                                   else default))
+        ckeys.append(
+            default if default in m else ("content" if "content" in m else "value" if "value" in m else default)
+        )
     # an assistant turn that calls tools is kept as the dataset has it: its tool calls and the tool results after
     # it belong together, and a regenerated text would not match them
     turns = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant" and not m.get("tool_calls")]
@@ -136,10 +148,19 @@ def _records(cfg: RegenerateConfig, report: dict, log, start: int = 0):
 def _settings(cfg: RegenerateConfig, target) -> dict:
     from draftsmith import __version__
 
-    return {"target": cfg.target, "target_config_hash": target.config_hash, "data": str(Path(cfg.data).resolve()),
-            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-            "seed": cfg.seed, "max_samples": cfg.max_samples, "on_bad": cfg.on_bad,
-            "chat_template_kwargs": cfg.chat_template_kwargs, "draftsmith_version": __version__}
+    return {
+        "target": cfg.target,
+        "target_config_hash": target.config_hash,
+        "data": str(Path(cfg.data).resolve()),
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "seed": cfg.seed,
+        "max_samples": cfg.max_samples,
+        "on_bad": cfg.on_bad,
+        "chat_template_kwargs": cfg.chat_template_kwargs,
+        "draftsmith_version": __version__,
+    }
 
 
 def _resume_point(cfg: RegenerateConfig, settings: dict) -> tuple[int, int, dict]:
@@ -149,8 +170,9 @@ def _resume_point(cfg: RegenerateConfig, settings: dict) -> tuple[int, int, dict
     out = Path(cfg.out)
     if not pp.is_file():
         if out.exists() and out.stat().st_size > 0:
-            raise DraftsmithError(f"{cfg.out}: exists without {pp.name} (not a regenerate output): remove it or "
-                                  "choose another --out")
+            raise DraftsmithError(
+                f"{cfg.out}: exists without {pp.name} (not a regenerate output): remove it or choose another --out"
+            )
         return 0, 0, {}
     from draftsmith.common.io import read_json
 
@@ -158,13 +180,17 @@ def _resume_point(cfg: RegenerateConfig, settings: dict) -> tuple[int, int, dict
     old = prog.get("settings", {})
     for k in RESUME_KEYS:
         if old.get(k) != settings.get(k):
-            raise DraftsmithError(f"{cfg.out}: was written with {k}={old.get(k)!r}, this run has "
-                                  f"{k}={settings.get(k)!r}: use another --out or the same settings")
+            raise DraftsmithError(
+                f"{cfg.out}: was written with {k}={old.get(k)!r}, this run has "
+                f"{k}={settings.get(k)!r}: use another --out or the same settings"
+            )
     consumed, nbytes = int(prog["consumed"]), int(prog["bytes"])
     size = out.stat().st_size if out.exists() else 0
     if size < nbytes:
-        raise DraftsmithError(f"{cfg.out}: shorter ({size} bytes) than {pp.name} records ({nbytes}): the output "
-                              "was edited; remove both files to start over")
+        raise DraftsmithError(
+            f"{cfg.out}: shorter ({size} bytes) than {pp.name} records ({nbytes}): the output "
+            "was edited; remove both files to start over"
+        )
     if size > nbytes:
         with open(out, "r+b") as f:
             f.truncate(nbytes)
@@ -212,8 +238,8 @@ class _Generator:
         ids = torch.full((len(prompts), n), self.pad, dtype=torch.long)
         att = torch.zeros((len(prompts), n), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, n - len(p):] = torch.tensor(p)
-            att[i, n - len(p):] = 1
+            ids[i, n - len(p) :] = torch.tensor(p)
+            att[i, n - len(p) :] = 1
         kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=self.pad, eos_token_id=sorted(self.eos) or None)
         if cfg.temperature > 0:
             kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
@@ -275,8 +301,10 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     target = load_target(cfg.target, dtype=dtype, device=device)
     if not getattr(target.tokenizer, "chat_template", None):
-        raise DraftsmithError(f"{cfg.target}: the tokenizer has no chat template; regenerate answers chat turns "
-                              "(text data needs no regeneration: train on it directly)")
+        raise DraftsmithError(
+            f"{cfg.target}: the tokenizer has no chat template; regenerate answers chat turns "
+            "(text data needs no regeneration: train on it directly)"
+        )
     target.model.eval()
     settings = _settings(cfg, target)
     consumed, nbytes, skipped = _resume_point(cfg, settings)
@@ -285,9 +313,14 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
         log(f"resuming {cfg.out}: {consumed} input records already done")
     torch.manual_seed(cfg.seed)
     gen = _Generator(target, cfg)
-    prov_base = {"target": cfg.target, "target_config_hash": target.config_hash,
-                 "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                 "draftsmith_version": settings["draftsmith_version"]}
+    prov_base = {
+        "target": cfg.target,
+        "target_config_hash": target.config_hash,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "draftsmith_version": settings["draftsmith_version"],
+    }
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     gen_s = 0.0
@@ -310,13 +343,17 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
         f.flush()
         os.fsync(f.fileno())
         consumed = batch[-1][0] + 1
-        atomic_write_json(progress_path(cfg.out), {"settings": settings, "consumed": consumed, "bytes": nbytes,
-                                                   "skipped": report["skipped"]})
+        atomic_write_json(
+            progress_path(cfg.out),
+            {"settings": settings, "consumed": consumed, "bytes": nbytes, "skipped": report["skipped"]},
+        )
         batch.clear()
         if progress:
             rate = report["new_tokens"] / gen_s if gen_s else 0.0
-            log(f"regenerate: {consumed} records read, {report['records']} written, "
-                f"{report['new_tokens']} new tokens, {rate:.0f} tok/s")
+            log(
+                f"regenerate: {consumed} records read, {report['records']} written, "
+                f"{report['new_tokens']} new tokens, {rate:.0f} tok/s"
+            )
 
     with open(cfg.out, "ab") as f:
         for idx, item in _records(cfg, report, log, start=consumed):
@@ -330,7 +367,8 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
     report["tokens_per_s"] = report["new_tokens"] / gen_s if gen_s else None
     report["consumed"] = consumed
     if not progress_path(cfg.out).is_file():  # nothing to write at all: still leave a finished progress file
-        atomic_write_json(progress_path(cfg.out), {"settings": settings, "consumed": consumed, "bytes": nbytes,
-                                                   "skipped": report["skipped"]})
+        atomic_write_json(
+            progress_path(cfg.out),
+            {"settings": settings, "consumed": consumed, "bytes": nbytes, "skipped": report["skipped"]},
+        )
     return report
-

@@ -84,13 +84,18 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             429: "rate_limit_error"}.get(status, "server_error")
+        self.kind = kind or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+        }.get(status, "server_error")
 
 
 def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}},
-                        status_code=e.status)
+    return JSONResponse(
+        {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}, status_code=e.status
+    )
 
 
 def _validation_message(err: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -101,8 +106,14 @@ def _validation_message(err: ValidationError | RequestValidationError) -> tuple[
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     # pydantic names union members in the location (prompt.str, prompt.list[int]); the field is what matters
-    loc = [x for x in loc if not (x in ("str", "int", "float", "bool", "dict", "list")
-                                  or x.startswith(("list[", "dict[", "function-", "literal[", "union[")))]
+    loc = [
+        x
+        for x in loc
+        if not (
+            x in ("str", "int", "float", "bool", "dict", "list")
+            or x.startswith(("list[", "dict[", "function-", "literal[", "union["))
+        )
+    ]
     field = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
@@ -122,10 +133,10 @@ class Detokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(i for i in new_ids if i not in self.eos_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=False)
-        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=False)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=False)
+        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=False)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self.text
 
@@ -155,8 +166,9 @@ def _held_back(text: str, stop: list[str]) -> int:
     return best
 
 
-def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics: ServeMetrics | None = None
-               ) -> FastAPI:
+def create_app(
+    worker: EngineWorker, tokenizer, settings: ServeSettings, metrics: ServeMetrics | None = None
+) -> FastAPI:
     """`tokenizer` is used on the event loop only (the engine thread has its own: fast tokenizers are not safe
     to share between threads)."""
     app = FastAPI(title="draftsmith serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -212,8 +224,12 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
             if getattr(req, name):
                 raise ApiError(400, f"field '{name}': not supported by draftsmith serve", name)
         if req.model is not None and req.model not in (settings.model_name, *settings.aliases):
-            raise ApiError(404, f"field 'model': {req.model!r} is not served here (this server serves "
-                                f"{settings.model_name!r}; see /v1/models)", "model")
+            raise ApiError(
+                404,
+                f"field 'model': {req.model!r} is not served here (this server serves "
+                f"{settings.model_name!r}; see /v1/models)",
+                "model",
+            )
         return req
 
     def prompt_ids(req: CompletionRequest) -> list[int]:
@@ -221,22 +237,30 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         elif isinstance(p, list) and p and not isinstance(p[0], int):
-            raise ApiError(400, "field 'prompt': one prompt per request (a batch of prompts is not supported)",
-                           "prompt")
+            raise ApiError(
+                400, "field 'prompt': one prompt per request (a batch of prompts is not supported)", "prompt"
+            )
         if isinstance(p, str):
             ids = list(tokenizer(p)["input_ids"])
         else:
             ids = [int(x) for x in p]
             bad = next((x for x in ids if not 0 <= x < settings.vocab_size), None)
             if bad is not None:
-                raise ApiError(400, f"field 'prompt': token id {bad} is outside the vocabulary "
-                                    f"(0..{settings.vocab_size - 1})", "prompt")
+                raise ApiError(
+                    400,
+                    f"field 'prompt': token id {bad} is outside the vocabulary (0..{settings.vocab_size - 1})",
+                    "prompt",
+                )
         return ids
 
     def chat_ids(req: ChatRequest) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "field 'messages': the target's tokenizer has no chat template (start the server "
-                                "with --chat-template FILE, or use /v1/completions)", "messages")
+            raise ApiError(
+                400,
+                "field 'messages': the target's tokenizer has no chat template (start the server "
+                "with --chat-template FILE, or use /v1/completions)",
+                "messages",
+            )
         msgs = []
         for m in req.messages:
             content = m.content
@@ -259,22 +283,32 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
         if max_tokens is None:
             max_tokens = min(settings.default_max_tokens, limit - n)
             if max_tokens < 1:
-                raise ApiError(400, f"the prompt has {n} tokens; the context limit is {limit} tokens "
-                                    "(--max-model-len)", "prompt")
+                raise ApiError(
+                    400, f"the prompt has {n} tokens; the context limit is {limit} tokens (--max-model-len)", "prompt"
+                )
         elif n + max_tokens > limit:
-            raise ApiError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
-                                f"context limit of {limit} tokens (--max-model-len)", "max_tokens")
+            raise ApiError(
+                400,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+                f"context limit of {limit} tokens (--max-model-len)",
+                "max_tokens",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop = [s for s in stop if s]
         sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0))
-        return Job(prompt_ids=ids, max_tokens=max_tokens, sampling=sp, seed=req.seed, stop=stop,
-                   loop=asyncio.get_running_loop())
+        return Job(
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            sampling=sp,
+            seed=req.seed,
+            stop=stop,
+            loop=asyncio.get_running_loop(),
+        )
 
     async def wait_start(job: Job, endpoint: str) -> float:
         """Wait until the engine starts the job; 429 when the queue is full or the wait passes --queue-timeout."""
         if not worker.submit(job):
-            raise ApiError(429, f"server busy: {worker.max_queue} requests already waiting (--max-queue); "
-                                "retry later")
+            raise ApiError(429, f"server busy: {worker.max_queue} requests already waiting (--max-queue); retry later")
         metrics.waiting.set(worker.waiting)
         deadline = job.enqueued_at + settings.queue_timeout
         while True:
@@ -283,8 +317,11 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
             except asyncio.TimeoutError:
                 if worker.expire(job):
                     metrics.waiting.set(worker.waiting)
-                    raise ApiError(429, f"waited {settings.queue_timeout:g} s in the queue without reaching the "
-                                        "engine (--queue-timeout); retry later") from None
+                    raise ApiError(
+                        429,
+                        f"waited {settings.queue_timeout:g} s in the queue without reaching the "
+                        "engine (--queue-timeout); retry later",
+                    ) from None
                 deadline = float("inf")  # it started meanwhile: its "start" event is on the way
                 continue
             if kind == "start":
@@ -296,8 +333,11 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
 
     def usage(res) -> dict:
         n_out = len(res.token_ids)
-        return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n_out,
-                "total_tokens": res.prompt_tokens + n_out}
+        return {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": res.prompt_tokens + n_out,
+        }
 
     async def run(request: Request, endpoint: str, chat: bool):
         t_arrival = time.perf_counter()
@@ -319,8 +359,11 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             count(endpoint, 200)
-            return StreamingResponse(stream(job, rid, chat, include_usage, t_arrival), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                stream(job, rid, chat, include_usage, t_arrival),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             first = True
@@ -348,9 +391,16 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
         else:
             choice["text"] = text
         count(endpoint, 200)
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": settings.model_name, "choices": [choice],
-                             "usage": usage(res)})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": settings.model_name,
+                "choices": [choice],
+                "usage": usage(res),
+            }
+        )
 
     async def stream(job: Job, rid: str, chat: bool, include_usage: bool, t_arrival: float):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -396,13 +446,19 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
                     text = detok.add(payload)
                     safe = _cut_at_stop(text, job.stop)
                     if job.stop and len(safe) == len(text):
-                        safe = safe[:len(safe) - _held_back(safe, job.stop)]
+                        safe = safe[: len(safe) - _held_back(safe, job.stop)]
                     if len(safe) > len(sent) and safe.startswith(sent):
-                        yield chunk(safe[len(sent):], None)
+                        yield chunk(safe[len(sent) :], None)
                         sent = safe
                 elif kind == "error":
-                    err = {"error": {"message": f"generation failed: {payload}", "type": "server_error",
-                                     "param": None, "code": None}}
+                    err = {
+                        "error": {
+                            "message": f"generation failed: {payload}",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
                     yield f"data: {json.dumps(err)}\n\n"
                     done = True
                     break
@@ -410,13 +466,19 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
                     res = payload
                     text = final_text(tokenizer, res.token_ids, settings.eos_ids, job.stop)
                     if len(text) > len(sent):
-                        yield chunk(text[len(sent):], None)
+                        yield chunk(text[len(sent) :], None)
                     metrics.latency.observe(time.perf_counter() - t_arrival)
                     metrics.observe_result(res)
                     yield chunk(None if chat else "", _FINISH.get(res.finish_reason, "stop"))
                     if include_usage:
-                        body = {"id": rid, "object": obj, "created": created_at, "model": settings.model_name,
-                                "choices": [], "usage": usage(res)}
+                        body = {
+                            "id": rid,
+                            "object": obj,
+                            "created": created_at,
+                            "model": settings.model_name,
+                            "choices": [],
+                            "usage": usage(res),
+                        }
                         yield f"data: {json.dumps(body)}\n\n"
                     yield "data: [DONE]\n\n"
                     done = True
@@ -441,15 +503,32 @@ def create_app(worker: EngineWorker, tokenizer, settings: ServeSettings, metrics
             count("/v1/models", e.status)
             return _error_response(e)
         count("/v1/models", 200)
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "draftsmith", "max_model_len": settings.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "draftsmith",
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
         ok = worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped", "model": settings.model_name,
-                             "waiting": worker.waiting, "running": int(worker.busy), "served": worker.served},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "engine stopped",
+                "model": settings.model_name,
+                "waiting": worker.waiting,
+                "running": int(worker.busy),
+                "served": worker.served,
+            },
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/metrics")
     async def prometheus():

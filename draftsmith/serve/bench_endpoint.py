@@ -19,8 +19,20 @@ from pathlib import Path
 
 from draftsmith.common.errors import DraftsmithError
 
-COLUMNS = ["label", "tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tpot_ms", "throughput_tok_s",
-           "requests", "errors", "concurrency", "max_tokens", "date"]
+COLUMNS = [
+    "label",
+    "tokens_per_s",
+    "ttft_ms_p50",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "tpot_ms",
+    "throughput_tok_s",
+    "requests",
+    "errors",
+    "concurrency",
+    "max_tokens",
+    "date",
+]
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -72,12 +84,18 @@ def _base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def one_request(client, base: str, model: str, item: dict, max_tokens: int, temperature: float, chat: bool,
-                headers: dict) -> dict:
+def one_request(
+    client, base: str, model: str, item: dict, max_tokens: int, temperature: float, chat: bool, headers: dict
+) -> dict:
     """Send one streamed request; returns {ok, error, ttft, gaps, tokens, elapsed}."""
     use_chat = chat or "messages" in item
-    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if use_chat:
         body["messages"] = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
         path = "/chat/completions"
@@ -115,9 +133,15 @@ def one_request(client, base: str, model: str, item: dict, max_tokens: int, temp
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
     t_end = times[-1] if times else time.perf_counter()
     tokens = usage_tokens if usage_tokens is not None else len(times)
-    return {"ok": True, "error": None, "ttft": (times[0] - t0) if times else None,
-            "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": int(tokens), "elapsed": t_end - t0,
-            "decode_s": (t_end - times[0]) if times else 0.0}
+    return {
+        "ok": True,
+        "error": None,
+        "ttft": (times[0] - t0) if times else None,
+        "gaps": [b - a for a, b in zip(times, times[1:])],
+        "tokens": int(tokens),
+        "elapsed": t_end - t0,
+        "decode_s": (t_end - times[0]) if times else 0.0,
+    }
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
@@ -132,13 +156,18 @@ def summarize(results: list[dict], wall_s: float) -> dict:
 
     errors = [r["error"] for r in results if not r["ok"]]
     return {
-        "requests": len(results), "errors": len(errors), "error_examples": sorted(set(errors))[:3],
+        "requests": len(results),
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:3],
         "tokens_per_s": sum(rates) / len(rates) if rates else None,
-        "ttft_ms_p50": ms(_percentile(ttfts, 0.5)), "ttft_ms_mean": ms(sum(ttfts) / len(ttfts)) if ttfts else None,
-        "itl_ms_p50": ms(_percentile(gaps, 0.5)), "itl_ms_p99": ms(_percentile(gaps, 0.99)),
+        "ttft_ms_p50": ms(_percentile(ttfts, 0.5)),
+        "ttft_ms_mean": ms(sum(ttfts) / len(ttfts)) if ttfts else None,
+        "itl_ms_p50": ms(_percentile(gaps, 0.5)),
+        "itl_ms_p99": ms(_percentile(gaps, 0.99)),
         "tpot_ms": ms(sum(tpots) / len(tpots)) if tpots else None,
         "completion_tokens": sum(r["tokens"] for r in ok),
-        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall_s if wall_s > 0 else None, "wall_s": wall_s,
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall_s if wall_s > 0 else None,
+        "wall_s": wall_s,
     }
 
 
@@ -164,8 +193,7 @@ def print_table(rows: list[dict], file=None) -> str:
 
     cells = [[fmt(r.get(c)) for c in COLUMNS] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     text = "\n".join(lines)
     print(text, file=file or sys.stdout)
@@ -185,8 +213,7 @@ def write_chart(rows: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows) + 2), 3.5))
     bars = ax.bar(range(len(rows)), vals, color="#4C72B0")
     for b, v in zip(bars, vals):
-        ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+        ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("streamed tokens/s per request")
     ax.set_title("bench-endpoint: single-stream tokens/s")
@@ -199,9 +226,21 @@ def write_chart(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def run_bench(url: str, prompts_path: Path, model: str | None, max_tokens: int, concurrency: int,
-              num_requests: int | None, label: str | None, out: Path, api_key: str | None, temperature: float,
-              chat: bool, timeout: float, progress: bool = True) -> dict:
+def run_bench(
+    url: str,
+    prompts_path: Path,
+    model: str | None,
+    max_tokens: int,
+    concurrency: int,
+    num_requests: int | None,
+    label: str | None,
+    out: Path,
+    api_key: str | None,
+    temperature: float,
+    chat: bool,
+    timeout: float,
+    progress: bool = True,
+) -> dict:
     import httpx
     from tqdm.auto import tqdm
 
@@ -217,22 +256,36 @@ def run_bench(url: str, prompts_path: Path, model: str | None, max_tokens: int, 
                 r.raise_for_status()
                 model = r.json()["data"][0]["id"]
             except Exception as e:
-                raise DraftsmithError(f"--url {url}: could not list models ({type(e).__name__}: {e}); pass --model")
+                raise DraftsmithError(
+                    f"--url {url}: could not list models ({type(e).__name__}: {e}); pass --model"
+                ) from None
         results: list[dict] = []
-        bar = tqdm(total=n_req, desc="bench-endpoint", unit="req", disable=not progress, file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=n_req, desc="bench-endpoint", unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True
+        )
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futures = [pool.submit(one_request, client, base, model, items[i % len(items)], max_tokens, temperature,
-                                   chat, headers) for i in range(n_req)]
+            futures = [
+                pool.submit(
+                    one_request, client, base, model, items[i % len(items)], max_tokens, temperature, chat, headers
+                )
+                for i in range(n_req)
+            ]
             for f in cf.as_completed(futures):
                 results.append(f.result())
                 bar.update(1)
         wall = time.perf_counter() - t0
         bar.close()
-    row = {"label": label or url, "url": url, "model": model, "concurrency": concurrency, "max_tokens": max_tokens,
-           "temperature": temperature,
-           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), **summarize(results, wall)}
+    row = {
+        "label": label or url,
+        "url": url,
+        "model": model,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        **summarize(results, wall),
+    }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "a") as f:
@@ -241,8 +294,11 @@ def run_bench(url: str, prompts_path: Path, model: str | None, max_tokens: int, 
     print_table(rows)
     chart = write_chart(rows, out / "results.png")
     if row["errors"]:
-        print(f"{row['errors']} of {row['requests']} requests failed, e.g.: {row['error_examples'][0]}",
-              file=sys.stderr)
-    print(f"wrote {out / 'results.jsonl'}" + (f" and {chart}" if chart else " (install matplotlib for the chart)"),
-          file=sys.stderr)
+        print(
+            f"{row['errors']} of {row['requests']} requests failed, e.g.: {row['error_examples'][0]}", file=sys.stderr
+        )
+    print(
+        f"wrote {out / 'results.jsonl'}" + (f" and {chart}" if chart else " (install matplotlib for the chart)"),
+        file=sys.stderr,
+    )
     return row

@@ -23,35 +23,56 @@ def _need_server_deps() -> None:
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise DraftsmithError(f"draftsmith serve needs {e.name}: pip install 'draftsmith[serve]' (or '.[serve]' "
-                              "in a checkout)") from None
+        raise DraftsmithError(
+            f"draftsmith serve needs {e.name}: pip install 'draftsmith[serve]' (or '.[serve]' in a checkout)"
+        ) from None
 
 
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
         target: str = typer.Option(..., "--target", help="HF target model directory."),
-        drafter: Optional[str] = typer.Option(None, "--drafter", help="EAGLE-3 drafter (draftsmith/SGLang/EAGLE "
-                                              "layout). Without it: plain decoding."),
-        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise; "
-                                 "0.0.0.0 exposes the server to the network)."),
+        drafter: Optional[str] = typer.Option(
+            None, "--drafter", help="EAGLE-3 drafter (draftsmith/SGLang/EAGLE layout). Without it: plain decoding."
+        ),
+        host: str = typer.Option(
+            "127.0.0.1",
+            "--host",
+            help="Address to bind (loopback unless told otherwise; 0.0.0.0 exposes the server to the network).",
+        ),
         port: int = typer.Option(8000, "--port", help="TCP port."),
-        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DRAFTSMITH_API_KEY",
-                                              help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)."),
-        max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; one more -> "
-                                      "429."),
-        queue_timeout: float = typer.Option(600.0, "--queue-timeout", help="Seconds a request may wait for the "
-                                            "engine before it is answered 429."),
-        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + max_tokens limit in "
-                                                    "tokens (the engine's cache). Default: the target's "
-                                                    "max_position_embeddings, at most 4096."),
-        default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="max_tokens of a request that "
-                                               "gives none (capped by the context left)."),
-        served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name of "
-                                                        "/v1/models and of responses (default: the target "
-                                                        "directory's name)."),
-        chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file for "
-                                                     "targets whose tokenizer has none (or to replace it)."),
+        api_key: Optional[str] = typer.Option(
+            None,
+            "--api-key",
+            envvar="DRAFTSMITH_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise).",
+        ),
+        max_queue: int = typer.Option(
+            64, "--max-queue", help="Requests that may wait for the engine; one more -> 429."
+        ),
+        queue_timeout: float = typer.Option(
+            600.0, "--queue-timeout", help="Seconds a request may wait for the engine before it is answered 429."
+        ),
+        max_model_len: Optional[int] = typer.Option(
+            None,
+            "--max-model-len",
+            help="Prompt + max_tokens limit in "
+            "tokens (the engine's cache). Default: the target's "
+            "max_position_embeddings, at most 4096.",
+        ),
+        default_max_tokens: int = typer.Option(
+            256, "--default-max-tokens", help="max_tokens of a request that gives none (capped by the context left)."
+        ),
+        served_model_name: Optional[str] = typer.Option(
+            None,
+            "--served-model-name",
+            help="The model name of /v1/models and of responses (default: the target directory's name).",
+        ),
+        chat_template: Optional[Path] = typer.Option(
+            None,
+            "--chat-template",
+            help="A Jinja chat template file for targets whose tokenizer has none (or to replace it).",
+        ),
         draft_tokens: int = typer.Option(4, "--draft-tokens", help="Chain: draft tokens per round (K)."),
         tree: bool = typer.Option(False, "--tree", help="EAGLE-2 dynamic tree instead of a chain."),
         top_k_draft: int = typer.Option(8, "--top-k-draft", help="Tree: frontier width / children per node."),
@@ -61,21 +82,31 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto = bf16 on CUDA, fp32 on CPU."),
         backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
-        cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA "
-                                         "graphs (GPU, compact forward)."),
+        cuda_graphs: bool = typer.Option(
+            True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA graphs (GPU, compact forward)."
+        ),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
         attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
         kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
-        capture_to: Optional[Path] = typer.Option(None, "--capture-to", help="Record every served request (prompt "
-                                                  "+ response tokens, the target's aux and final pre-norm states) "
-                                                  "into this store. Prompts are stored: see README 'Serve'."),
-        capture_max_tokens: Optional[int] = typer.Option(None, "--capture-max-tokens", help="Stop recording once "
-                                                         "the store holds this many tokens."),
+        capture_to: Optional[Path] = typer.Option(
+            None,
+            "--capture-to",
+            help="Record every served request (prompt "
+            "+ response tokens, the target's aux and final pre-norm states) "
+            "into this store. Prompts are stored: see README 'Serve'.",
+        ),
+        capture_max_tokens: Optional[int] = typer.Option(
+            None, "--capture-max-tokens", help="Stop recording once the store holds this many tokens."
+        ),
         capture_dtype: str = typer.Option("bf16", "--capture-dtype", help="Store dtype: bf16 | fp8."),
         capture_shard_tokens: int = typer.Option(65536, "--capture-shard-tokens", help="Tokens per store shard."),
-        capture_flush_s: float = typer.Option(60.0, "--capture-flush-s", help="Write a shard once its oldest "
-                                              "request is this old, even if not full (the store is complete after "
-                                              "every write)."),
+        capture_flush_s: float = typer.Option(
+            60.0,
+            "--capture-flush-s",
+            help="Write a shard once its oldest "
+            "request is this old, even if not full (the store is complete after "
+            "every write).",
+        ),
         log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     ) -> None:
         """Serve the target (+ drafter) over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (SSE or
@@ -99,8 +130,10 @@ def register(app: typer.Typer) -> None:
                 template = chat_template.read_text()
             except OSError as e:
                 raise DraftsmithError(f"--chat-template: {chat_template}: {e.strerror}") from None
-        logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=getattr(logging, log_level.upper(), logging.INFO),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         log = logging.getLogger("draftsmith.serve")
         built: dict = {}
 
@@ -133,9 +166,15 @@ def register(app: typer.Typer) -> None:
             from draftsmith.serve.recorder import ServeRecorder
 
             def recorder_factory(eng):
-                return ServeRecorder(capture_to, built["target"], eng.aux_layers, dtype=capture_dtype,
-                                     max_tokens=capture_max_tokens, shard_tokens=capture_shard_tokens,
-                                     flush_s=capture_flush_s)
+                return ServeRecorder(
+                    capture_to,
+                    built["target"],
+                    eng.aux_layers,
+                    dtype=capture_dtype,
+                    max_tokens=capture_max_tokens,
+                    shard_tokens=capture_shard_tokens,
+                    flush_s=capture_flush_s,
+                )
 
         worker = EngineWorker(build, max_queue=max_queue, recorder_factory=recorder_factory)
         log.info("loading %s%s", target, f" + drafter {drafter}" if drafter else "")
@@ -148,18 +187,32 @@ def register(app: typer.Typer) -> None:
             http_tokenizer.chat_template = template
         name = served_model_name or Path(target).resolve().name
         eng = worker.engine
-        settings = ServeSettings(model_name=name, max_model_len=built["limit"], vocab_size=int(t.vocab_size),
-                                 eos_ids=set(eng.eos_ids), api_key=api_key, queue_timeout=queue_timeout,
-                                 default_max_tokens=default_max_tokens, aliases=(target,))
+        settings = ServeSettings(
+            model_name=name,
+            max_model_len=built["limit"],
+            vocab_size=int(t.vocab_size),
+            eos_ids=set(eng.eos_ids),
+            api_key=api_key,
+            queue_timeout=queue_timeout,
+            default_max_tokens=default_max_tokens,
+            aliases=(target,),
+        )
         metrics = ServeMetrics()
         http_app = create_app(worker, http_tokenizer, settings, metrics)
-        config = uvicorn.Config(http_app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            http_app, host=host, port=port, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5
+        )
         server = uvicorn.Server(config)
         mode = built["mode"]
-        log.info("engine ready: %s, %s decoding, backend %s, cuda graphs %s, context %d tokens%s", eng.device,
-                 mode.kind, eng.backend, eng.cuda_graphs, built["limit"],
-                 f", recording into {capture_to}" if capture_to else "")
+        log.info(
+            "engine ready: %s, %s decoding, backend %s, cuda graphs %s, context %d tokens%s",
+            eng.device,
+            mode.kind,
+            eng.backend,
+            eng.cuda_graphs,
+            built["limit"],
+            f", recording into {capture_to}" if capture_to else "",
+        )
         print(f"draftsmith serve: http://{host}:{port}/v1 (model {name!r})", file=sys.stderr, flush=True)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it found:
         # handlers that only note it let the engine and the capture writer finish below (the last shard is written)
@@ -174,27 +227,43 @@ def register(app: typer.Typer) -> None:
             if worker.recorder is not None:
                 r = worker.recorder
                 # (print: uvicorn's logging setup has replaced the handlers by now)
-                print(f"draftsmith serve: capture: {r.recorded} requests recorded into {capture_to} (states forward "
-                      f"{r.forward_s:.3f} s in all)", file=sys.stderr, flush=True)
+                print(
+                    f"draftsmith serve: capture: {r.recorded} requests recorded into {capture_to} (states forward "
+                    f"{r.forward_s:.3f} s in all)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @app.command("bench-endpoint")
     def bench_endpoint(
-        url: str = typer.Option(..., "--url", help="Base URL of an OpenAI-compatible server, e.g. "
-                                "http://127.0.0.1:8000 (with or without /v1)."),
-        prompts: Path = typer.Option(..., "--prompts", help="JSONL with prompt/text/messages/turns records, or a "
-                                     "text file with one prompt per line."),
+        url: str = typer.Option(
+            ...,
+            "--url",
+            help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (with or without /v1).",
+        ),
+        prompts: Path = typer.Option(
+            ...,
+            "--prompts",
+            help="JSONL with prompt/text/messages/turns records, or a text file with one prompt per line.",
+        ),
         model: Optional[str] = typer.Option(None, "--model", help="Model name (default: the first of /v1/models)."),
         max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of every request."),
         concurrency: int = typer.Option(1, "--concurrency", help="Requests in flight at once (1 = single stream)."),
-        requests: Optional[int] = typer.Option(None, "--requests", help="Requests to send in all (prompts repeat "
-                                               "as needed); default: one per prompt. Never more are sent."),
+        requests: Optional[int] = typer.Option(
+            None,
+            "--requests",
+            help="Requests to send in all (prompts repeat as needed); default: one per prompt. Never more are sent.",
+        ),
         label: Optional[str] = typer.Option(None, "--label", help="Row name in the table (default: the URL)."),
-        out: Path = typer.Option(Path("bench_endpoint"), "--out", help="Directory of results.jsonl and "
-                                 "results.png."),
+        out: Path = typer.Option(Path("bench_endpoint"), "--out", help="Directory of results.jsonl and results.png."),
         api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key."),
         temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature of every request."),
-        chat: bool = typer.Option(False, "--chat", help="Send text prompts to /v1/chat/completions as one user "
-                                  "message (records with messages always go there)."),
+        chat: bool = typer.Option(
+            False,
+            "--chat",
+            help="Send text prompts to /v1/chat/completions as one user "
+            "message (records with messages always go there).",
+        ),
         timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take."),
         json_out: bool = typer.Option(False, "--json", help="Also print this run's row as JSON."),
     ) -> None:
@@ -208,9 +277,21 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError("--requests must be >= 1")
         if max_tokens < 1:
             raise DraftsmithError("--max-tokens must be >= 1")
-        row = run_bench(url=url, prompts_path=prompts, model=model, max_tokens=max_tokens, concurrency=concurrency,
-                        num_requests=requests, label=label, out=out, api_key=api_key, temperature=temperature,
-                        chat=chat, timeout=timeout, progress=os.environ.get("DRAFTSMITH_NO_PROGRESS") is None)
+        row = run_bench(
+            url=url,
+            prompts_path=prompts,
+            model=model,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            num_requests=requests,
+            label=label,
+            out=out,
+            api_key=api_key,
+            temperature=temperature,
+            chat=chat,
+            timeout=timeout,
+            progress=os.environ.get("DRAFTSMITH_NO_PROGRESS") is None,
+        )
         if json_out:
             import json
 

@@ -50,8 +50,16 @@ class ServeRecorder:
     The loss mask covers the response tokens (what the target produced, the drafter's targets); the prompt is
     context. `max_tokens`: stop recording once the store holds this many tokens (None: no limit)."""
 
-    def __init__(self, out: str | Path, target, aux_layers, dtype: str = "bf16", max_tokens: int | None = None,
-                 shard_tokens: int = 65536, flush_s: float = 60.0):
+    def __init__(
+        self,
+        out: str | Path,
+        target,
+        aux_layers,
+        dtype: str = "bf16",
+        max_tokens: int | None = None,
+        shard_tokens: int = 65536,
+        flush_s: float = 60.0,
+    ):
         from draftsmith.capture import AuxCapture
 
         if dtype not in fmt.STORE_DTYPES:
@@ -87,17 +95,22 @@ class ServeRecorder:
         if m_path.is_file():
             m = read_json(m_path, "store manifest")
             if m.get("data", {}).get("path") != SOURCE:
-                raise DraftsmithError(f"{self.out}: a store written by `draftsmith capture`, not by serve; choose "
-                                      "another --capture-to")
+                raise DraftsmithError(
+                    f"{self.out}: a store written by `draftsmith capture`, not by serve; choose another --capture-to"
+                )
             mine = self.target.identity()
             for key in ("config_hash", "tokenizer_hash"):
                 if m.get("target", {}).get(key) != mine.get(key):
-                    raise DraftsmithError(f"{m_path}: target.{key} differs — this store was recorded from "
-                                          f"{m.get('target', {}).get('path')!r}; choose another --capture-to")
+                    raise DraftsmithError(
+                        f"{m_path}: target.{key} differs — this store was recorded from "
+                        f"{m.get('target', {}).get('path')!r}; choose another --capture-to"
+                    )
             for key, val in (("aux_layers", self.aux_layers), ("dtype", self.dtype)):
                 if m.get(key) != val:
-                    raise DraftsmithError(f"{m_path}: field {key!r} is {m.get(key)!r}, this server records {val!r}; "
-                                          "choose another --capture-to")
+                    raise DraftsmithError(
+                        f"{m_path}: field {key!r} is {m.get(key)!r}, this server records {val!r}; "
+                        "choose another --capture-to"
+                    )
             self._shards = list(m["shards"])
             self._num_samples = int(m["num_samples"])
             from safetensors.torch import load_file
@@ -105,8 +118,9 @@ class ServeRecorder:
             self._counts = load_file(str(self.out / fmt.TOKEN_COUNTS))["token_counts"]
             return
         if self.out.exists() and any(p.name not in (fmt.SHARD_DIR, fmt.PROGRESS_DIR) for p in self.out.iterdir()):
-            raise DraftsmithError(f"{self.out}: exists and is not a store recorded by draftsmith serve; choose "
-                                  "another --capture-to")
+            raise DraftsmithError(
+                f"{self.out}: exists and is not a store recorded by draftsmith serve; choose another --capture-to"
+            )
         (self.out / fmt.SHARD_DIR).mkdir(parents=True, exist_ok=True)
         (self.out / fmt.PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
 
@@ -121,8 +135,7 @@ class ServeRecorder:
             return False
         if self.max_tokens is not None and self._queued_tokens + len(ids) > self.max_tokens:
             if not self._full_logged:
-                log.warning("capture: --capture-max-tokens %d reached; not recording further requests",
-                            self.max_tokens)
+                log.warning("capture: --capture-max-tokens %d reached; not recording further requests", self.max_tokens)
                 self._full_logged = True
             return False
         t0 = time.perf_counter()
@@ -133,13 +146,17 @@ class ServeRecorder:
         if self.dtype == "fp8":
             aux_q, aux_s = fmt.quantize_fp8_rows(aux, self.H)
             fq, fs = fmt.quantize_fp8_rows(final, self.H)
-            rows = {"aux": aux_q.cpu(), "aux_scale": aux_s.cpu(), "final": fq.cpu(),
-                    "final_scale": fs.reshape(-1).cpu()}
+            rows = {
+                "aux": aux_q.cpu(),
+                "aux_scale": aux_s.cpu(),
+                "final": fq.cpu(),
+                "final_scale": fs.reshape(-1).cpu(),
+            }
         else:
             rows = {"aux": aux.to(torch.bfloat16).cpu(), "final": final.to(torch.bfloat16).cpu()}
         self.forward_s += time.perf_counter() - t0
         mask = np.zeros(len(ids), dtype=bool)
-        mask[len(prompt_ids):] = True
+        mask[len(prompt_ids) :] = True
         self._queued_tokens += len(ids)
         self.recorded += 1
         self._q.put((np.asarray(ids, dtype=np.int32), mask, rows, time.monotonic()))
@@ -168,8 +185,12 @@ class ServeRecorder:
             elif item != "flush":
                 pending.append(item)
                 tokens += len(item[0])
-            due = pending and (closing or item == "flush" or tokens >= self.shard_tokens
-                               or time.monotonic() - pending[0][3] >= self.flush_s)
+            due = pending and (
+                closing
+                or item == "flush"
+                or tokens >= self.shard_tokens
+                or time.monotonic() - pending[0][3] >= self.flush_s
+            )
             if due:
                 try:
                     self._write_shard(pending)
@@ -201,10 +222,18 @@ class ServeRecorder:
             tensors["aux_scale"] = torch.cat([s[2]["aux_scale"] for s in samples])
             tensors["final_scale"] = torch.cat([s[2]["final_scale"] for s in samples])
         digest, nbytes = atomic_save_safetensors_streaming(
-            tensors, self.out / fmt.shard_name(si), metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"})
+            tensors, self.out / fmt.shard_name(si), metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"}
+        )
         loss_tokens = int(sum(int(s[1].sum()) for s in samples))
-        record = {"file": fmt.shard_name(si), "sha256": digest, "bytes": nbytes, "first_sample": first,
-                  "num_samples": n, "num_tokens": int(offsets[-1]), "num_loss_tokens": loss_tokens}
+        record = {
+            "file": fmt.shard_name(si),
+            "sha256": digest,
+            "bytes": nbytes,
+            "first_sample": first,
+            "num_samples": n,
+            "num_tokens": int(offsets[-1]),
+            "num_loss_tokens": loss_tokens,
+        }
         atomic_write_json(self.out / fmt.progress_name(si), record)
         for ids, mask, _, _ in samples:
             masked = torch.from_numpy(ids[mask].astype(np.int64))
@@ -239,8 +268,11 @@ class ServeRecorder:
             "num_tokens": num_tokens,
             "num_loss_tokens": int(sum(r["num_loss_tokens"] for r in self._shards)),
             "bytes_per_token": round(sum(r["bytes"] for r in self._shards) / max(num_tokens, 1), 3),
-            "data": {"path": SOURCE, "num_samples": self._num_samples,
-                     "loss_mask": "response tokens (the prompt is context)"},
+            "data": {
+                "path": SOURCE,
+                "num_samples": self._num_samples,
+                "loss_mask": "response tokens (the prompt is context)",
+            },
             "token_counts": {"file": fmt.TOKEN_COUNTS, "sha256": counts_sha},
             "shards": self._shards,
         }

@@ -148,8 +148,15 @@ class EngineWorker:
             return not job.cancelled.is_set()
 
         try:
-            res = self.engine.generate(job.prompt_ids, job.max_tokens, sampling=job.sampling, mode=self.mode,
-                                       seed=job.seed, stop_strings=job.stop, on_tokens=on_tokens)
+            res = self.engine.generate(
+                job.prompt_ids,
+                job.max_tokens,
+                sampling=job.sampling,
+                mode=self.mode,
+                seed=job.seed,
+                stop_strings=job.stop,
+                on_tokens=on_tokens,
+            )
         except Exception as e:  # the HTTP side answers 500 with one line; the traceback goes to the log
             log.error("generation failed:\n%s", traceback.format_exc())
             job.state = "finished"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -32,7 +31,10 @@ def verify(
 
 
 @store_app.command("info")
-def info(path: str = typer.Argument(..., help="Store directory."), json_out: bool = typer.Option(False, "--json", help="Print the manifest as JSON.")) -> None:
+def info(
+    path: str = typer.Argument(..., help="Store directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
     """Summarize a store: target, aux layers in both conventions, dtype, counts, bytes/token."""
     import json
 
@@ -61,7 +63,9 @@ def info(path: str = typer.Argument(..., help="Store directory."), json_out: boo
 @store_app.command("export")
 def export(
     path: str = typer.Argument(..., help="Store directory."),
-    format: str = typer.Option(..., "--format", help="Output layout: 'speculators' (vLLM speculators 0.9 offline training data)."),
+    format: str = typer.Option(
+        ..., "--format", help="Output layout: 'speculators' (vLLM speculators 0.9 offline training data)."
+    ),
     out: str = typer.Option(..., "--out", "-o", help="Output directory (must not exist)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:

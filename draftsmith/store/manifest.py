@@ -148,12 +148,11 @@ def validate_manifest(manifest: Any, store_dir: str | os.PathLike, check_sizes: 
         n = c.int_(sh, "num_samples", f"{where}.num_samples", lo=1)
         t = c.int_(sh, "num_tokens", f"{where}.num_tokens")
         if first != next_first:
-            raise c.fail(f"{where}.first_sample",
-                         f"is {first}, expected {next_first} (shards hold consecutive samples)")
-        if n * _BYTES_PER_SAMPLE + t * min_token_bytes > nbytes:
             raise c.fail(
-                where, f"claims {n} samples and {t} tokens, more than its {nbytes} bytes can hold ({name})"
+                f"{where}.first_sample", f"is {first}, expected {next_first} (shards hold consecutive samples)"
             )
+        if n * _BYTES_PER_SAMPLE + t * min_token_bytes > nbytes:
+            raise c.fail(where, f"claims {n} samples and {t} tokens, more than its {nbytes} bytes can hold ({name})")
         if check_sizes:
             f = root / name
             try:

@@ -25,8 +25,13 @@ class HiddenStateStore:
     that sample's rows.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: dict, dtype: torch.dtype = torch.bfloat16,
-                 check_sha256: bool | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        manifest: dict,
+        dtype: torch.dtype = torch.bfloat16,
+        check_sha256: bool | None = None,
+    ):
         self.path = Path(path)
         self.manifest = manifest
         self.compute_dtype = dtype
@@ -47,8 +52,9 @@ class HiddenStateStore:
 
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-             check_sha256: bool | None = None) -> HiddenStateStore:
+    def open(
+        cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, check_sha256: bool | None = None
+    ) -> HiddenStateStore:
         """Open a complete store after checking its manifest (`draftsmith.store.manifest`: schema, paths inside
         the store, counts bounded by sizes, every shard's size equal to the manifest's). `check_sha256`: hash
         each shard on first use and refuse a mismatch (default on; DRAFTSMITH_STORE_CHECKSUMS=off turns it off)."""
@@ -102,8 +108,9 @@ class HiddenStateStore:
         if not p.is_file():
             raise DraftsmithError(f"{p}: missing (token frequency statistics of the store)")
         if self.check_sha256 and entry.get("sha256") and sha256_file(p) != entry["sha256"]:
-            raise DraftsmithError(f"{p}: sha256 does not match the manifest (corrupted; run "
-                                  f"`draftsmith store verify {self.path}`)")
+            raise DraftsmithError(
+                f"{p}: sha256 does not match the manifest (corrupted; run `draftsmith store verify {self.path}`)"
+            )
         return load_file(str(p))["token_counts"]
 
     def check_target(self, target) -> None:
@@ -138,11 +145,14 @@ class HiddenStateStore:
         if not f.is_file():
             raise DraftsmithError(f"{f}: shard missing (run `draftsmith store verify {self.path}`)")
         if "bytes" in sh and f.stat().st_size != sh["bytes"]:
-            raise DraftsmithError(f"{f}: size {f.stat().st_size} != {sh['bytes']} in the manifest (truncated or "
-                                  f"replaced; run `draftsmith store verify {self.path}`)")
+            raise DraftsmithError(
+                f"{f}: size {f.stat().st_size} != {sh['bytes']} in the manifest (truncated or "
+                f"replaced; run `draftsmith store verify {self.path}`)"
+            )
         if self.check_sha256 and "sha256" in sh and sha256_file(f) != sh["sha256"]:
-            raise DraftsmithError(f"{f}: sha256 does not match the manifest (corrupted; run "
-                                  f"`draftsmith store verify {self.path}`)")
+            raise DraftsmithError(
+                f"{f}: sha256 does not match the manifest (corrupted; run `draftsmith store verify {self.path}`)"
+            )
         try:
             h = safe_open(str(f), framework="pt")
             self._check_shard_layout(si, h, f)
@@ -164,21 +174,33 @@ class HiddenStateStore:
             return tuple(h.get_slice(name).get_shape())
 
         rows = shape("input_ids")[0] if shape("input_ids") else -1
-        want = {"input_ids": (rows,), "sample_offsets": (n + 1,), "span_offsets": (n + 1,),
-                "aux_hidden_states": (rows, k * H)}
+        want = {
+            "input_ids": (rows,),
+            "sample_offsets": (n + 1,),
+            "span_offsets": (n + 1,),
+            "aux_hidden_states": (rows, k * H),
+        }
         if self.has_final:
             want["final_hidden_states"] = (rows, H)
         for name, expect in want.items():
             if shape(name) != expect:
-                raise DraftsmithError(f"{f}: tensor {name!r} has shape {list(shape(name))}, expected {list(expect)} "
-                                      f"from the manifest ({n} samples, {k} aux layers, hidden size {H})")
+                raise DraftsmithError(
+                    f"{f}: tensor {name!r} has shape {list(shape(name))}, expected {list(expect)} "
+                    f"from the manifest ({n} samples, {k} aux layers, hidden size {H})"
+                )
         if T >= 0 and rows != T:
             raise DraftsmithError(f"{f}: holds {rows} tokens, the manifest says {T}")
         offs = h.get_tensor("sample_offsets").numpy()
         span_offs = h.get_tensor("span_offsets").numpy()
         spans = shape("loss_spans")
-        if (offs[0] != 0 or offs[-1] != rows or (np.diff(offs) < 0).any() or span_offs[0] != 0
-                or (np.diff(span_offs) < 0).any() or span_offs[-1] != (spans[0] if spans else 0)):
+        if (
+            offs[0] != 0
+            or offs[-1] != rows
+            or (np.diff(offs) < 0).any()
+            or span_offs[0] != 0
+            or (np.diff(span_offs) < 0).any()
+            or span_offs[-1] != (spans[0] if spans else 0)
+        ):
             raise DraftsmithError(f"{f}: sample_offsets/span_offsets are not consistent with its {rows} tokens")
 
     def _shard_index(self, si: int) -> dict[str, np.ndarray]:

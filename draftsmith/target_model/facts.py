@@ -25,8 +25,9 @@ def _target_config_dict(target: Any) -> tuple[dict, str | None]:
     else:
         cfg = getattr(target, "text_config", None) or getattr(target, "config", target)
         if not hasattr(cfg, "to_dict"):
-            raise DraftsmithError(f"target: expected a model directory, a draftsmith Target or a HF config, got "
-                                  f"{type(target).__name__}")
+            raise DraftsmithError(
+                f"target: expected a model directory, a draftsmith Target or a HF config, got {type(target).__name__}"
+            )
         d = cfg.to_dict()
         name = getattr(target, "path", None) or d.get("_name_or_path") or None
         name = str(name) if name else None
@@ -66,21 +67,30 @@ def target_facts(target: Any) -> dict[str, Any]:
         h, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         theta, scaling = _rope_from_config(d)
         return dict(
-            hidden_size=h, intermediate_size=int(d["intermediate_size"]), num_attention_heads=heads,
+            hidden_size=h,
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or h // heads), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
+            head_dim=int(d.get("head_dim") or h // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            hidden_act=d.get("hidden_act", "silu"), vocab_size=int(d["vocab_size"]),
-            num_layers=int(d["num_hidden_layers"]), model_type=d.get("model_type"), name_or_path=name,
-            architectures=d.get("architectures") or [], tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            vocab_size=int(d["vocab_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            model_type=d.get("model_type"),
+            name_or_path=name,
+            architectures=d.get("architectures") or [],
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             dtype=_config_dtype(d),
         )
     except KeyError as e:
         raise DraftsmithError(f"target config ({name or 'in memory'}): field {e} is missing") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise DraftsmithError(f"target config ({name or 'in memory'}): a size field is not a positive number "
-                              f"({e})") from None
+        raise DraftsmithError(
+            f"target config ({name or 'in memory'}): a size field is not a positive number ({e})"
+        ) from None
 
 
 def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +149,9 @@ def _target_tensors_via_hf(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
     except Exception as e:  # noqa: BLE001 - missing/truncated/pickled weights, refused remote code: one line
         raise hf_load_error(root, "target weights", e) from None
     out = m.get_output_embeddings()
-    return m.get_input_embeddings().weight.detach(), (out if out is not None else m.get_input_embeddings()).weight.detach()
+    return m.get_input_embeddings().weight.detach(), (
+        out if out is not None else m.get_input_embeddings()
+    ).weight.detach()
 
 
 def target_weight_problems(target: Any) -> list[str]:
@@ -159,9 +171,10 @@ def target_weight_problems(target: Any) -> list[str]:
                     if k.endswith(("embed_tokens.weight", "lm_head.weight")):
                         shape = list(sf.get_slice(k).get_shape())
                         if shape != want:
-                            problems.append(f"{f.name}: weight '{k}' is {shape}, config.json says "
-                                            f"[vocab_size={want[0]}, hidden_size={want[1]}]")
+                            problems.append(
+                                f"{f.name}: weight '{k}' is {shape}, config.json says "
+                                f"[vocab_size={want[0]}, hidden_size={want[1]}]"
+                            )
         except Exception as e:  # noqa: BLE001 - a damaged file is a problem to report, not a traceback
             problems.append(str(hf_load_error(f, "target weights", e)))
     return problems
-

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.common.hf import text_config
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.hf import text_config
 from draftsmith.target_model.facts import target_weight_problems
 from draftsmith.target_model.layers import default_aux_layers, to_hidden_states_ids
 from draftsmith.target_model.load import (
@@ -36,7 +36,9 @@ def inspect_target(path: str | Path, trust_remote_code_flag: bool | None = None)
     n = int(text.num_hidden_layers)
     aux = default_aux_layers(n)
     raw = read_target_config(p)
-    moe = {k: raw[k] for k in ("num_local_experts", "n_routed_experts", "num_experts", "num_experts_per_tok") if k in raw}
+    moe = {
+        k: raw[k] for k in ("num_local_experts", "n_routed_experts", "num_experts", "num_experts_per_tok") if k in raw
+    }
     tok_cfg = p / "tokenizer_config.json"
     try:
         tok_has_template = tok_cfg.is_file() and "chat_template" in json.loads(tok_cfg.read_text())
@@ -84,6 +86,8 @@ def format_target_info(info: dict) -> str:
     for problem in info.get("weights_problems") or []:
         lines.append(f"WEIGHTS PROBLEM: {problem}")
     if not info["distinct_aux_layers"]:
-        lines.append("  note: with this few layers three distinct aux layers do not exist; such a drafter trains and "
-                     "decodes in draftsmith but cannot be exported (engines need distinct ids)")
+        lines.append(
+            "  note: with this few layers three distinct aux layers do not exist; such a drafter trains and "
+            "decodes in draftsmith but cannot be exported (engines need distinct ids)"
+        )
     return "\n".join(lines)

@@ -60,9 +60,11 @@ def repeated_aux_problem(layer_output_ids: Sequence[int] | None) -> str | None:
     ids = [int(i) for i in layer_output_ids]
     if len(set(ids)) == len(ids):
         return None
-    return (f"aux layers {ids} (layer-output ids) = {to_hidden_states_ids(ids)} (hidden_states ids) repeat a layer: "
-            "SGLang captures aux states by set membership and vLLM de-duplicates the ids, so either engine would "
-            f"feed fc {len(set(ids))} states instead of {len(ids)}; train with distinct --aux-layers")
+    return (
+        f"aux layers {ids} (layer-output ids) = {to_hidden_states_ids(ids)} (hidden_states ids) repeat a layer: "
+        "SGLang captures aux states by set membership and vLLM de-duplicates the ids, so either engine would "
+        f"feed fc {len(set(ids))} states instead of {len(ids)}; train with distinct --aux-layers"
+    )
 
 
 def default_aux_hidden_states_ids(num_layers: int) -> list[int]:

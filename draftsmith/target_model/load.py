@@ -25,8 +25,8 @@ import torch
 
 from draftsmith.common import dtypes
 from draftsmith.common.dtypes import torch_dtypes
-from draftsmith.common.hf import text_config
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.hf import text_config
 from draftsmith.target_model.layers import default_aux_layers
 
 DTYPES = {"auto": "auto", **torch_dtypes()}  # the names --dtype/--model-dtype take (draftsmith.common.dtypes)
@@ -79,16 +79,21 @@ def hf_load_error(path: str | os.PathLike, what: str, e: BaseException) -> Draft
     msg = _first_line(e)
     low = str(e).lower()
     if "trust_remote_code" in low or "custom code" in low:
-        return DraftsmithError(f"{path}: {what} needs the Python code shipped in the directory (config auto_map); "
-                               f"refused by default — pass --trust-remote-code (or {TRUST_REMOTE_CODE_ENV}=1) "
-                               "if you trust it")
+        return DraftsmithError(
+            f"{path}: {what} needs the Python code shipped in the directory (config auto_map); "
+            f"refused by default — pass --trust-remote-code (or {TRUST_REMOTE_CODE_ENV}=1) "
+            "if you trust it"
+        )
     if isinstance(e, OSError) and ("no file named" in low or "does not appear to have" in low):
-        return DraftsmithError(f"{path}: {what}: no weights found (model.safetensors, sharded safetensors or "
-                               "pytorch_model.bin)")
+        return DraftsmithError(
+            f"{path}: {what}: no weights found (model.safetensors, sharded safetensors or pytorch_model.bin)"
+        )
     if "weights_only" in low or "unpickl" in low:
-        return DraftsmithError(f"{path}: {what}: a pickle weights file (.bin) holds more than tensors and was "
-                               "refused (only plain tensors are loaded, with weights_only=True); convert it to "
-                               "safetensors")
+        return DraftsmithError(
+            f"{path}: {what}: a pickle weights file (.bin) holds more than tensors and was "
+            "refused (only plain tensors are loaded, with weights_only=True); convert it to "
+            "safetensors"
+        )
     if "safetensor" in low or "header" in low or "incomplete" in low or "deserializ" in low:
         return DraftsmithError(f"{path}: {what}: a safetensors file is truncated or corrupted ({msg})")
     return DraftsmithError(f"{path}: cannot load {what} ({type(e).__name__}: {msg})")
@@ -100,8 +105,17 @@ def parse_dtype(name: str | torch.dtype) -> Any:
 
 def _canonical_config(config_dict: dict) -> dict:
     # Fields that change with how a model is loaded or saved, not with what it computes.
-    volatile = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "_attn_implementation",
-                "_commit_hash", "tp_plan", "base_model_tp_plan"}
+    volatile = {
+        "transformers_version",
+        "_name_or_path",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "_attn_implementation",
+        "_commit_hash",
+        "tp_plan",
+        "base_model_tp_plan",
+    }
     return {k: v for k, v in sorted(config_dict.items()) if k not in volatile}
 
 
@@ -144,7 +158,7 @@ def _find_decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Mo
     if base is not None and isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
         return base.layers
     # Generic fallback: the ModuleList with one entry per hidden layer (GPT-2's `h`, etc.).
-    for name, mod in model.named_modules():
+    for _, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers:
             return mod
     raise DraftsmithError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
@@ -277,14 +291,18 @@ def load_target(
         # Straight from the safetensors files to the GPU: no host copy of a large target (8B: ~2x faster).
         # Any failure here (no accelerate, an old transformers) falls back to the host load below.
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, device_map=str(torch.device(device)),
-                                                         **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, device_map=str(torch.device(device)), **kwargs
+            )
         except Exception as e:  # noqa: BLE001 - any loader failure: say it once, then the host path decides
             import warnings
 
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            warnings.warn(f"{path}: loading straight to {device} failed ({type(e).__name__}: {first}); "
-                          f"loading through host memory", stacklevel=2)
+            warnings.warn(
+                f"{path}: loading straight to {device} failed ({type(e).__name__}: {first}); "
+                f"loading through host memory",
+                stacklevel=2,
+            )
             model = None
     try:
         if model is None:

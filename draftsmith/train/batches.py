@@ -15,10 +15,10 @@ Sources:
 
 from __future__ import annotations
 
-import threading
 import queue
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ def source_lengths(source) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def split_train_eval(n: int, eval_fraction: float, seed: int, max_eval: int | None = None) -> tuple[list[int], list[int]]:
+def split_train_eval(
+    n: int, eval_fraction: float, seed: int, max_eval: int | None = None
+) -> tuple[list[int], list[int]]:
     """Seeded split of sample indices. At least one eval sample when eval_fraction > 0 and n >= 2."""
     if n == 0:
         return [], []
@@ -76,8 +78,9 @@ def pack_rows(indices: Sequence[int], lengths: np.ndarray, budget: int) -> list[
     return rows
 
 
-def epoch_rows(train_idx: Sequence[int], lengths: np.ndarray, budget: int, seed: int, epoch: int,
-               shuffle: bool = True) -> list[list[int]]:
+def epoch_rows(
+    train_idx: Sequence[int], lengths: np.ndarray, budget: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[list[int]]:
     idx = list(train_idx)
     if shuffle:
         g = torch.Generator().manual_seed(int(seed) * 1000003 + int(epoch))
@@ -105,7 +108,7 @@ class MicroBatch:
     final_scale: torch.Tensor | None = None
     states_dtype: torch.dtype = torch.bfloat16  # what deferred fp8 rows dequantize to
 
-    def to(self, device, dtype=None) -> "MicroBatch":
+    def to(self, device, dtype=None) -> MicroBatch:
         def mv(x, fl=False):
             if x is None:
                 return None
@@ -122,18 +125,37 @@ class MicroBatch:
         elif dtype is not None:
             aux = None if aux is None else aux.to(dtype)
             final = None if final is None else final.to(dtype)
-        return MicroBatch(mv(self.input_ids), mv(self.loss_mask), mv(self.doc_ids), mv(self.position_ids),
-                          aux, final, self.doc_lengths, self.num_tokens)
+        return MicroBatch(
+            mv(self.input_ids),
+            mv(self.loss_mask),
+            mv(self.doc_ids),
+            mv(self.position_ids),
+            aux,
+            final,
+            self.doc_lengths,
+            self.num_tokens,
+        )
 
-    def pin_memory(self) -> "MicroBatch":
+    def pin_memory(self) -> MicroBatch:
         """Page-locked copies (built in the prefetch thread) so that `.to(cuda, non_blocking=True)` is a real
         asynchronous DMA instead of a synchronous pageable copy of the [T, k*H] states on every step."""
+
         def pin(x):
             return None if x is None or x.is_cuda else x.pin_memory()
 
-        return MicroBatch(pin(self.input_ids), pin(self.loss_mask), pin(self.doc_ids), pin(self.position_ids),
-                          pin(self.aux_hidden), pin(self.final_hidden), self.doc_lengths, self.num_tokens,
-                          pin(self.aux_scale), pin(self.final_scale), self.states_dtype)
+        return MicroBatch(
+            pin(self.input_ids),
+            pin(self.loss_mask),
+            pin(self.doc_ids),
+            pin(self.position_ids),
+            pin(self.aux_hidden),
+            pin(self.final_hidden),
+            self.doc_lengths,
+            self.num_tokens,
+            pin(self.aux_scale),
+            pin(self.final_scale),
+            self.states_dtype,
+        )
 
 
 def _get(item, key):
@@ -146,8 +168,9 @@ def _as_tensor(x) -> torch.Tensor:
     return x if torch.is_tensor(x) else torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
 
 
-def build_micro_batch(source, row: Sequence[int], budget: int, with_states: bool, pad_to: int = 1,
-                      pad_token_id: int = 0) -> MicroBatch:
+def build_micro_batch(
+    source, row: Sequence[int], budget: int, with_states: bool, pad_to: int = 1, pad_token_id: int = 0
+) -> MicroBatch:
     ids, masks, auxs, finals, lens = [], [], [], [], []
     a_scales, f_scales = [], []  # fp8 rows read without dequantizing (HiddenStateStore.defer_dequantize)
     for i in row:
@@ -190,8 +213,19 @@ def build_micro_batch(source, row: Sequence[int], budget: int, with_states: bool
         aux, final = packed(auxs), packed(finals)
         if a_scales:
             aux_s, final_s = packed(a_scales), packed(f_scales)
-    return MicroBatch(input_ids[None], loss_mask[None], doc_ids[None], positions_from_doc_ids(doc_ids)[None],
-                      aux, final, lens, T, aux_s, final_s, getattr(source, "compute_dtype", torch.bfloat16))
+    return MicroBatch(
+        input_ids[None],
+        loss_mask[None],
+        doc_ids[None],
+        positions_from_doc_ids(doc_ids)[None],
+        aux,
+        final,
+        lens,
+        T,
+        aux_s,
+        final_s,
+        getattr(source, "compute_dtype", torch.bfloat16),
+    )
 
 
 class OnlineStates:
@@ -255,8 +289,17 @@ class BatchSource:
 
     online = False
 
-    def __init__(self, samples, lengths: np.ndarray, token_counts: torch.Tensor, aux_layers: Sequence[int],
-                 batch_tokens: int, pad_to: int = 1, pin: bool = False, where: str = "data"):
+    def __init__(
+        self,
+        samples,
+        lengths: np.ndarray,
+        token_counts: torch.Tensor,
+        aux_layers: Sequence[int],
+        batch_tokens: int,
+        pad_to: int = 1,
+        pin: bool = False,
+        where: str = "data",
+    ):
         self.samples = samples
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.token_counts = token_counts
@@ -272,8 +315,9 @@ class BatchSource:
 
     def build(self, row: Sequence[int]) -> MicroBatch:
         with self._lock:
-            mb = build_micro_batch(self.samples, row, self.batch_tokens, with_states=not self.online,
-                                   pad_to=self.pad_to)
+            mb = build_micro_batch(
+                self.samples, row, self.batch_tokens, with_states=not self.online, pad_to=self.pad_to
+            )
         return mb.pin_memory() if self.pin else mb  # pinned: an asynchronous host->device copy of the states
 
     def to_device(self, mb: MicroBatch, device) -> MicroBatch:
@@ -310,8 +354,19 @@ class OnlineBatches(BatchSource):
 
     online = True
 
-    def __init__(self, samples, lengths, token_counts, aux_layers, batch_tokens, pad_to=1, pin=False,
-                 where="data", target=None, state_dtype: str = "bf16"):
+    def __init__(
+        self,
+        samples,
+        lengths,
+        token_counts,
+        aux_layers,
+        batch_tokens,
+        pad_to=1,
+        pin=False,
+        where="data",
+        target=None,
+        state_dtype: str = "bf16",
+    ):
         super().__init__(samples, lengths, token_counts, aux_layers, batch_tokens, pad_to, pin, where)
         self.states = OnlineStates(target, self.aux_layers)
         self.state_dtype = state_dtype

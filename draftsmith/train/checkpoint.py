@@ -72,7 +72,7 @@ def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict, names: lis
     state: dict = {}
     for k, v in tensors.items():
         assert k.startswith("state.")
-        name, field = k[len("state."):].rsplit(".", 1)
+        name, field = k[len("state.") :].rsplit(".", 1)
         key = index[name] if index is not None else name
         state.setdefault(key, {})[field] = v
     for name, fields in meta.get("scalars", {}).items():
@@ -251,8 +251,10 @@ def load_latest_checkpoint(root: Path, log=None) -> tuple[Path, dict] | None:
                 log(f"warning: checkpoint {path.name} is unreadable ({e}); trying the previous one")
             continue
         if first_error is not None and log is not None:
-            log(f"warning: resuming from the older checkpoint {path.name} (step {ck['state']['step']}): the newer "
-                f"one is unreadable")
+            log(
+                f"warning: resuming from the older checkpoint {path.name} (step {ck['state']['step']}): the newer "
+                f"one is unreadable"
+            )
         return path, ck
     if first_error is not None:
         raise first_error

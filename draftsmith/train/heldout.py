@@ -20,12 +20,12 @@ speculators layout) is scored with the same code on the same samples as ours.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from draftsmith.train.batches import build_micro_batch, pack_rows, source_lengths, split_train_eval
-from draftsmith.train.trainer import TTTModel, TrainConfig, amp_dtype, forward_micro_batch
+from draftsmith.train.trainer import TrainConfig, TTTModel, amp_dtype, forward_micro_batch
 from draftsmith.train.ttt import TTTStats
 
 __all__ = ["heldout_split", "open_store", "evaluate_drafter", "eval_rows"]
@@ -79,14 +79,21 @@ def evaluate_drafter(
     should be opened as the trainer opens it (`open_store`: fp32 on CPU, bf16 on CUDA) to reproduce its numbers.
     max_batches: the trainer's `eval_max_batches` cap (None: all rows)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = TrainConfig(ttt_steps=ttt_steps, step_weight=step_weight,
-                      attn_backend="flex" if attn_backend == "background" else attn_backend, attn_chunk=attn_chunk,
-                      loss_chunk=loss_chunk, batch_tokens=batch_tokens)
+    cfg = TrainConfig(
+        ttt_steps=ttt_steps,
+        step_weight=step_weight,
+        attn_backend="flex" if attn_backend == "background" else attn_backend,
+        attn_chunk=attn_chunk,
+        loss_chunk=loss_chunk,
+        batch_tokens=batch_tokens,
+    )
     drafter = drafter.to(dev)
     model = TTTModel(drafter, cfg)
     model.eval()
     amp = amp_dtype(dtype, dev)
-    backend = attn_backend if attn_backend not in ("auto", "background") else ("flex" if dev.type == "cuda" else "chunked")
+    backend = (
+        attn_backend if attn_backend not in ("auto", "background") else ("flex" if dev.type == "cuda" else "chunked")
+    )
     pad = pad_to_budget if pad_to_budget is not None else backend == "flex"
     pad_to = (-(-batch_tokens // 128) * 128) if pad else 1  # = Trainer._pad_to
 

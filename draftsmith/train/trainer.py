@@ -16,9 +16,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -90,13 +90,31 @@ class TTTModel(nn.Module):
         from draftsmith.train.ttt import Teacher
 
         if self.compiled is not None and torch.is_grad_enabled():  # eval stays eager: no second compile
-            return self.compiled(self.drafter, input_ids, aux, doc_ids, position_ids, loss_mask,
-                                 Teacher(t_probs, t_argmax, t_in_vocab), self.ttt_steps, self.step_weight,
-                                 self.loss_chunk)
+            return self.compiled(
+                self.drafter,
+                input_ids,
+                aux,
+                doc_ids,
+                position_ids,
+                loss_mask,
+                Teacher(t_probs, t_argmax, t_in_vocab),
+                self.ttt_steps,
+                self.step_weight,
+                self.loss_chunk,
+            )
         loss, stats = ttt_unroll(
-            self.drafter, input_ids, aux, doc_ids, loss_mask, Teacher(t_probs, t_argmax, t_in_vocab),
-            ttt_steps=self.ttt_steps, step_weight=self.step_weight, backend=self.backend, chunk=self.chunk,
-            position_ids=position_ids, loss_chunk=self.loss_chunk,
+            self.drafter,
+            input_ids,
+            aux,
+            doc_ids,
+            loss_mask,
+            Teacher(t_probs, t_argmax, t_in_vocab),
+            ttt_steps=self.ttt_steps,
+            step_weight=self.step_weight,
+            backend=self.backend,
+            chunk=self.chunk,
+            position_ids=position_ids,
+            loss_chunk=self.loss_chunk,
         )
         return loss, stats.as_tensor()
 
@@ -117,6 +135,7 @@ def lr_lambda_factory(total: int, warmup: int, min_ratio: float) -> Callable[[in
 # the trainer
 # ---------------------------------------------------------------------------------------------------
 
+
 def forward_micro_batch(model, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype):
     """Teacher from the micro-batch's final states, then the TTT unroll under autocast -> (loss, stats).
     The one forward of training and of `evaluate_drafter` (so the evaluator reproduces the trainer's numbers)."""
@@ -124,8 +143,16 @@ def forward_micro_batch(model, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_d
     aux = mb.aux_hidden.to(torch.float32) if amp_dtype is None else mb.aux_hidden
     ctx = torch.autocast(mb.input_ids.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     with ctx:
-        loss, stats = model(mb.input_ids, aux, mb.doc_ids, mb.position_ids, mb.loss_mask,
-                            teacher.probs, teacher.argmax, teacher.in_vocab)
+        loss, stats = model(
+            mb.input_ids,
+            aux,
+            mb.doc_ids,
+            mb.position_ids,
+            mb.loss_mask,
+            teacher.probs,
+            teacher.argmax,
+            teacher.in_vocab,
+        )
     return loss, stats.detach()
 
 
@@ -141,12 +168,28 @@ def amp_dtype(dtype: str, device: torch.device):
         return torch.float16
     raise DraftsmithError(f"--dtype: unknown {dtype!r} (auto, fp32, bf16, fp16)")
 
+
 # run-directory entries that mark a previous `draftsmith train` run (what may be resumed or trained over)
 RUN_DIR_MARKERS = ("train_config.json", "checkpoints")
 # settings a resume cannot change: the data plan, the drafter's shape, and what the restored optimizer and
 # scheduler state would silently keep (their lr, betas, eps and weight decay come from the checkpoint)
-RESUME_FIXED = ("ttt_steps", "batch_tokens", "seed", "eval_fraction", "draft_vocab_size", "step_weight", "online",
-                "num_layers", "freeze_lm_head", "aux_layers", "lr", "beta1", "beta2", "adam_eps", "weight_decay")
+RESUME_FIXED = (
+    "ttt_steps",
+    "batch_tokens",
+    "seed",
+    "eval_fraction",
+    "draft_vocab_size",
+    "step_weight",
+    "online",
+    "num_layers",
+    "freeze_lm_head",
+    "aux_layers",
+    "lr",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "weight_decay",
+)
 
 
 @dataclass
@@ -220,8 +263,10 @@ class Trainer:
             entries = [p.name for p in out.iterdir() if p.name != LOCK_FILE_NAME]
             if entries and not any((out / m).exists() for m in RUN_DIR_MARKERS):
                 shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
-                raise DraftsmithError(f"--out {out}: not empty ({shown}) and not a draftsmith run directory (no "
-                                      f"train_config.json or checkpoints/): give a new or an empty directory")
+                raise DraftsmithError(
+                    f"--out {out}: not empty ({shown}) and not a draftsmith run directory (no "
+                    f"train_config.json or checkpoints/): give a new or an empty directory"
+                )
         error = None
         if self.is_main:
             try:
@@ -245,8 +290,10 @@ class Trainer:
         self.source = self._open_source()
         counts = self.source.token_counts
         if int(counts.numel()) != self.target.vocab_size:
-            raise DraftsmithError(f"store token_counts has {counts.numel()} entries, the target vocab has "
-                                  f"{self.target.vocab_size}: the store is of another target")
+            raise DraftsmithError(
+                f"store token_counts has {counts.numel()} entries, the target vocab has "
+                f"{self.target.vocab_size}: the store is of another target"
+            )
         self.drafter = self._build_drafter().to(device)
         self.plan = self._plan_data()
         self.model = TTTModel(self.drafter, cfg)
@@ -255,13 +302,16 @@ class Trainer:
             self._restore_model(*resume)
         self._choose_step_path()
         self.wrapped = self._wrap(self.model)
-        self.opt_params = [p for p in (self.wrapped.drafter if cfg.fsdp else self.drafter).parameters()
-                           if p.requires_grad]
+        self.opt_params = [
+            p for p in (self.wrapped.drafter if cfg.fsdp else self.drafter).parameters() if p.requires_grad
+        ]
         self.param_names = [n for n, p in self.drafter.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.opt_params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.opt_params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda_factory(self.plan.total_steps, self.plan.warmup, cfg.min_lr_ratio))
+            self.optimizer, lr_lambda_factory(self.plan.total_steps, self.plan.warmup, cfg.min_lr_ratio)
+        )
         if resume is not None:
             self._restore_optimizer(*resume)
         self.step = self.start_step
@@ -281,8 +331,7 @@ class Trainer:
                 self.log(f"--resume: no checkpoint in {self.ckpt_root}; starting from step 0")
             return None
         if not self.cfg.resume:
-            raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new "
-                                  f"--out")
+            raise DraftsmithError(f"{self.out}: already holds checkpoints — pass --resume to continue, or a new --out")
         return ckpt.load_latest_checkpoint(self.ckpt_root, log=self.log)
 
     def _load_target(self):
@@ -305,8 +354,11 @@ class Trainer:
         """Rows padded to the token budget (a multiple of flex attention's 128-token blocks) when the flex backend
         runs: static shapes, one compile of flex attention per TTT step."""
         cfg = self.cfg
-        backend = cfg.attn_backend if cfg.attn_backend not in ("auto", "background") else (
-            "flex" if self.device.type == "cuda" else "chunked")
+        backend = (
+            cfg.attn_backend
+            if cfg.attn_backend not in ("auto", "background")
+            else ("flex" if self.device.type == "cuda" else "chunked")
+        )
         pad = cfg.pad_to_budget if cfg.pad_to_budget is not None else backend == "flex"
         return (-(-cfg.batch_tokens // 128) * 128) if pad else 1
 
@@ -319,8 +371,16 @@ class Trainer:
                 raise DraftsmithError(f"{cfg.data}: no samples — nothing to train on")
             aux = list(cfg.aux_layers) if cfg.aux_layers else list(target.default_aux_layers)
             counts = token_counts_from_samples(samples, target.vocab_size)
-            return OnlineBatches(samples, source_lengths(samples), counts, aux, where=cfg.data or "data",
-                                 target=target, state_dtype=cfg.online_state_dtype, **kw)
+            return OnlineBatches(
+                samples,
+                source_lengths(samples),
+                counts,
+                aux,
+                where=cfg.data or "data",
+                target=target,
+                state_dtype=cfg.online_state_dtype,
+                **kw,
+            )
         src = self._given_source if self._given_source is not None else self._open_store()
         man = getattr(src, "manifest", None)
         where = f"{cfg.store}/manifest.json" if cfg.store else "store"
@@ -341,8 +401,9 @@ class Trainer:
             counts = getattr(src, "token_counts", None)
             counts = counts() if callable(counts) else token_counts_from_samples(src, target.vocab_size)
         if cfg.aux_layers and list(cfg.aux_layers) != aux:
-            raise DraftsmithError(f"--aux-layers {cfg.aux_layers} differ from the store's aux_layers {aux} "
-                                  f"(layer-output ids)")
+            raise DraftsmithError(
+                f"--aux-layers {cfg.aux_layers} differ from the store's aux_layers {aux} (layer-output ids)"
+            )
         return StoreBatches(src, source_lengths(src), counts, aux, where=cfg.store or "the store", **kw)
 
     def _load_online_samples(self):
@@ -355,11 +416,11 @@ class Trainer:
             raise DraftsmithError(f"{cfg.target}: no tokenizer, needed by --online")
         # the capture's default cut (2048), never past the target's trained positions: online data must look like a
         # store captured with default settings (offline == online)
-        max_len = cfg.max_length or min(cfg.batch_tokens, 2048, int(getattr(
-            target.config, "max_position_embeddings", None) or 2048))
+        max_len = cfg.max_length or min(
+            cfg.batch_tokens, 2048, int(getattr(target.config, "max_position_embeddings", None) or 2048)
+        )
         t_data = time.time()
-        samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len, on_bad=cfg.on_bad,
-                                       glob=cfg.glob)
+        samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len, on_bad=cfg.on_bad, glob=cfg.glob)
         if hasattr(report, "summary"):
             self.log(f"data: {report.summary()} ({time.time() - t_data:.1f}s)")
         return samples
@@ -369,8 +430,9 @@ class Trainer:
             raise DraftsmithError("--store: required (or --online --data FILE_OR_DIR)")
         from draftsmith.store import HiddenStateStore
 
-        src = HiddenStateStore.open(self.cfg.store, dtype=torch.float32 if self.device.type == "cpu" else
-                                    torch.bfloat16)
+        src = HiddenStateStore.open(
+            self.cfg.store, dtype=torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        )
         # fp8 rows cross to the GPU as fp8 (half the bytes) and dequantize there: on the host it is float work per
         # row, single-threaded under torchrun (OMP_NUM_THREADS=1), on the prefetch thread
         src.defer_dequantize = self.device.type == "cuda"
@@ -381,14 +443,20 @@ class Trainer:
         if hasattr(src, "check_target"):
             src.check_target(target)
         if int(man.get("hidden_size", target.hidden_size)) != target.hidden_size:
-            raise DraftsmithError(f"{where}: field 'hidden_size' is {man['hidden_size']}, the target "
-                                  f"{cfg.target} has {target.hidden_size}: the store is of another target")
+            raise DraftsmithError(
+                f"{where}: field 'hidden_size' is {man['hidden_size']}, the target "
+                f"{cfg.target} has {target.hidden_size}: the store is of another target"
+            )
         if int(man.get("vocab_size", target.vocab_size)) != target.vocab_size:
-            raise DraftsmithError(f"{where}: field 'vocab_size' is {man['vocab_size']}, the target "
-                                  f"{cfg.target} has {target.vocab_size}: the store is of another target")
+            raise DraftsmithError(
+                f"{where}: field 'vocab_size' is {man['vocab_size']}, the target "
+                f"{cfg.target} has {target.vocab_size}: the store is of another target"
+            )
         if not man.get("has_final", False):
-            raise DraftsmithError(f"{where}: field 'has_final' is false — the store has no final hidden states, "
-                                  f"which the teacher needs; recapture without --no-final")
+            raise DraftsmithError(
+                f"{where}: field 'has_final' is false — the store has no final hidden states, "
+                f"which the teacher needs; recapture without --no-final"
+            )
 
     def _build_drafter(self):
         from draftsmith.drafter import Drafter
@@ -405,12 +473,19 @@ class Trainer:
             raise DraftsmithError(f"{self.source.where}: no loss-masked tokens — nothing to train on")
         if vd > distinct:  # the rest would be filled by token id: columns no training target ever names
             given = f"--draft-vocab-size {vd}" if cfg.draft_vocab_size else f"the default draft vocab ({vd})"
-            self.log(f"note: {given} is more than the {distinct} distinct loss-masked tokens of "
-                     f"{self.source.where}: the draft vocab is capped at {distinct}")
+            self.log(
+                f"note: {given} is more than the {distinct} distinct loss-masked tokens of "
+                f"{self.source.where}: the draft vocab is capped at {distinct}"
+            )
             vd = distinct
-        drafter = Drafter.from_target(target, token_counts=counts, dtype=torch.float32,
-                                      aux_layer_ids=list(self.source.aux_layers), draft_vocab_size=vd,
-                                      num_hidden_layers=cfg.num_layers)
+        drafter = Drafter.from_target(
+            target,
+            token_counts=counts,
+            dtype=torch.float32,
+            aux_layer_ids=list(self.source.aux_layers),
+            draft_vocab_size=vd,
+            num_hidden_layers=cfg.num_layers,
+        )
         if cfg.freeze_lm_head:
             drafter.lm_head.weight.requires_grad_(False)
         return drafter
@@ -423,15 +498,18 @@ class Trainer:
         G = self.world * cfg.grad_accum
         rows0 = epoch_rows(train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed, 0)
         if len(rows0) < G:
-            raise DraftsmithError(f"only {len(rows0)} packed micro-batches of {cfg.batch_tokens} tokens per epoch, "
-                                  f"fewer than world_size*grad_accum = {G}: lower --batch-tokens or --grad-accum")
+            raise DraftsmithError(
+                f"only {len(rows0)} packed micro-batches of {cfg.batch_tokens} tokens per epoch, "
+                f"fewer than world_size*grad_accum = {G}: lower --batch-tokens or --grad-accum"
+            )
         if cfg.steps is not None:
             total = int(cfg.steps)
         else:
             total = max(1, math.ceil((cfg.epochs if cfg.epochs is not None else 1.0) * (len(rows0) // G)))
         warmup = int(cfg.warmup * total) if cfg.warmup < 1 else int(cfg.warmup)
-        eval_rows = pack_rows(eval_idx, self.source.lengths, cfg.batch_tokens)[: cfg.eval_max_batches] \
-            if eval_idx else []
+        eval_rows = (
+            pack_rows(eval_idx, self.source.lengths, cfg.batch_tokens)[: cfg.eval_max_batches] if eval_idx else []
+        )
         return DataPlan(train_idx, eval_rows, len(rows0), G, total, warmup)
 
     def _restore_model(self, path: Path, ck: dict) -> None:
@@ -462,18 +540,25 @@ class Trainer:
         diffs = [k for k in RESUME_FIXED if k in old and old[k] != getattr(self.cfg, k)]
         if diffs:
             now = [getattr(self.cfg, k) for k in diffs]
-            raise DraftsmithError(f"{where}/trainer_state.json: --resume with different settings {diffs} "
-                                  f"(checkpoint: {[old[k] for k in diffs]}, now: {now}); resume with the checkpoint's "
-                                  f"values or train into a new --out")
+            raise DraftsmithError(
+                f"{where}/trainer_state.json: --resume with different settings {diffs} "
+                f"(checkpoint: {[old[k] for k in diffs]}, now: {now}); resume with the checkpoint's "
+                f"values or train into a new --out"
+            )
         what = "--data" if self.cfg.online else "--store"
         was = old.get("data" if self.cfg.online else "store")
         now = self.cfg.data if self.cfg.online else self.cfg.store
-        changed = (state["data_fingerprint"] != self.source.fingerprint()) if "data_fingerprint" in state else \
-            (was is not None and now is not None and was != now)
+        changed = (
+            (state["data_fingerprint"] != self.source.fingerprint())
+            if "data_fingerprint" in state
+            else (was is not None and now is not None and was != now)
+        )
         if changed:
-            raise DraftsmithError(f"{where}/trainer_state.json: --resume with different data: the checkpoint was "
-                                  f"trained on {what} {was}, now {now} (other samples or token counts); resume with "
-                                  f"the same data or train into a new --out")
+            raise DraftsmithError(
+                f"{where}/trainer_state.json: --resume with different data: the checkpoint was "
+                f"trained on {what} {was}, now {now} (other samples or token counts); resume with "
+                f"the same data or train into a new --out"
+            )
 
     def _choose_step_path(self) -> None:
         """Which TTT unroll the steps run. `--compile` asks for the compiled unroll (`_use_compile`). On CUDA with
@@ -513,15 +598,18 @@ class Trainer:
             what = "the TTT unroll" if self._fast_path == "compiled" else "flex attention"
             compiling = f"; the first steps run the chunked attention while {what} compiles in the background"
         elif self.model.compiled is not None:
-            compiling = "; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off " \
-                        "skips it)"
+            compiling = (
+                "; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off skips it)"
+            )
         else:
             compiling = ""
-        self.log(f"train: {len(plan.train_idx)} train / {len(self.source) - len(plan.train_idx)} eval samples, "
-                 f"{plan.rows_per_epoch} micro-batches of <= {cfg.batch_tokens} tokens per epoch, world {self.world} "
-                 f"x accum {cfg.grad_accum}, {plan.total_steps} steps (warmup {plan.warmup}), K={cfg.ttt_steps}, "
-                 f"V_d={self.drafter.config.draft_vocab_size}, aux layers {self.source.aux_layers} (layer-output "
-                 f"ids), {n_params / 1e6:.2f}M trainable params, device {self.device}{compiling}")
+        self.log(
+            f"train: {len(plan.train_idx)} train / {len(self.source) - len(plan.train_idx)} eval samples, "
+            f"{plan.rows_per_epoch} micro-batches of <= {cfg.batch_tokens} tokens per epoch, world {self.world} "
+            f"x accum {cfg.grad_accum}, {plan.total_steps} steps (warmup {plan.warmup}), K={cfg.ttt_steps}, "
+            f"V_d={self.drafter.config.draft_vocab_size}, aux layers {self.source.aux_layers} (layer-output "
+            f"ids), {n_params / 1e6:.2f}M trainable params, device {self.device}{compiling}"
+        )
 
     # ----------------------------------------------------------------------------------------- train
     def train(self) -> dict:
@@ -559,14 +647,20 @@ class Trainer:
                     if tb is not None:
                         self._tb_log(tb, rec)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.3f}",
-                                    tau=f"{rec['tau_sim']:.2f}", refresh=False)
+                    bar.set_postfix(
+                        loss=f"{rec['loss']:.3f}",
+                        acc0=f"{rec['acc'][0]:.3f}",
+                        tau=f"{rec['tau_sim']:.2f}",
+                        refresh=False,
+                    )
                     bar.update(1)
                 if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
                     self._save(step, (epoch, next_off))
                 if stop_early:
-                    self.log(f"--max-time {cfg.max_time:g}s reached: stopped after step {step} of {total_steps} "
-                             f"(checkpoint saved; --resume continues the same schedule)")
+                    self.log(
+                        f"--max-time {cfg.max_time:g}s reached: stopped after step {step} of {total_steps} "
+                        f"(checkpoint saved; --resume continues the same schedule)"
+                    )
                     total_steps = step
                     break
                 kill_at = os.environ.get("DRAFTSMITH_TEST_KILL_AT_STEP")
@@ -578,8 +672,7 @@ class Trainer:
             if tb is not None:
                 tb.close()
         if self.background is not None and not self.background.done():
-            self.log("note: the run ended before the background compile finished: every step ran the chunked "
-                     "attention")
+            self.log("note: the run ended before the background compile finished: every step ran the chunked attention")
         self._save_final(total_steps)
         if self.is_main and cfg.plot:
             try:
@@ -610,7 +703,7 @@ class Trainer:
                 if off + G > len(epoch_rows_):
                     epoch, off = epoch + 1, 0
                     continue
-                mine = epoch_rows_[off + self.rank * A: off + (self.rank + 1) * A]
+                mine = epoch_rows_[off + self.rank * A : off + (self.rank + 1) * A]
                 for j, row in enumerate(mine):
                     yield (step, j, epoch, off + G, row), row
                 off += G
@@ -636,7 +729,7 @@ class Trainer:
         cfg, device = self.cfg, self.device
         acc_stats, losses, tokens = None, [], 0
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
-        for j, (row, host_mb) in enumerate(batches):
+        for j, (_, host_mb) in enumerate(batches):
             mb = self.source.to_device(host_mb, device)
             loss, stats = self._forward_backward(mb, sync=j == len(batches) - 1)
             acc_stats = stats if acc_stats is None else acc_stats + stats
@@ -644,8 +737,13 @@ class Trainer:
             loss_acc += losses[-1].double()
             tokens += mb.num_tokens
         over = float(cfg.max_time is not None and time.time() - self.t0 >= cfg.max_time)
-        red = torch.cat([acc_stats.reshape(-1).double(), loss_acc.reshape(1),
-                         torch.tensor([float(tokens), over], dtype=torch.float64, device=device)])
+        red = torch.cat(
+            [
+                acc_stats.reshape(-1).double(),
+                loss_acc.reshape(1),
+                torch.tensor([float(tokens), over], dtype=torch.float64, device=device),
+            ]
+        )
         red = all_reduce(red.to(self._reduce_device), self.world).cpu()
         st = TTTStats.from_tensor(red[:-3].view(5, -1))
         loss_mean = float(red[-3]) / self.plan.micro_batches_per_step
@@ -666,6 +764,7 @@ class Trainer:
 
     def _forward_backward(self, mb: MicroBatch, sync: bool):
         """Loss and statistics of one micro-batch, its gradient accumulated (across ranks only when `sync`)."""
+
         def forward_backward():
             loss, stats = forward_micro_batch(self.wrapped, mb, self.target, *self.teacher_head, self.amp)
             with contextlib.nullcontext() if sync else self._no_sync(self.wrapped):
@@ -677,8 +776,10 @@ class Trainer:
         except Exception as e:  # only the very first step, before any gradient exists, may fall back
             if not self._compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or self.cfg.compile != "auto":
                 raise
-            self.log(f"warning: the compiled TTT unroll failed ({_first_line(e)}); training eagerly "
-                     f"(--compile off hides this)")
+            self.log(
+                f"warning: the compiled TTT unroll failed ({_first_line(e)}); training eagerly "
+                f"(--compile off hides this)"
+            )
             self.model.disable_compile()
             self.optimizer.zero_grad(set_to_none=True)
             out = forward_backward()
@@ -687,12 +788,15 @@ class Trainer:
 
     def _non_finite(self, what: str, value: float, batches, losses) -> DraftsmithError:
         step = self.step + 1
-        bad = [row for (row, _), loss in zip(batches, losses) if not torch.isfinite(loss)] or \
-            ([row for row, _ in batches] if what != "loss" else [])
+        bad = [row for (row, _), loss in zip(batches, losses) if not torch.isfinite(loss)] or (
+            [row for row, _ in batches] if what != "loss" else []
+        )
         where = "; ".join(self.source.describe(row) for row in bad) if bad else "another rank's micro-batches"
         data = f"`draftsmith store verify {self.cfg.store}`" if self.cfg.store and not self.cfg.online else "the data"
-        return DraftsmithError(f"step {step}: the training {what} is {value} (not finite), on {where}; check {data}"
-                               f" (the checkpoints written so far are intact)")
+        return DraftsmithError(
+            f"step {step}: the training {what} is {value} (not finite), on {where}; check {data}"
+            f" (the checkpoints written so far are intact)"
+        )
 
     def _advance_step_path(self, step_index: int, batches) -> None:
         """Background compile (see `_choose_step_path`): start it on the first micro-batch; at each later step
@@ -713,26 +817,35 @@ class Trainer:
         self.background = None
         what = "TTT unroll" if self._fast_path == "compiled" else "flex attention"
         if bg.error is not None:
-            self.log(f"warning: compiling the {what} in the background failed ({_first_line(bg.error)}); training "
-                     f"on with the chunked attention")
+            self.log(
+                f"warning: compiling the {what} in the background failed ({_first_line(bg.error)}); training "
+                f"on with the chunked attention"
+            )
             return
         self.model.compiled = self._pending_compiled
         self.model.backend = "flex"
-        self.log(f"step {step_index + 1}: the compiled {what} is ready ({bg.seconds:.0f}s in the background); "
-                 f"the steps from here on use it")
+        self.log(
+            f"step {step_index + 1}: the compiled {what} is ready ({bg.seconds:.0f}s in the background); "
+            f"the steps from here on use it"
+        )
 
     def _eval_due(self, step: int, total_steps: int, stop_early: bool) -> bool:
         cfg = self.cfg
         return bool(self.plan.eval_rows) and bool(
             (cfg.eval_every and step % cfg.eval_every == 0)
             or (not cfg.eval_every and cfg.save_every and step % cfg.save_every == 0)
-            or step == total_steps or stop_early)
+            or step == total_steps
+            or stop_early
+        )
 
     def _log_first_steps(self, step: int, seconds: float) -> None:
         """The first steps' times, with what torch.compile spent (flex attention compiles even without --compile)."""
         n_graphs, fwd_s, bwd_s = compile_seconds()
-        compiling = " (includes compiling the TTT unroll)" if self.model.compiled is not None and \
-            step == self.start_step + 1 else ""
+        compiling = (
+            " (includes compiling the TTT unroll)"
+            if self.model.compiled is not None and step == self.start_step + 1
+            else ""
+        )
         so_far = f"; torch.compile so far: {n_graphs} graphs {fwd_s:.1f}s + backward {bwd_s:.1f}s" if n_graphs else ""
         self.log(f"step {step}: {seconds:.1f}s{compiling}{so_far}")
 
@@ -749,8 +862,10 @@ class Trainer:
         flex = b == "flex" or (b in ("auto", "background") and device.type == "cuda")
         if c in ("on", "unroll", "step"):
             if not flex or device.type != "cuda":
-                raise DraftsmithError(f"--compile {c}: needs a CUDA device and the flex attention backend "
-                                      "(flex attention has no CPU backward); use --compile off")
+                raise DraftsmithError(
+                    f"--compile {c}: needs a CUDA device and the flex attention backend "
+                    "(flex attention has no CPU backward); use --compile off"
+                )
             return True
         return c == "auto" and flex and device.type == "cuda" and not self.cfg.fsdp and self.world == 1
 
@@ -803,6 +918,7 @@ class Trainer:
         if hasattr(wrapped, "no_sync"):
             return wrapped.no_sync()
         if hasattr(wrapped, "set_requires_gradient_sync"):
+
             @contextlib.contextmanager
             def ctx():
                 wrapped.set_requires_gradient_sync(False)
@@ -829,7 +945,7 @@ class Trainer:
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
             msd = get_model_state_dict(wrapped, options=opts)
-            msd = {k[len("drafter."):]: v.detach().cpu() for k, v in msd.items() if k.startswith("drafter.")}
+            msd = {k[len("drafter.") :]: v.detach().cpu() for k, v in msd.items() if k.startswith("drafter.")}
             osd = get_optimizer_state_dict(wrapped, optimizer, options=opts)
             osd = _prefix_optim(osd, "drafter.", strip=True)
             ot, om = ckpt.optimizer_to_flat(osd, None)
@@ -864,10 +980,20 @@ class Trainer:
         msd, _, _ = self._full_states(None if self.cfg.fsdp else self.param_names)
         if self.is_main:
             src = self._unwrapped_drafter()
-            cfg = src.config.replace(extra={**(src.config.extra or {}), "train": {
-                "steps": total_steps, "ttt_steps": self.cfg.ttt_steps, "store": self.cfg.store,
-                "online": self.cfg.online, "lr": self.cfg.lr, "batch_tokens": self.cfg.batch_tokens,
-                "seed": self.cfg.seed}})
+            cfg = src.config.replace(
+                extra={
+                    **(src.config.extra or {}),
+                    "train": {
+                        "steps": total_steps,
+                        "ttt_steps": self.cfg.ttt_steps,
+                        "store": self.cfg.store,
+                        "online": self.cfg.online,
+                        "lr": self.cfg.lr,
+                        "batch_tokens": self.cfg.batch_tokens,
+                        "seed": self.cfg.seed,
+                    },
+                }
+            )
             d = Drafter(cfg)
             d.load_state_dict(msd, strict=False)
             dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.save_dtype)
@@ -925,7 +1051,7 @@ def _first_line(e: BaseException) -> str:
 def _prefix_optim(osd: dict, prefix: str, strip: bool = False) -> dict:
     def f(k):
         if strip:
-            return k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k
+            return k[len(prefix) :] if isinstance(k, str) and k.startswith(prefix) else k
         return prefix + k
 
     state = {f(k): v for k, v in osd["state"].items()}

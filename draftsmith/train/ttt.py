@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -137,8 +137,9 @@ CHUNK_BUDGET_CUDA = 3 << 30
 CHUNK_BUDGET_CPU = 256 << 20
 
 
-def auto_chunk(B: int, n_heads: int, T: int, max_back: int, budget_bytes: int, multiple: int = 128,
-               min_chunk: int = 128) -> int:
+def auto_chunk(
+    B: int, n_heads: int, T: int, max_back: int, budget_bytes: int, multiple: int = 128, min_chunk: int = 128
+) -> int:
     """Query rows per chunk: about the longest document (a chunk then reaches <= 2x its rows of keys, so the
     dense masked scores waste at most ~2x), at least `min_chunk` (few launches when documents are short),
     at most what keeps B*heads*C*(C+max_back) scores within `budget_bytes`. A multiple of `multiple`, or T.
@@ -232,8 +233,9 @@ def _flex_lse(q, k, v, block_mask, scale, enable_gqa):
 
     AuxRequest = getattr(_fa_mod, "AuxRequest", None)
     if AuxRequest is not None:
-        out, aux = _fa_mod.flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                                          return_aux=AuxRequest(lse=True))
+        out, aux = _fa_mod.flex_attention(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True)
+        )
         return out, aux.lse
     return _fa_mod.flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
 
@@ -337,8 +339,14 @@ class TTTAttention:
     chunk None: chunked backend sizes its query chunks by a memory budget (`auto_chunk`).
     """
 
-    def __init__(self, doc_ids: torch.Tensor, backend: str = "auto", chunk: int | None = None,
-                 scale: float | None = None, block_mask=None):
+    def __init__(
+        self,
+        doc_ids: torch.Tensor,
+        backend: str = "auto",
+        chunk: int | None = None,
+        scale: float | None = None,
+        block_mask=None,
+    ):
         if backend == "auto":
             backend = "flex" if doc_ids.is_cuda else "chunked"
         if backend not in ("chunked", "flex", "reference"):
@@ -377,8 +385,11 @@ class TTTAttention:
                     if isinstance(e, torch.cuda.OutOfMemoryError):
                         raise
                     _FLEX_BROKEN = True
-                    warnings.warn(f"flex attention unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                  "using the chunked TTT attention backend", stacklevel=2)
+                    warnings.warn(
+                        f"flex attention unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                        "using the chunked TTT attention backend",
+                        stacklevel=2,
+                    )
             return self._chunked(q, ks, vs)
         return reference_ttt_attention(q, ks, vs, self.doc_ids, self.scale)
 
@@ -444,7 +455,7 @@ class TTTStats:
         return torch.stack([self.ce_sum, self.n_valid, self.correct, self.cond_num, self.cond_den])
 
     @staticmethod
-    def from_tensor(t: torch.Tensor) -> "TTTStats":
+    def from_tensor(t: torch.Tensor) -> TTTStats:
         return TTTStats(*t.unbind(0))
 
     def metrics(self, prefix: str = "") -> dict:
@@ -550,20 +561,23 @@ def _step_targets(input_ids, doc_ids, loss_mask, in_vocab, ttt_steps: int, step_
 
 
 @torch.no_grad()
-def _unroll_stats(ce: torch.Tensor, n_valid: torch.Tensor, preds: list, teacher_argmax: torch.Tensor,
-                  valid: torch.Tensor) -> torch.Tensor:
+def _unroll_stats(
+    ce: torch.Tensor, n_valid: torch.Tensor, preds: list, teacher_argmax: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """[5, K] float64 `TTTStats` rows of one unroll: CE sums, valid counts, hits, and the chained (all earlier steps
     hit) hits and counts. preds: per step [B, T] drafter argmax (-1 where the step has no teacher)."""
     K = len(preds)
     hit = torch.stack(preds, dim=1) == _windows(teacher_argmax, K, -2)[:, 1 : K + 1]  # teacher argmax at i+k+1
     chain = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(dim=1).bool()  # hit at all j<k
-    return torch.stack([
-        ce.detach().double(),
-        n_valid.double(),
-        (hit & valid).sum(dim=(0, 2)).double(),
-        (chain & hit & valid).sum(dim=(0, 2)).double(),
-        (chain & valid).sum(dim=(0, 2)).double(),
-    ])
+    return torch.stack(
+        [
+            ce.detach().double(),
+            n_valid.double(),
+            (hit & valid).sum(dim=(0, 2)).double(),
+            (chain & hit & valid).sum(dim=(0, 2)).double(),
+            (chain & valid).sum(dim=(0, 2)).double(),
+        ]
+    )
 
 
 def ttt_unroll(
@@ -598,15 +612,17 @@ def ttt_unroll(
     hidden = drafter.fuse(aux_hidden)
     K = ttt_steps
     B, T = input_ids.shape
-    ids_w, valid_all, n_all, inv_n = _step_targets(input_ids, doc_ids, loss_mask, teacher.in_vocab, K, step_weight,
-                                                   pad_token_id)
+    ids_w, valid_all, n_all, inv_n = _step_targets(
+        input_ids, doc_ids, loss_mask, teacher.in_vocab, K, step_weight, pad_token_id
+    )
     ce_list, pred_list = [], []
     for k in range(K):
         hidden = drafter(ids_w[:, k + 1], hidden, position_ids, attn_fn=attn)
         # position i at step k is taught by the target at i+k+1: compare views, never shifted copies
         m = max(0, T - (k + 1))
-        s, pred = _step_ce(drafter.compute_logits, hidden[:, :m], teacher.probs[:, k + 1 :], valid_all[:, k, :m],
-                           loss_chunk)
+        s, pred = _step_ce(
+            drafter.compute_logits, hidden[:, :m], teacher.probs[:, k + 1 :], valid_all[:, k, :m], loss_chunk
+        )
         ce_list.append(s)
         pred_list.append(F.pad(pred, (0, T - m), value=-1))
     ce = torch.stack(ce_list)  # [K]
@@ -618,11 +634,35 @@ def ttt_unroll(
 # ----------------------------------------------------------------------------------------------------
 # The whole unroll as one compiled graph
 # ----------------------------------------------------------------------------------------------------
-def _unroll_tensors(drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, t_probs, t_argmax, t_in_vocab,
-                    block_mask, ttt_steps: int, step_weight: float, loss_chunk: int):
-    loss, stats = ttt_unroll(drafter, input_ids, aux_hidden, doc_ids, loss_mask, Teacher(t_probs, t_argmax, t_in_vocab),
-                             ttt_steps=ttt_steps, step_weight=step_weight, backend="flex", position_ids=position_ids,
-                             loss_chunk=loss_chunk, block_mask=block_mask)
+def _unroll_tensors(
+    drafter,
+    input_ids,
+    aux_hidden,
+    doc_ids,
+    position_ids,
+    loss_mask,
+    t_probs,
+    t_argmax,
+    t_in_vocab,
+    block_mask,
+    ttt_steps: int,
+    step_weight: float,
+    loss_chunk: int,
+):
+    loss, stats = ttt_unroll(
+        drafter,
+        input_ids,
+        aux_hidden,
+        doc_ids,
+        loss_mask,
+        Teacher(t_probs, t_argmax, t_in_vocab),
+        ttt_steps=ttt_steps,
+        step_weight=step_weight,
+        backend="flex",
+        position_ids=position_ids,
+        loss_chunk=loss_chunk,
+        block_mask=block_mask,
+    )
     return loss, stats.as_tensor()
 
 
@@ -654,15 +694,40 @@ class CompiledUnroll:
         # step is host-bound: 24 ms wall for ~16 ms of GPU work at 8k); callers must then call
         # torch.compiler.cudagraph_mark_step_begin() per step and copy outputs they keep. Benchmark-only so far.
         _raise_recompile_limit()
-        self.fn = torch.compile(_unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph,
-                                **({"mode": mode} if mode else {}))
+        self.fn = torch.compile(
+            _unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph, **({"mode": mode} if mode else {})
+        )
 
-    def __call__(self, drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher: Teacher,
-                 ttt_steps: int, step_weight: float, loss_chunk: int = 0):
+    def __call__(
+        self,
+        drafter,
+        input_ids,
+        aux_hidden,
+        doc_ids,
+        position_ids,
+        loss_mask,
+        teacher: Teacher,
+        ttt_steps: int,
+        step_weight: float,
+        loss_chunk: int = 0,
+    ):
         _warm_drafter_caches(drafter, input_ids.device)
         bm = doc_causal_block_mask(doc_ids)
-        return self.fn(drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher.probs,
-                       teacher.argmax, teacher.in_vocab, bm, ttt_steps, step_weight, loss_chunk)
+        return self.fn(
+            drafter,
+            input_ids,
+            aux_hidden,
+            doc_ids,
+            position_ids,
+            loss_mask,
+            teacher.probs,
+            teacher.argmax,
+            teacher.in_vocab,
+            bm,
+            ttt_steps,
+            step_weight,
+            loss_chunk,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -718,8 +783,9 @@ def _merge_slots(out0, lse0, q, Kd, Vd, bias, scale):
     return out.reshape(B, nh, T, d).to(q.dtype)
 
 
-def _one_step(drafter, ids_k, hidden, position_ids, probs_k, valid_k, k0s, v0s, kds, vds, slot, bias, block_mask,
-              n_slots: int):
+def _one_step(
+    drafter, ids_k, hidden, position_ids, probs_k, valid_k, k0s, v0s, kds, vds, slot, bias, block_mask, n_slots: int
+):
     """One TTT step over the full row (fixed shapes): drafter step, soft CE of the valid positions, argmax.
     Returns (hidden, ce_sum, pred, (k0s, v0s, kds, vds))."""
     attn = _SlotAttention(k0s, v0s, kds, vds, slot, bias, block_mask, n_slots)
@@ -751,15 +817,28 @@ class CompiledStepUnroll:
         _raise_recompile_limit()
         self.fn = torch.compile(_one_step, backend=backend, dynamic=False, fullgraph=fullgraph)
 
-    def __call__(self, drafter, input_ids, aux_hidden, doc_ids, position_ids, loss_mask, teacher: Teacher,
-                 ttt_steps: int, step_weight: float, loss_chunk: int = 0, pad_token_id: int = 0):
+    def __call__(
+        self,
+        drafter,
+        input_ids,
+        aux_hidden,
+        doc_ids,
+        position_ids,
+        loss_mask,
+        teacher: Teacher,
+        ttt_steps: int,
+        step_weight: float,
+        loss_chunk: int = 0,
+        pad_token_id: int = 0,
+    ):
         K = ttt_steps
         B, T = input_ids.shape
         dev = input_ids.device
         _warm_drafter_caches(drafter, dev)
         bm = doc_causal_block_mask(doc_ids)
-        ids_w, valid_all, n_all, inv_n = _step_targets(input_ids, doc_ids, loss_mask, teacher.in_vocab, K,
-                                                       step_weight, pad_token_id)
+        ids_w, valid_all, n_all, inv_n = _step_targets(
+            input_ids, doc_ids, loss_mask, teacher.in_vocab, K, step_weight, pad_token_id
+        )
         # teacher rows of step k = probs[i + k + 1]: a [B, T, V_d] window of a once-padded tensor (fixed shape)
         probs_p = F.pad(teacher.probs, (0, 0, 0, K + 1))
         n_slots = max(1, K - 1)
@@ -770,9 +849,19 @@ class CompiledStepUnroll:
         for k in range(K):
             slot = slots[max(k - 1, 0)]
             bias = torch.where(slots < k, 0.0, float("-inf"))
-            hidden, ce, pred, state = self.fn(drafter, ids_w[:, k + 1], hidden, position_ids,
-                                              probs_p[:, k + 1 : k + 1 + T], valid_all[:, k], *state, slot, bias, bm,
-                                              n_slots)
+            hidden, ce, pred, state = self.fn(
+                drafter,
+                ids_w[:, k + 1],
+                hidden,
+                position_ids,
+                probs_p[:, k + 1 : k + 1 + T],
+                valid_all[:, k],
+                *state,
+                slot,
+                bias,
+                bm,
+                n_slots,
+            )
             ce_list.append(ce)
             pred_list.append(torch.where(torch.arange(T, device=dev) < T - (k + 1), pred, -1))  # as ttt_unroll
         ce = torch.stack(ce_list)

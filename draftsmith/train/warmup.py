@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class BackgroundCompile:
         self.seconds: float | None = None
         self._thread = threading.Thread(target=self._run, name="draftsmith-compile", daemon=True)
 
-    def start(self) -> "BackgroundCompile":
+    def start(self) -> BackgroundCompile:
         self._thread.start()
         return self
 

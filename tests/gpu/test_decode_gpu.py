@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +16,30 @@ from draftsmith.decode.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = str(Path(__file__).resolve().parents[2])
-PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), os.path.join(ROOT, ".carry", "pycode-tiny"),
-                                "/work/shared/targets/pycode-tiny") if os.path.isdir(p)), None)
+PYCODE_TINY = next(
+    (
+        p
+        for p in (
+            os.path.join(ROOT, "assets", "pycode-tiny"),
+            os.path.join(ROOT, ".carry", "pycode-tiny"),
+            "/work/shared/targets/pycode-tiny",
+        )
+        if os.path.isdir(p)
+    ),
+    None,
+)
 MODES = [DecodeMode("plain"), DecodeMode("chain", draft_tokens=4), DecodeMode("tree", top_k=4, depth=4, tree_tokens=16)]
 
 
 def _prompts(tok, n=16):
-    src = next((p for p in (os.path.join(ROOT, ".carry", "humaneval.jsonl"), "/work/shared/data/eval/humaneval.jsonl")
-                if os.path.exists(p)), None)
+    src = next(
+        (
+            p
+            for p in (os.path.join(ROOT, ".carry", "humaneval.jsonl"), "/work/shared/data/eval/humaneval.jsonl")
+            if os.path.exists(p)
+        ),
+        None,
+    )
     out = []
     if src:
         for line in open(src):
@@ -52,8 +68,19 @@ def refs(setup):
     out = []
     for p in _prompts(t.tokenizer, 8):
         x = torch.tensor([p], device="cuda")
-        out.append((p, t.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
-                                        eos_token_id=0, pad_token_id=0)[0, len(p):].tolist()))
+        out.append(
+            (
+                p,
+                t.model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=0,
+                    pad_token_id=0,
+                )[0, len(p) :].tolist(),
+            )
+        )
     return out
 
 
@@ -158,6 +185,7 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
     import copy
 
     from decode_helpers import overfit_drafter_ttt
+
     from draftsmith.decode.evaluate import run_eval
     from draftsmith.drafter import Drafter
     from draftsmith.target_model import load_target

@@ -11,8 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_graph_replay_capture_equals_eager(tiny_path):
     """The seed's failure: dump code ran only at graph capture. Here hooks copy into static buffers."""
     from draftsmith.capture import AuxCapture
-    from draftsmith.target_model import load_target
     from draftsmith.capture.graphs import GraphedCapture
+    from draftsmith.target_model import load_target
 
     target = load_target(tiny_path, dtype="bf16", device="cuda")
     aux = [1, 3, 4]
@@ -34,17 +34,29 @@ def test_graph_replay_capture_equals_eager(tiny_path):
 
 
 def test_capture_store_with_cuda_graphs_equals_eager(tiny_path, tmp_path):
-    from draftsmith.store import HiddenStateStore
-    from draftsmith.capture.job import CaptureConfig, run_capture
     from store_helpers import make_corpus
+
+    from draftsmith.capture.job import CaptureConfig, run_capture
+    from draftsmith.store import HiddenStateStore
 
     corpus = make_corpus(tmp_path)
     stores = {}
     for graphs in (False, True):
         out = tmp_path / f"g{int(graphs)}"
-        run_capture(CaptureConfig(target=str(tiny_path), data=str(corpus), out=str(out), max_length=128,
-                                  batch_tokens=512, shard_tokens=700, cuda_graphs=graphs, progress=False,
-                                  aux_layers=[1, 3, 4]), log=lambda *a: None)
+        run_capture(
+            CaptureConfig(
+                target=str(tiny_path),
+                data=str(corpus),
+                out=str(out),
+                max_length=128,
+                batch_tokens=512,
+                shard_tokens=700,
+                cuda_graphs=graphs,
+                progress=False,
+                aux_layers=[1, 3, 4],
+            ),
+            log=lambda *a: None,
+        )
         stores[graphs] = HiddenStateStore.open(out, dtype=torch.float32)
     assert len(stores[False]) == len(stores[True])
     for i in range(len(stores[False])):
@@ -58,8 +70,8 @@ def test_capture_store_with_cuda_graphs_equals_eager(tiny_path, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral", "deepseek_v3"])
 def test_graph_capture_other_architectures(arch):
     from draftsmith.capture import AuxCapture
-    from draftsmith.target_model import target_from_model
     from draftsmith.capture.graphs import GraphedCapture
+    from draftsmith.target_model import target_from_model
     from tests.tiny_models import ARCHS
 
     model = ARCHS[arch]().to("cuda")

@@ -20,7 +20,10 @@ def test_help_lists_stages():
 @pytest.mark.parametrize(
     "cmd,flags",
     [
-        (["capture"], ["--target", "--data", "--out", "--aux-layers", "--max-length", "--dtype", "--batch-tokens", "--on-bad"]),
+        (
+            ["capture"],
+            ["--target", "--data", "--out", "--aux-layers", "--max-length", "--dtype", "--batch-tokens", "--on-bad"],
+        ),
         (["train"], ["--target", "--store", "--out", "--steps", "--ttt-steps", "-K", "--config", "--online", "--lr"]),
         (["store", "export"], ["--format", "--out"]),
         (["export"], ["--format", "--out"]),

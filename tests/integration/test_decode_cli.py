@@ -14,8 +14,10 @@ from typer.testing import CliRunner
 from draftsmith.decode.cli import register
 
 ROOT = str(Path(__file__).resolve().parents[2])
-PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
-                    if os.path.isdir(p)), None)
+PYCODE_TINY = next(
+    (p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny") if os.path.isdir(p)),
+    None,
+)
 pytestmark = pytest.mark.skipif(PYCODE_TINY is None, reason="pycode-tiny not available")
 
 
@@ -52,14 +54,26 @@ def _json_line(out: str) -> dict:
     return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
 
 
-@pytest.mark.parametrize("extra", [[], ["--draft-tokens", "2"], ["--tree", "--top-k-draft", "3", "--depth", "3",
-                                                                  "--tree-tokens", "8"]],
-                         ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--draft-tokens", "2"], ["--tree", "--top-k-draft", "3", "--depth", "3", "--tree-tokens", "8"]],
+    ids=["plain", "chain", "tree"],
+)
 def test_generate_json_matches_plain_greedy(app, drafter_dir, extra):
     path, t = drafter_dir
     prompt = "def fib(n):\n"
-    args = ["generate", "--target", PYCODE_TINY, "--prompt", prompt, "--max-new-tokens", "20", "--json",
-            "--device", "cpu"]
+    args = [
+        "generate",
+        "--target",
+        PYCODE_TINY,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "20",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     if extra:
         args += ["--drafter", path] + extra
     r = CliRunner().invoke(app, args)
@@ -67,8 +81,9 @@ def test_generate_json_matches_plain_greedy(app, drafter_dir, extra):
     obj = _json_line(r.stdout)
     ids = t.tokenizer(prompt)["input_ids"]
     x = torch.tensor([ids])
-    ref = t.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
-                           pad_token_id=0)[0, len(ids):].tolist()
+    ref = t.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False, pad_token_id=0)[
+        0, len(ids) :
+    ].tolist()
     assert obj["token_ids"] == ref
     assert obj["text"] == t.tokenizer.decode(ref)
     assert obj["tau"] >= 1.0 and "timing" in obj and obj["timing"]["total_s"] > 0
@@ -76,8 +91,26 @@ def test_generate_json_matches_plain_greedy(app, drafter_dir, extra):
 
 def test_generate_sampling_seed_reproducible(app, drafter_dir):
     path, _ = drafter_dir
-    args = ["generate", "--target", PYCODE_TINY, "--drafter", path, "--prompt", "import os\n", "--max-new-tokens",
-            "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--json", "--device", "cpu"]
+    args = [
+        "generate",
+        "--target",
+        PYCODE_TINY,
+        "--drafter",
+        path,
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     a = _json_line(CliRunner().invoke(app, args).stdout)
     b = _json_line(CliRunner().invoke(app, args).stdout)
     assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 12
@@ -85,8 +118,22 @@ def test_generate_sampling_seed_reproducible(app, drafter_dir):
 
 def test_generate_stop_string(app, drafter_dir):
     path, t = drafter_dir
-    args = ["generate", "--target", PYCODE_TINY, "--drafter", path, "--prompt", "def fib(n):\n", "--max-new-tokens",
-            "40", "--stop", "\n", "--json", "--device", "cpu"]
+    args = [
+        "generate",
+        "--target",
+        PYCODE_TINY,
+        "--drafter",
+        path,
+        "--prompt",
+        "def fib(n):\n",
+        "--max-new-tokens",
+        "40",
+        "--stop",
+        "\n",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     obj = _json_line(CliRunner().invoke(app, args).stdout)
     assert obj["finish_reason"] == "stop" and "\n" in obj["text"]
     # the stop string is completed by the last token, not before
@@ -98,9 +145,30 @@ def test_eval_writes_report(app, drafter_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\\n\nclass Stack:\\n    def push(self, x):\n")
     out = tmp_path / "ev"
-    r = CliRunner().invoke(app, ["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(prompts),
-                                 "--max-new-tokens", "12", "--draft-tokens", "2", "--temperatures", "0,0.7",
-                                 "--out", str(out), "--device", "cpu", "--attn-impl", "bmm"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--target",
+            PYCODE_TINY,
+            "--drafter",
+            path,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--draft-tokens",
+            "2",
+            "--temperatures",
+            "0,0.7",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--attn-impl",
+            "bmm",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "eval.json").read_text())
     assert rep["attn_impl"] == "bmm" and rep["compiled"] is False  # the report says how it was measured
@@ -118,10 +186,36 @@ def test_eval_humaneval_jsonl(app, drafter_dir, tmp_path):
         pytest.skip("eval data not available")
     path, _ = drafter_dir
     out = tmp_path / "ev"
-    r = CliRunner().invoke(app, ["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", src, "--raw",
-                                 "--limit", "2", "--max-new-tokens", "8", "--tree", "--top-k-draft", "2", "--depth",
-                                 "2", "--tree-tokens", "4", "--temperatures", "0", "--out", str(out),
-                                 "--device", "cpu"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--target",
+            PYCODE_TINY,
+            "--drafter",
+            path,
+            "--prompts",
+            src,
+            "--raw",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--tree",
+            "--top-k-draft",
+            "2",
+            "--depth",
+            "2",
+            "--tree-tokens",
+            "4",
+            "--temperatures",
+            "0",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "eval.json").read_text())
     assert rep["mode"]["kind"] == "tree" and rep["temperatures"]["0"]["greedy_mismatches"] == 0
@@ -172,11 +266,17 @@ def _main_error(argv, capsys) -> str:
     return lines[0]
 
 
-BAD_NUMBERS = [(["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
-               (["--temperature", "inf"], "--temperature"), (["--top-p", "0"], "--top-p"),
-               (["--top-p", "1.5"], "--top-p"), (["--top-k", "-3"], "--top-k"),
-               (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-new-tokens", "-5"], "--max-new-tokens"),
-               (["--draft-tokens", "0"], "--draft-tokens")]
+BAD_NUMBERS = [
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "inf"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["--draft-tokens", "0"], "--draft-tokens"),
+]
 
 
 @pytest.mark.parametrize("extra,flag", BAD_NUMBERS, ids=[" ".join(x) for x, _ in BAD_NUMBERS])
@@ -185,12 +285,27 @@ def test_generate_rejects_bad_numbers_before_loading(extra, flag, capsys):
     assert flag in err  # named before the (missing) target is even opened
 
 
-@pytest.mark.parametrize("extra,flag", BAD_NUMBERS[3:] + [(["--temperatures", "0,nan"], "--temperature"),
-                                                          (["--limit", "0"], "--limit")],
-                         ids=[" ".join(x) for x, _ in BAD_NUMBERS[3:]] + ["temperatures nan", "limit 0"])
+@pytest.mark.parametrize(
+    "extra,flag",
+    BAD_NUMBERS[3:] + [(["--temperatures", "0,nan"], "--temperature"), (["--limit", "0"], "--limit")],
+    ids=[" ".join(x) for x, _ in BAD_NUMBERS[3:]] + ["temperatures nan", "limit 0"],
+)
 def test_eval_rejects_bad_numbers_before_loading(extra, flag, capsys, tmp_path):
-    err = _main_error(["eval", "--target", "/nonexistent", "--drafter", "/nonexistent", "--prompts", "p.txt", *extra,
-                       "--out", str(tmp_path / "o")], capsys)
+    err = _main_error(
+        [
+            "eval",
+            "--target",
+            "/nonexistent",
+            "--drafter",
+            "/nonexistent",
+            "--prompts",
+            "p.txt",
+            *extra,
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert flag in err
 
 
@@ -203,13 +318,41 @@ def test_eval_binary_prompts_file_is_one_line(drafter_dir, capsys, tmp_path):
     path, _ = drafter_dir
     bad = tmp_path / "prompts.bin"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-    err = _main_error(["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(bad), "--device", "cpu",
-                       "--out", str(tmp_path / "o")], capsys)
+    err = _main_error(
+        [
+            "eval",
+            "--target",
+            PYCODE_TINY,
+            "--drafter",
+            path,
+            "--prompts",
+            str(bad),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert str(bad) in err and "binary" in err
     latin = tmp_path / "prompts.txt"
     latin.write_bytes(b"def f():\n\xe9t\xe9\n")
-    err = _main_error(["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(latin), "--device", "cpu",
-                       "--out", str(tmp_path / "o")], capsys)
+    err = _main_error(
+        [
+            "eval",
+            "--target",
+            PYCODE_TINY,
+            "--drafter",
+            path,
+            "--prompts",
+            str(latin),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert f"{latin}:2" in err and "UTF-8" in err
 
 
@@ -238,8 +381,20 @@ def test_prompt_records_and_one_rule_for_every_format(drafter_dir, tmp_path):
 def test_generate_tune_save_and_reuse(app, drafter_dir, tmp_path):
     path, _ = drafter_dir
     f = tmp_path / "tuning.json"
-    base = ["generate", "--target", PYCODE_TINY, "--drafter", path, "--prompt", "def fib(n):\n", "--max-new-tokens",
-            "8", "--json", "--device", "cpu"]
+    base = [
+        "generate",
+        "--target",
+        PYCODE_TINY,
+        "--drafter",
+        path,
+        "--prompt",
+        "def fib(n):\n",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     r = CliRunner().invoke(app, base + ["--tune", "--save-tuning", str(f)])
     assert r.exit_code == 0, r.output
     assert "tuned: " in r.stderr and "calibrate chain K=2" in r.stderr
@@ -259,12 +414,21 @@ def test_tuning_file_errors_name_the_field(tmp_path):
     from draftsmith.decode.tuning import Tuning
 
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"format": "draftsmith-tuning/1", "mode": {"kind": "chain", "draft_tokens": 0},
-                             "tok_s": 1.0, "plain_tok_s": 1.0}))
+    f.write_text(
+        json.dumps(
+            {
+                "format": "draftsmith-tuning/1",
+                "mode": {"kind": "chain", "draft_tokens": 0},
+                "tok_s": 1.0,
+                "plain_tok_s": 1.0,
+            }
+        )
+    )
     with pytest.raises(DraftsmithError, match="field 'mode'.*draft-tokens"):
         Tuning.load(f)
-    f.write_text(json.dumps({"format": "draftsmith-tuning/1", "mode": {"kind": "chain"}, "tok_s": "x",
-                             "plain_tok_s": 1.0}))
+    f.write_text(
+        json.dumps({"format": "draftsmith-tuning/1", "mode": {"kind": "chain"}, "tok_s": "x", "plain_tok_s": 1.0})
+    )
     with pytest.raises(DraftsmithError, match="field 'tok_s'"):
         Tuning.load(f)
 
@@ -283,8 +447,13 @@ def test_tune_falls_back_to_plain_when_nothing_wins():
 
         def generate(self, p, n, sampling=None, mode=None, seed=0):
             slow = mode.kind != "plain"
-            return SimpleNamespace(token_ids=[1] * n, accepted=[0] * n if slow else [], rounds=n,
-                                   prefill_s=0.0, decode_s=n * (0.02 if slow else 0.01))
+            return SimpleNamespace(
+                token_ids=[1] * n,
+                accepted=[0] * n if slow else [],
+                rounds=n,
+                prefill_s=0.0,
+                decode_s=n * (0.02 if slow else 0.01),
+            )
 
     res = tune(SlowRounds(), [[1, 2, 3]], max_new_tokens=16)
     assert res.mode.kind == "plain" and res.speedup == 1.0 and "plain decoding" in res.summary()
@@ -296,9 +465,29 @@ def test_eval_tune_reports_tuned_and_certificate(app, drafter_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" + json.dumps({"prompt": "import os\n"}) + "\n")
     out = tmp_path / "ev"
-    r = CliRunner().invoke(app, ["eval", "--target", PYCODE_TINY, "--drafter", path, "--prompts", str(prompts),
-                                 "--max-new-tokens", "8", "--draft-tokens", "2", "--temperatures", "0", "--tune",
-                                 "--out", str(out), "--device", "cpu"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--target",
+            PYCODE_TINY,
+            "--drafter",
+            path,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--draft-tokens",
+            "2",
+            "--temperatures",
+            "0",
+            "--tune",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "eval.json").read_text())
     assert set(rep["tuned"]) == {"mode", "tok_s", "plain_tok_s", "speedup"}

@@ -57,8 +57,9 @@ def clean(target, traces, tmp_path_factory):
 def _diagnose(target, traces, path, **kw):
     from draftsmith.doctor import diagnose
 
-    return diagnose(target, str(path), max_prompts=PROMPTS, max_new_tokens=NEW, draft_tokens=K, trace_cache=traces,
-                    **kw)
+    return diagnose(
+        target, str(path), max_prompts=PROMPTS, max_new_tokens=NEW, draft_tokens=K, trace_cache=traces, **kw
+    )
 
 
 def test_clean_drafter_gets_a_clean_bill(target, traces, clean):
@@ -68,8 +69,13 @@ def test_clean_drafter_gets_a_clean_bill(target, traces, clean):
     assert rep["acceptance_rate"] > 0.5  # a drafter worth diagnosing: otherwise no fault could show
     # as trained, no variant beats the configuration
     assert max(v["acceptance_rate"] for v in rep["variants"]) <= rep["acceptance_rate"] + 1e-9
-    assert {v["fault"] for v in rep["variants"]} >= {"aux_layer_shift", "aux_layer_order", "final_norm",
-                                                     "norm_before_residual", "draft_vocab"}
+    assert {v["fault"] for v in rep["variants"]} >= {
+        "aux_layer_shift",
+        "aux_layer_order",
+        "final_norm",
+        "norm_before_residual",
+        "draft_vocab",
+    }
     assert rep["suggestions"]
 
 
@@ -95,8 +101,10 @@ def test_planted_fault_is_named_with_its_fix(kind, target, traces, clean, tmp_pa
     assert f["acceptance_rate"] == rep["acceptance_rate"]
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
 
 
 def test_chat_template_the_drafter_was_not_trained_with(target, traces, clean, monkeypatch):
@@ -124,9 +132,10 @@ def test_simulated_acceptance_equals_the_decode_engine(target, traces, clean):
     cfg = diagnosis.Variant(None, "as configured", "", list(d.config.aux_layer_ids))
     sim = diagnosis.measure_variant(cfg, trs[:3], d, tables, K, target.final_norm)
     for tr, sim_rounds in zip(trs[:3], sim["rounds_per_prompt"]):
-        r = eng.generate(tr.input_ids[: tr.prompt_len].tolist(), tr.max_new_tokens,
-                         mode=DecodeMode("chain", draft_tokens=K))
-        assert r.token_ids == tr.input_ids[tr.prompt_len: tr.prompt_len + len(r.token_ids)].tolist()
+        r = eng.generate(
+            tr.input_ids[: tr.prompt_len].tolist(), tr.max_new_tokens, mode=DecodeMode("chain", draft_tokens=K)
+        )
+        assert r.token_ids == tr.input_ids[tr.prompt_len : tr.prompt_len + len(r.token_ids)].tolist()
         assert r.accepted == sim_rounds
     assert M.summarize(sim["rounds_per_prompt"], K)["rounds"] > 20
     # the drafts themselves (also after a rejection, where acceptance no longer looks) equal a from-scratch chain
@@ -146,13 +155,40 @@ def test_cli_json_contract_and_plot(target, clean, tmp_path, monkeypatch):
     from draftsmith.cli import app
 
     png = tmp_path / "acc.png"
-    res = CliRunner().invoke(app, ["doctor", "--target", target.path, "--drafter", str(clean), "--max-prompts", "2",
-                                   "--max-new-tokens", "16", "--json", "--plot", str(png)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "doctor",
+            "--target",
+            target.path,
+            "--drafter",
+            str(clean),
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--json",
+            "--plot",
+            str(png),
+        ],
+    )
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert {"checks", "acceptance_rate", "tau", "variants", "likely_faults"} <= set(rep)
     assert all(set(c) == {"name", "ok", "detail"} for c in rep["checks"])
     assert all({"fault", "acceptance_rate", "tau"} <= set(v) for v in rep["variants"])
-    assert all(f["fault"] in {"aux_layer_shift", "aux_layer_order", "final_norm", "norm_before_residual",
-                              "d2t_absolute", "chat_template", "rope", "draft_vocab"} for f in rep["likely_faults"])
+    assert all(
+        f["fault"]
+        in {
+            "aux_layer_shift",
+            "aux_layer_order",
+            "final_norm",
+            "norm_before_residual",
+            "d2t_absolute",
+            "chat_template",
+            "rope",
+            "draft_vocab",
+        }
+        for f in rep["likely_faults"]
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,11 +20,27 @@ def _config(tmp: Path, run: Path, **changes) -> dict:
         "target": str(REPO / "assets" / "pycode-tiny"),
         "out": str(run),
         "threads": 1,
-        "train": {"online": True, "data": str(REPO / "draftsmith" / "pipeline"), "on_bad": "skip",
-                  "aux_layers": [1, 3, 4], "max_length": 64, "steps": 2, "batch_tokens": 128,
-                  "draft_vocab_size": 128, "device": "cpu", "quiet": True},
-        "eval": {"prompts": str(REPO / "assets" / "demo_prompts.jsonl"), "raw": True, "limit": 1,
-                 "max_new_tokens": 4, "temperatures": [0], "draft_tokens": 2, "device": "cpu"},
+        "train": {
+            "online": True,
+            "data": str(REPO / "draftsmith" / "pipeline"),
+            "on_bad": "skip",
+            "aux_layers": [1, 3, 4],
+            "max_length": 64,
+            "steps": 2,
+            "batch_tokens": 128,
+            "draft_vocab_size": 128,
+            "device": "cpu",
+            "quiet": True,
+        },
+        "eval": {
+            "prompts": str(REPO / "assets" / "demo_prompts.jsonl"),
+            "raw": True,
+            "limit": 1,
+            "max_new_tokens": 4,
+            "temperatures": [0],
+            "draft_tokens": 2,
+            "device": "cpu",
+        },
         "export": {"formats": ["sglang"]},
     }
     for path, v in changes.items():
@@ -93,8 +109,9 @@ def test_an_interrupted_stage_resumes(finished, tmp_path):
 def test_changed_eval_reruns_only_eval(finished):
     tmp, run, cfg, _ = finished
     before = (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns
-    data = run_pipeline(plan(_write(tmp, _config(tmp, run, **{"eval.max_new_tokens": 5}), "e.yaml")),
-                        log=lambda s: None)
+    data = run_pipeline(
+        plan(_write(tmp, _config(tmp, run, **{"eval.max_new_tokens": 5}), "e.yaml")), log=lambda s: None
+    )
     assert [s["status"] for s in data["stages"]] == ["skipped", "done", "skipped"]
     assert (run / "train" / "final" / "model.safetensors").stat().st_mtime_ns == before
     assert json.loads((run / "eval" / "trained" / "eval.json").read_text())["max_new_tokens"] == 5
@@ -103,17 +120,20 @@ def test_changed_eval_reruns_only_eval(finished):
     assert [s["status"] for s in data["stages"]] == ["skipped", "done", "skipped"]
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c: c.update(trian={}), r"field 'trian': unknown \(did you mean 'train'\?\)"),
-    (lambda c: c["train"].update(stpes=3), r"field 'train.stpes': unknown \(did you mean 'steps'\?\)"),
-    (lambda c: c["train"].update(steps="many"), r"section 'train': .*--steps"),
-    (lambda c: c["train"].update(out="elsewhere"), r"field 'train.out': set by the pipeline"),
-    (lambda c: c["eval"].update(prompts="missing.jsonl"), r"field 'eval.prompts': missing.jsonl: no such file"),
-    (lambda c: c["train"].update(online=False), r"field 'train.online': without a capture section"),
-    (lambda c: c["export"].update(formats=["onnx"]), r"field 'export.formats': unknown format 'onnx'"),
-    (lambda c: c["train"].update(quiet="yes"), r"field 'train.quiet': expected true or false"),
-    (lambda c: c.pop("target"), r"field 'target': required"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.update(trian={}), r"field 'trian': unknown \(did you mean 'train'\?\)"),
+        (lambda c: c["train"].update(stpes=3), r"field 'train.stpes': unknown \(did you mean 'steps'\?\)"),
+        (lambda c: c["train"].update(steps="many"), r"section 'train': .*--steps"),
+        (lambda c: c["train"].update(out="elsewhere"), r"field 'train.out': set by the pipeline"),
+        (lambda c: c["eval"].update(prompts="missing.jsonl"), r"field 'eval.prompts': missing.jsonl: no such file"),
+        (lambda c: c["train"].update(online=False), r"field 'train.online': without a capture section"),
+        (lambda c: c["export"].update(formats=["onnx"]), r"field 'export.formats': unknown format 'onnx'"),
+        (lambda c: c["train"].update(quiet="yes"), r"field 'train.quiet': expected true or false"),
+        (lambda c: c.pop("target"), r"field 'target': required"),
+    ],
+)
 def test_bad_config_fails_before_any_work(tmp_path, mutate, message):
     run = tmp_path / "run"
     cfg = _config(tmp_path, run)

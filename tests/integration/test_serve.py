@@ -33,8 +33,10 @@ pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason="assets/pycode-tiny no
 
 API_KEY = "sekret-key"
 PROMPTS = ["def fib(n):\n", "import os\n\n\ndef read_lines(path):\n"]
-CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
 
 
 def _free_port() -> int:
@@ -50,9 +52,27 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", "--target", str(TINY),
-                                      "--port", str(self.port), "--device", "cpu", "--log-level", "warning", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "draftsmith",
+                "serve",
+                "--target",
+                str(TINY),
+                "--port",
+                str(self.port),
+                "--device",
+                "cpu",
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+        )
 
     def wait_ready(self, deadline: float) -> None:
         while time.time() < deadline:
@@ -102,14 +122,31 @@ def servers(tmp_path_factory):
     (d / "chat.jinja").write_text(CHAT_TEMPLATE)
     store = d / "store"
     # starts while we build the drafter; records with the default flush (60 s): its store is written at SIGTERM
-    plain = Server(["--api-key", API_KEY, "--max-model-len", "256", "--capture-to", str(d / "plain_store")],
-                   d / "plain.log")
+    plain = Server(
+        ["--api-key", API_KEY, "--max-model-len", "256", "--capture-to", str(d / "plain_store")], d / "plain.log"
+    )
     spec = None
     try:
         _save_random_drafter(d / "drafter")  # untrained: greedy output must not depend on the drafter anyway
-        spec = Server(["--drafter", str(d / "drafter"), "--draft-tokens", "3", "--chat-template",
-                       str(d / "chat.jinja"), "--max-queue", "4", "--max-model-len", "1024", "--capture-to",
-                       str(store), "--capture-flush-s", "0.2"], d / "spec.log")
+        spec = Server(
+            [
+                "--drafter",
+                str(d / "drafter"),
+                "--draft-tokens",
+                "3",
+                "--chat-template",
+                str(d / "chat.jinja"),
+                "--max-queue",
+                "4",
+                "--max-model-len",
+                "1024",
+                "--capture-to",
+                str(store),
+                "--capture-flush-s",
+                "0.2",
+            ],
+            d / "spec.log",
+        )
         deadline = time.time() + 150
         spec.wait_ready(deadline)
         plain.wait_ready(deadline)
@@ -136,8 +173,10 @@ def reference():
 
     out = {}
     for p in PROMPTS:
-        r = CliRunner().invoke(app, ["generate", "--target", str(TINY), "--prompt", p, "--max-new-tokens", "24",
-                                     "--json", "--device", "cpu"])
+        r = CliRunner().invoke(
+            app,
+            ["generate", "--target", str(TINY), "--prompt", p, "--max-new-tokens", "24", "--json", "--device", "cpu"],
+        )
         assert r.exit_code == 0, r.output
         out[p] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
     return out
@@ -169,8 +208,16 @@ def test_greedy_completion_equals_generate(servers, reference, tokenizer, kind):
 def test_streaming_matches_non_streaming(servers, reference, tokenizer, kind):
     client = servers[kind].client(API_KEY)
     p = PROMPTS[0]
-    chunks = list(client.completions.create(model="pycode-tiny", prompt=p, max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="pycode-tiny",
+            prompt=p,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == _ref_text(reference[p], tokenizer)
     assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 2  # really streamed, not one blob
@@ -193,8 +240,9 @@ def test_chat_goes_through_the_template(servers, tokenizer):
     # the same tokens sent as a completion give the same text: the chat endpoint applied exactly this template
     same = client.completions.create(model="pycode-tiny", prompt=ids, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == same.choices[0].text
-    stream = list(client.chat.completions.create(model="pycode-tiny", messages=msgs, max_tokens=16, temperature=0,
-                                                 stream=True))
+    stream = list(
+        client.chat.completions.create(model="pycode-tiny", messages=msgs, max_tokens=16, temperature=0, stream=True)
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream) == r.choices[0].message.content
     assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
@@ -209,8 +257,9 @@ def test_stop_strings(servers, reference, tokenizer):
     r = client.completions.create(model="pycode-tiny", prompt=p, max_tokens=24, temperature=0, stop=[stop, "@@@@"])
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 24
-    chunks = list(client.completions.create(model="pycode-tiny", prompt=p, max_tokens=24, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model="pycode-tiny", prompt=p, max_tokens=24, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == want  # the stop string never leaks into a stream
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -239,22 +288,25 @@ def test_models_health_and_auth(servers):
     assert plain.client(API_KEY).completions.create(model="pycode-tiny", prompt="x", max_tokens=2).usage
 
 
-@pytest.mark.parametrize("body,status,field", [
-    (b"{not json", 400, "JSON"),
-    (b"[1, 2]", 400, "JSON object"),
-    ({"prompt": "x", "max_tokens": "abc"}, 400, "max_tokens"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "n": 2}, 400, "'n'"),
-    ({"prompt": "x", "logprobs": 2}, 400, "'logprobs'"),
-    ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": [1, 99999999]}, 400, "prompt"),
-    ({"prompt": "x", "stop": 5}, 400, "stop"),
-    ({"prompt": "x", "stream": "maybe"}, 400, "field 'stream'"),
-    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "x", "max_tokens": 5000}, 400, "context limit of 1024"),
-    ({"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
-    ({"messages": "hi"}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,status,field",
+    [
+        (b"{not json", 400, "JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        ({"prompt": "x", "max_tokens": "abc"}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "n": 2}, 400, "'n'"),
+        ({"prompt": "x", "logprobs": 2}, 400, "'logprobs'"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [1, 99999999]}, 400, "prompt"),
+        ({"prompt": "x", "stop": 5}, 400, "stop"),
+        ({"prompt": "x", "stream": "maybe"}, 400, "field 'stream'"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "context limit of 1024"),
+        ({"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+        ({"messages": "hi"}, 400, "messages"),
+    ],
+)
 def test_bad_requests_are_one_line_400s(servers, body, status, field):
     srv = servers["spec"]
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
@@ -299,15 +351,19 @@ def test_client_disconnect_frees_the_engine(servers):
     srv = servers["spec"]
     out_before = srv.metric("draftsmith_completion_tokens_total")
     with httpx.Client(timeout=30) as c:
-        with c.stream("POST", srv.base + "/v1/completions",
-                      json={"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}) as r:
+        with c.stream(
+            "POST",
+            srv.base + "/v1/completions",
+            json={"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             got = [ln for _, ln in zip(range(3), (ln for ln in lines if ln.startswith("data:")))]
             assert len(got) == 3
     # the stream is closed; within a round the engine stops (1000 tokens would take many seconds here)
     t0 = time.time()
-    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x = 1\n", "max_tokens": 4, "temperature": 0},
-                   timeout=60)
+    r = httpx.post(
+        srv.base + "/v1/completions", json={"prompt": "x = 1\n", "max_tokens": 4, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200
     assert time.time() - t0 < 10
     assert srv.metric("draftsmith_completion_tokens_total") - out_before < 500
@@ -324,8 +380,26 @@ def test_bench_endpoint_against_the_live_server(servers, tmp_path):
     out = tmp_path / "bench"
     env = {"DRAFTSMITH_NO_PROGRESS": "1"}
     for label, extra in (("draftsmith-chain", []), ("draftsmith-chat", ["--chat", "--concurrency", "2"])):
-        r = CliRunner().invoke(app, ["bench-endpoint", "--url", srv.base, "--prompts", str(prompts), "--max-tokens",
-                                     "8", "--requests", "3", "--label", label, "--out", str(out), *extra], env=env)
+        r = CliRunner().invoke(
+            app,
+            [
+                "bench-endpoint",
+                "--url",
+                srv.base,
+                "--prompts",
+                str(prompts),
+                "--max-tokens",
+                "8",
+                "--requests",
+                "3",
+                "--label",
+                label,
+                "--out",
+                str(out),
+                *extra,
+            ],
+            env=env,
+        )
         assert r.exit_code == 0, r.output
     rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
     assert [r["label"] for r in rows] == ["draftsmith-chain", "draftsmith-chat"]
@@ -365,22 +439,35 @@ def test_capture_while_serving_equals_offline_capture(servers, tokenizer, tmp_pa
     s, idx = found
     assert verify_store(store, progress=False) == []
     sample = s[idx]
-    assert tokenizer.decode(sample["input_ids"][len(p_ids):].tolist()) == r.choices[0].text
+    assert tokenizer.decode(sample["input_ids"][len(p_ids) :].tolist()) == r.choices[0].text
     assert sample["loss_mask"].tolist() == [False] * len(p_ids) + [True] * r.usage.completion_tokens
 
     take = sorted({idx, *range(max(0, len(s) - 6), len(s))})
-    samples = [Sample(input_ids=s[i]["input_ids"].numpy().astype("int32"), loss_mask=s[i]["loss_mask"].numpy(),
-                      source=f"served:{i}") for i in take]
+    samples = [
+        Sample(
+            input_ids=s[i]["input_ids"].numpy().astype("int32"),
+            loss_mask=s[i]["loss_mask"].numpy(),
+            source=f"served:{i}",
+        )
+        for i in take
+    ]
     t = load_target(str(TINY), dtype="fp32")  # the server's dtype on CPU
-    cfg = CaptureConfig(target=str(TINY), data="served", out=str(tmp_path / "offline"), aux_layers=s.aux_layers,
-                        max_length=None, device="cpu", progress=False)
+    cfg = CaptureConfig(
+        target=str(TINY),
+        data="served",
+        out=str(tmp_path / "offline"),
+        aux_layers=s.aux_layers,
+        max_length=None,
+        device="cpu",
+        progress=False,
+    )
     run_capture(cfg, log=lambda *a, **k: None, target=t, samples=samples)
     off = HiddenStateStore.open(tmp_path / "offline")
     for j, i in enumerate(take):
         a, b = s[i], off[j]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         for key in ("aux_hidden_states", "final_hidden_states"):
-            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2 ** -7, atol=1e-4)
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2**-7, atol=1e-4)
 
 
 def test_sigterm_writes_the_pending_capture(servers):

@@ -15,9 +15,9 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from draftsmith.decode.engine import GenerationResult
-from draftsmith.serve.app import ServeSettings, _cut_at_stop, _held_back, create_app
-from draftsmith.serve.worker import EngineWorker
+from draftsmith.decode.engine import GenerationResult  # noqa: E402  (after the importorskips)
+from draftsmith.serve.app import ServeSettings, _cut_at_stop, _held_back, create_app  # noqa: E402
+from draftsmith.serve.worker import EngineWorker  # noqa: E402
 
 
 class _Tok:
@@ -41,8 +41,9 @@ class ScriptedEngine:
         self.step_s = step_s
         self.started: list[list[int]] = []
 
-    def generate(self, prompt_ids, max_new_tokens, sampling=None, mode=None, seed=None, stop_strings=(),
-                 on_tokens=None):
+    def generate(
+        self, prompt_ids, max_new_tokens, sampling=None, mode=None, seed=None, stop_strings=(), on_tokens=None
+    ):
         self.started.append(list(prompt_ids))
         if prompt_ids[0] == 25:
             raise RuntimeError("scripted failure")
@@ -63,8 +64,9 @@ def _serve(engine, **settings):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(worker, _Tok(), s), host="127.0.0.1", port=port,
-                                           log_level="error"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(worker, _Tok(), s), host="127.0.0.1", port=port, log_level="error")
+    )
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     deadline = time.time() + 20
@@ -167,12 +169,43 @@ def test_recorder_appends_after_restart_and_refuses_other_settings(tiny_path, tm
         ServeRecorder(out, t, [1, 2], flush_s=60)
 
 
-@pytest.mark.parametrize("cmd,flags", [
-    ("serve", ["--target", "--drafter", "--host", "--port", "--api-key", "--max-queue", "--queue-timeout", "--tree",
-               "--draft-tokens", "--kernels", "--compile", "--capture-to", "--capture-max-tokens"]),
-    ("bench-endpoint", ["--url", "--model", "--prompts", "--max-tokens", "--concurrency", "--requests", "--label",
-                        "--out", "--api-key"]),
-])
+@pytest.mark.parametrize(
+    "cmd,flags",
+    [
+        (
+            "serve",
+            [
+                "--target",
+                "--drafter",
+                "--host",
+                "--port",
+                "--api-key",
+                "--max-queue",
+                "--queue-timeout",
+                "--tree",
+                "--draft-tokens",
+                "--kernels",
+                "--compile",
+                "--capture-to",
+                "--capture-max-tokens",
+            ],
+        ),
+        (
+            "bench-endpoint",
+            [
+                "--url",
+                "--model",
+                "--prompts",
+                "--max-tokens",
+                "--concurrency",
+                "--requests",
+                "--label",
+                "--out",
+                "--api-key",
+            ],
+        ),
+    ],
+)
 def test_contract_flags(cmd, flags):
     from typer.testing import CliRunner
 

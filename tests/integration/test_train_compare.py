@@ -38,7 +38,9 @@ def _have_speculators() -> bool:
     return _HAVE_DATASETS
 
 
-needs_datasets = pytest.mark.skipif(not _HAVE_DATASETS, reason="datasets/pyarrow not installed (draftsmith[speculators])")
+needs_datasets = pytest.mark.skipif(
+    not _HAVE_DATASETS, reason="datasets/pyarrow not installed (draftsmith[speculators])"
+)
 needs_speculators = pytest.mark.skipif(not _have_speculators(), reason="speculators 0.9.0 not importable")
 
 
@@ -64,9 +66,27 @@ def store(root):
 
 
 def _bench_args(root, work, *extra):
-    return tc.parse_args(["--target", str(TARGET), "--store", str(root / "store"), "--work", str(work),
-                          "--draft-vocab-size", str(V), "--ttt-steps", str(K), "--batch-tokens", str(B),
-                          "--steps", "10", "--eval-fraction", "0.25", *extra])
+    return tc.parse_args(
+        [
+            "--target",
+            str(TARGET),
+            "--store",
+            str(root / "store"),
+            "--work",
+            str(work),
+            "--draft-vocab-size",
+            str(V),
+            "--ttt-steps",
+            str(K),
+            "--batch-tokens",
+            str(B),
+            "--steps",
+            "10",
+            "--eval-fraction",
+            "0.25",
+            *extra,
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------------ evaluator
@@ -105,22 +125,42 @@ def test_evaluator_reproduces_the_trainers_final_eval(root, store, target):
     from draftsmith.train.trainer import train
 
     run = root / "run"
-    cfg = TrainConfig(target=str(TARGET), store=str(root / "store"), out=str(run), steps=3, ttt_steps=K,
-                      draft_vocab_size=V, batch_tokens=B, lr=3e-3, warmup=0, eval_fraction=0.25, seed=1,
-                      save_every=0, progress=False, tensorboard=False, plot=False)
+    cfg = TrainConfig(
+        target=str(TARGET),
+        store=str(root / "store"),
+        out=str(run),
+        steps=3,
+        ttt_steps=K,
+        draft_vocab_size=V,
+        batch_tokens=B,
+        lr=3e-3,
+        warmup=0,
+        eval_fraction=0.25,
+        seed=1,
+        save_every=0,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+    )
     last = train(cfg, log=lambda *a: None)
     assert "eval_tau_sim" in last
     d = Drafter.from_pretrained(run / "final", target=target, dtype=torch.float32)
     _, ev = heldout_split(store, seed=1, eval_fraction=0.25)
     m = evaluate_drafter(d, target, store, ev, ttt_steps=K, batch_tokens=B, device="cpu")
     for key in ("loss_k", "acc", "cond_acc", "tau_sim", "tau_sim_cond", "loss"):
-        torch.testing.assert_close(torch.tensor(m[key], dtype=torch.float64),
-                                   torch.tensor(last[f"eval_{key}"], dtype=torch.float64), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(m[key], dtype=torch.float64),
+            torch.tensor(last[f"eval_{key}"], dtype=torch.float64),
+            rtol=0,
+            atol=1e-5,
+        )
     assert m["valid_tokens"] == last["eval_valid_tokens"]
     # the other split is scored differently (it is not the same data)
     tr, _ = heldout_split(store, seed=1, eval_fraction=0.25)
-    assert evaluate_drafter(d, target, store, tr[:5], ttt_steps=K, batch_tokens=B, device="cpu")["valid_tokens"] \
+    assert (
+        evaluate_drafter(d, target, store, tr[:5], ttt_steps=K, batch_tokens=B, device="cpu")["valid_tokens"]
         != m["valid_tokens"]
+    )
 
 
 # ------------------------------------------------------------------------------------------------ bench pieces
@@ -131,7 +171,7 @@ def test_split_plan_and_ratio():
             assert 0 < r < 1 and int(n * r) == n_train  # speculators: split_idx = int(len * train_ratio)
     p = tc.plan_split(21, 0, 0.25)
     assert p["row_to_sample"][: p["num_train_rows"]] == p["train_samples"]
-    assert p["row_to_sample"][p["num_train_rows"]:] == p["eval_samples"]
+    assert p["row_to_sample"][p["num_train_rows"] :] == p["eval_samples"]
     assert sorted(p["row_to_sample"]) == list(range(21))
 
 
@@ -143,8 +183,14 @@ def test_epochs_for_steps():
 
 
 def test_throughput_parsers(tmp_path):
-    recs = [{"train": {"loss": 1.0}, "profile": {"step_ms": 100.0, "tokens_per_s": 1000.0 * (1 + (s == 0))},
-             "global_step": s} for s in range(4)] + [{"val": {"loss_epoch": 1.0}, "epoch": 0}]
+    recs = [
+        {
+            "train": {"loss": 1.0},
+            "profile": {"step_ms": 100.0, "tokens_per_s": 1000.0 * (1 + (s == 0))},
+            "global_step": s,
+        }
+        for s in range(4)
+    ] + [{"val": {"loss_epoch": 1.0}, "epoch": 0}]
     r = tc.speculators_throughput(recs, skip=1)
     assert r["timed_steps"] == 3 and r["tokens_per_s"] == pytest.approx(1000.0)
     assert r["tokens_trained"] == 200 + 3 * 100
@@ -160,24 +206,71 @@ def test_throughput_parsers(tmp_path):
 
 def test_dry_run_prints_the_commands_and_runs_nothing(root, tmp_path, capsys):
     work = tmp_path / "w"
-    assert tc.main(["--target", str(TARGET), "--store", str(root / "store"), "--work", str(work),
-                    "--draft-vocab-size", str(V), "--ttt-steps", str(K), "--batch-tokens", str(B), "--steps", "10",
-                    "--eval-fraction", "0.25", "--dry-run"]) == 0
+    assert (
+        tc.main(
+            [
+                "--target",
+                str(TARGET),
+                "--store",
+                str(root / "store"),
+                "--work",
+                str(work),
+                "--draft-vocab-size",
+                str(V),
+                "--ttt-steps",
+                str(K),
+                "--batch-tokens",
+                str(B),
+                "--steps",
+                "10",
+                "--eval-fraction",
+                "0.25",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert not work.exists()
     spec = next(line for line in out.splitlines() if line.startswith("speculators: speculators train"))
     ds = next(line for line in out.splitlines() if line.startswith("draftsmith:  draftsmith train"))
-    for flag in ("--on-missing raise", "--mask-token-id 0", "--loss-implementation eager", "--target-layer-ids 1 3 5",
-                 f"--draft-vocab-size {V}", f"--ttt-steps {K}", f"--total-seq-len {B}", "--max-steps 10",
-                 "--ttt-step-loss-decay 0.8", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices 0",
-                 f"--d2t-path {work.resolve()}/speculators_data/d2t-{V}.npy"):
+    for flag in (
+        "--on-missing raise",
+        "--mask-token-id 0",
+        "--loss-implementation eager",
+        "--target-layer-ids 1 3 5",
+        f"--draft-vocab-size {V}",
+        f"--ttt-steps {K}",
+        f"--total-seq-len {B}",
+        "--max-steps 10",
+        "--ttt-step-loss-decay 0.8",
+        "--no-norm-before-fc",
+        "--no-norm-output",
+        "--full-attention-indices 0",
+        f"--d2t-path {work.resolve()}/speculators_data/d2t-{V}.npy",
+    ):
         assert flag in spec, flag
-    ratio = tc.train_data_ratio(*(lambda p: (p["num_train_rows"], p["num_samples"]))(tc.plan_split(
-        len(__import__("draftsmith.store", fromlist=["HiddenStateStore"]).HiddenStateStore.open(root / "store")),
-        0, 0.25)))
+    ratio = tc.train_data_ratio(
+        *(lambda p: (p["num_train_rows"], p["num_samples"]))(
+            tc.plan_split(
+                len(
+                    __import__("draftsmith.store", fromlist=["HiddenStateStore"]).HiddenStateStore.open(root / "store")
+                ),
+                0,
+                0.25,
+            )
+        )
+    )
     assert f"--train-data-ratio {ratio!r}" in spec
-    for flag in ("--steps 10", f"--ttt-steps {K}", f"--draft-vocab-size {V}", f"--batch-tokens {B}",
-                 "--eval-fraction 0.25", "--seed 0", "--grad-clip 1.0"):
+    for flag in (
+        "--steps 10",
+        f"--ttt-steps {K}",
+        f"--draft-vocab-size {V}",
+        f"--batch-tokens {B}",
+        "--eval-fraction 0.25",
+        "--seed 0",
+        "--grad-clip 1.0",
+    ):
         assert flag in ds, flag
 
 
@@ -202,8 +295,15 @@ def test_draftsmith_parser_accepts_the_command(root, tmp_path):
         trainer_mod.train = orig
     assert res.exit_code == 0, res.output
     c = seen["cfg"]
-    assert (c.steps, c.ttt_steps, c.draft_vocab_size, c.batch_tokens, c.eval_fraction, c.grad_clip, c.step_weight) == \
-        (10, K, V, B, 0.25, 1.0, 0.8)
+    assert (c.steps, c.ttt_steps, c.draft_vocab_size, c.batch_tokens, c.eval_fraction, c.grad_clip, c.step_weight) == (
+        10,
+        K,
+        V,
+        B,
+        0.25,
+        1.0,
+        0.8,
+    )
     assert c.attn_backend == "auto" and c.num_layers == 1 and c.weight_decay == 0.0 and c.warmup == 0.015
     a2 = _bench_args(root, tmp_path / "w", "--attn-backend", "chunked", "--ds-extra", "--attn-chunk 512")
     argv = tc.draftsmith_argv(a2, run_dir=tmp_path / "run")
@@ -235,10 +335,22 @@ def test_export_puts_the_heldout_rows_last(root, store, tmp_path):
     if _have_speculators():  # speculators' own dataset split = ours
         from speculators.train.data import ArrowDataset
 
-        val = ArrowDataset(max_len=B, datapath=out, on_missing="raise", train_ratio=split["train_data_ratio"],
-                           split="val", hidden_states_dtype=torch.float32)
-        train = ArrowDataset(max_len=B, datapath=out, on_missing="raise", train_ratio=split["train_data_ratio"],
-                             split="train", hidden_states_dtype=torch.float32)
+        val = ArrowDataset(
+            max_len=B,
+            datapath=out,
+            on_missing="raise",
+            train_ratio=split["train_data_ratio"],
+            split="val",
+            hidden_states_dtype=torch.float32,
+        )
+        train = ArrowDataset(
+            max_len=B,
+            datapath=out,
+            on_missing="raise",
+            train_ratio=split["train_data_ratio"],
+            split="train",
+            hidden_states_dtype=torch.float32,
+        )
         assert len(train) == len(split["train_samples"]) and len(val) == len(split["eval_samples"])
         for j, i in enumerate(split["eval_samples"]):
             assert torch.equal(val[j]["input_ids"], store[i]["input_ids"].long())
@@ -254,13 +366,34 @@ def test_speculators_parser_resolves_the_command(root, tmp_path):
     P = tc.plan(a)
     cfg = TrainConfig.resolve(P["spec_argv"])
     f = cfg.flatten()
-    want = {"speculator_type": "eagle3", "verifier_name_or_path": str(TARGET), "target_layer_ids": [1, 3, 5],
-            "hidden_states_dtype": "bfloat16", "on_missing": "raise", "mask_token_id": 0,
-            "loss_implementation": "eager", "draft_vocab_size": V, "ttt_steps": K, "ttt_step_loss_decay": 0.8,
-            "total_seq_len": B, "train_data_ratio": P["split"]["train_data_ratio"], "max_steps": 10,
-            "epochs": P["spec_epochs"], "optimizer": "adamw", "lr": 1e-4, "weight_decay": 0.0, "scheduler_type": "cosine",
-            "scheduler_warmup_ratio": 0.015, "num_layers": 1, "norm_before_fc": False, "norm_output": False,
-            "norm_before_residual": False, "full_attention_indices": [0], "seed": 0, "log_freq": 1}
+    want = {
+        "speculator_type": "eagle3",
+        "verifier_name_or_path": str(TARGET),
+        "target_layer_ids": [1, 3, 5],
+        "hidden_states_dtype": "bfloat16",
+        "on_missing": "raise",
+        "mask_token_id": 0,
+        "loss_implementation": "eager",
+        "draft_vocab_size": V,
+        "ttt_steps": K,
+        "ttt_step_loss_decay": 0.8,
+        "total_seq_len": B,
+        "train_data_ratio": P["split"]["train_data_ratio"],
+        "max_steps": 10,
+        "epochs": P["spec_epochs"],
+        "optimizer": "adamw",
+        "lr": 1e-4,
+        "weight_decay": 0.0,
+        "scheduler_type": "cosine",
+        "scheduler_warmup_ratio": 0.015,
+        "num_layers": 1,
+        "norm_before_fc": False,
+        "norm_output": False,
+        "norm_before_residual": False,
+        "full_attention_indices": [0],
+        "seed": 0,
+        "log_freq": 1,
+    }
     for k, v in want.items():
         assert f[k] == v, (k, f[k], v)
     # epochs: the fewest that hold --max-steps packed batches of speculators' own sampler
@@ -280,8 +413,14 @@ def test_speculators_cli_builds_a_drafter_we_can_score(root, store, target, tmp_
     P = tc.plan(a)
     tc.export_split(P["store"], P["export_dir"], P["split"], V, progress=False)
     stats = tmp_path / "stats.json"
-    cp = subprocess.run(tc._runner_cmd("speculators", stats, P["spec_argv"] + ["--dry-run"]), env=tc._env(),
-                        cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    cp = subprocess.run(
+        tc._runner_cmd("speculators", stats, P["spec_argv"] + ["--dry-run"]),
+        env=tc._env(),
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     st = json.loads(stats.read_text())
     assert cp.returncode == 0 and st["rc"] == 0, (st.get("error"), cp.stderr[-3000:])
     ckpt = Path(P["work"]) / "speculators_run"
@@ -328,8 +467,14 @@ def test_speculators_training_run_is_logged_and_scored(root, store, target, tmp_
     driver = tmp_path / "driver.py"
     driver.write_text(_CPU_DRIVER.format(bench=str(REPO / "bench")))
     stats = tmp_path / "stats.json"
-    cp = subprocess.run([sys.executable, str(driver), json.dumps(P["spec_argv"]), str(stats)], env=tc._env(),
-                        cwd=str(REPO), capture_output=True, text=True, timeout=180)
+    cp = subprocess.run(
+        [sys.executable, str(driver), json.dumps(P["spec_argv"]), str(stats)],
+        env=tc._env(),
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     st = json.loads(stats.read_text())
     assert cp.returncode == 0 and st["rc"] == 0, (st.get("error"), cp.stderr[-3000:])
     train_recs = [r for r in st["metrics"] if "train" in r]

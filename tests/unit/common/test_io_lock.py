@@ -22,8 +22,9 @@ with dir_lock(sys.argv[1], what="capture"):
 
 def test_second_process_fails_at_once_naming_the_owner(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(DraftsmithError) as e, dir_lock(out, what="capture"):
@@ -39,8 +40,9 @@ def test_second_process_fails_at_once_naming_the_owner(tmp_path):
 
 def test_killed_holder_releases_the_lock(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "locked"
     holder.kill()
     holder.wait(timeout=30)

@@ -9,12 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from draftsmith.data import DataReport, Sample, load_prompts, load_samples
 from draftsmith.common.errors import BadRecordError, DraftsmithError
+from draftsmith.data import DataReport, Sample, load_prompts, load_samples
 
 REPO = Path(__file__).resolve().parents[3]
-TOK_DIRS = [REPO / "assets" / "pycode-tiny", Path("/work/shared/targets/pycode-tiny"),
-            REPO.parent / "shared" / "targets" / "pycode-tiny"]
+TOK_DIRS = [
+    REPO / "assets" / "pycode-tiny",
+    Path("/work/shared/targets/pycode-tiny"),
+    REPO.parent / "shared" / "targets" / "pycode-tiny",
+]
 EVAL_DIRS = [REPO / "assets" / "eval", Path("/work/shared/data/eval"), REPO.parent / "shared" / "data" / "eval"]
 
 
@@ -44,9 +47,11 @@ def tok_bos():
 
     t = _load_tok()
     t.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)])
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)]
+    )
     assert t("a")["input_ids"][0] == 0
     return t
+
 
 LLAMA3 = (  # Llama-3.1 style (system header with dates, trimmed content)
     "{%- set loop_messages = messages %}"
@@ -279,8 +284,10 @@ def test_directory_mode_sorted_split_deterministic(tok_bos, tmp_path):
     assert tok.decode(np.concatenate([w.input_ids[1:] for w in wins]).tolist()) == text
     again, rep2 = load_samples(root, tok, max_length=50)
     assert [s.source for s in again] == srcs and rep2.to_dict() == rep.to_dict()
-    assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
-               for a, b in zip(samples, again))
+    assert all(
+        np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+        for a, b in zip(samples, again)
+    )
     # split_long=False: truncation instead; glob selects other files
     samples, rep = load_samples(root, tok, max_length=50, split_long=False)
     assert rep.truncated == 1 and rep.split == 0 and len(samples) == 3
@@ -333,22 +340,43 @@ BAD = [
     ('{"text": "ok"', "malformed JSON", "malformed JSON: Expecting"),
     ("[1, 2]", "not an object", "record is a JSON list"),
     ('{"foo": 1}', "unknown format", "no 'conversations', 'messages', 'text' or 'turns'"),
-    ({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
-                        {"from": "robot", "value": "c"}]}, "unknown role", "conversations[2].from='robot'"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
-     "unknown role", "messages[1].role='wizard'"),
+    (
+        {
+            "conversations": [
+                {"from": "human", "value": "a"},
+                {"from": "gpt", "value": "b"},
+                {"from": "robot", "value": "c"},
+            ]
+        },
+        "unknown role",
+        "conversations[2].from='robot'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+        "unknown role",
+        "messages[1].role='wizard'",
+    ),
     ({"conversations": []}, "empty conversation", "conversations is empty"),
     (b'{"text": "caf\xe9"}', "invalid UTF-8", "invalid UTF-8: byte 0xe9 at column 14"),
     ({"conversations": [{"from": "human", "value": "a"}]}, "no assistant turn", "conversations has no assistant"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "bad content",
-     "messages[1].content is missing"),
-    ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "b"}]}, "bad content",
-     "conversations[0].value is int, not a string"),
+    (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]},
+        "bad content",
+        "messages[1].content is missing",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "b"}]},
+        "bad content",
+        "conversations[0].value is int, not a string",
+    ),
     ({"text": 5}, "bad content", "text is int, not a string"),
     ({"text": "  \n"}, "empty text", "text is empty"),
     ({"messages": ["hi"]}, "bad message", "messages[0] is string, not an object"),
-    ('{"conversations": [{"from": "human", "value": "a\\ud800"}, {"from": "gpt", "value": "b"}]}',
-     "invalid UTF-8", "conversations[0].value has a lone surrogate"),
+    (
+        '{"conversations": [{"from": "human", "value": "a\\ud800"}, {"from": "gpt", "value": "b"}]}',
+        "invalid UTF-8",
+        "conversations[0].value has a lone surrogate",
+    ),
 ]
 
 
@@ -403,16 +431,24 @@ def test_bad_arguments(tok, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ chat masks
-CONV = {"conversations": [
-    {"from": "system", "value": "You are a helpful assistant."},
-    {"from": "human", "value": "Hi there"},
-    {"from": "gpt", "value": "Hello! How can I help?"},
-    {"from": "human", "value": "Write a function"},
-    {"from": "gpt", "value": "def f(x):\n    return x + 1"},
-]}
-OPENAI = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
-                       {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"},
-                       {"role": "user", "content": "thanks"}]}  # trailing user turn: unmasked
+CONV = {
+    "conversations": [
+        {"from": "system", "value": "You are a helpful assistant."},
+        {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": "Hello! How can I help?"},
+        {"from": "human", "value": "Write a function"},
+        {"from": "gpt", "value": "def f(x):\n    return x + 1"},
+    ]
+}
+OPENAI = {
+    "messages": [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "thanks"},
+    ]
+}  # trailing user turn: unmasked
 
 
 def _masks(tokenizer, tmp_path, recs, **kw):
@@ -425,8 +461,10 @@ def _masks(tokenizer, tmp_path, recs, **kw):
 
 def test_llama3_mask(llama3, tmp_path):
     runs, samples, rep = _masks(llama3, tmp_path, [CONV, OPENAI])
-    assert runs == [["Hello! How can I help?<|eot_id|>", "def f(x):\n    return x + 1<|eot_id|>"],
-                    ["4<|eot_id|>", "6<|eot_id|>"]]
+    assert runs == [
+        ["Hello! How can I help?<|eot_id|>", "def f(x):\n    return x + 1<|eot_id|>"],
+        ["4<|eot_id|>", "6<|eot_id|>"],
+    ]
     # the template's own BOS (pycode's <|endoftext|>) is kept and not duplicated
     assert samples[0].input_ids[0] == 0 and samples[0].input_ids[1] != 0
     assert rep.masked_tokens == sum(int(s.loss_mask.sum()) for s in samples)
@@ -442,8 +480,10 @@ def test_qwen3_mask_with_think_stripping(qwen3, tmp_path):
     runs, samples, rep = _masks(qwen3, tmp_path, [conv, OPENAI])
     text0 = qwen3.decode(samples[0].input_ids.tolist())
     assert "say hi" not in text0 and "add one" in text0  # the template dropped the earlier reasoning
-    assert runs[0] == ["Hello! How can I help?<|im_end|>",  # '\n' after <|im_end|> is not a target
-                       "<think>\nadd one\n</think>\n\ndef f(x):\n    return x + 1<|im_end|>"]
+    assert runs[0] == [
+        "Hello! How can I help?<|im_end|>",  # '\n' after <|im_end|> is not a target
+        "<think>\nadd one\n</think>\n\ndef f(x):\n    return x + 1<|im_end|>",
+    ]
     # the last answer gets the template's empty think block (the model generates it); earlier ones don't
     assert runs[1] == ["4<|im_end|>", "6<|im_end|>"]
     assert rep.mask_fallbacks >= 2  # earlier turns re-rendered differently: located by character offsets
@@ -472,8 +512,11 @@ def test_masks_without_offset_mapping(name, request, tmp_path, monkeypatch):
     conv["conversations"][2]["value"] = "<think>\nsay hi\n</think>\n\nHello! How can I help?"
     ref, ref_samples, _ = _masks(t, tmp_path, [conv, OPENAI])
     orig = L._encode
-    monkeypatch.setattr(L, "_encode", lambda tok, texts, offsets=False, as_text=False: (
-        orig(tok, texts, offsets=False, as_text=as_text)[0], None))
+    monkeypatch.setattr(
+        L,
+        "_encode",
+        lambda tok, texts, offsets=False, as_text=False: (orig(tok, texts, offsets=False, as_text=as_text)[0], None),
+    )
     got, samples, _ = _masks(t, tmp_path, [conv, OPENAI])
     assert got == ref
     assert all(np.array_equal(a.loss_mask, b.loss_mask) for a, b in zip(samples, ref_samples))
@@ -492,18 +535,27 @@ def test_chat_template_kwargs(qwen3, tmp_path):
 
 
 def test_qwen3_tool_turns(qwen3, tmp_path):
-    rec = {"messages": [{"role": "user", "content": "What is 6*7?"},
-                        {"role": "assistant", "content": "Let me compute."},
-                        {"role": "tool", "content": "42"},
-                        {"role": "assistant", "content": "It is 42.", "reasoning_content": "tool said 42"}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "What is 6*7?"},
+            {"role": "assistant", "content": "Let me compute."},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "It is 42.", "reasoning_content": "tool said 42"},
+        ]
+    }
     runs, samples, rep = _masks(qwen3, tmp_path, [rec])
     assert runs == [["Let me compute.<|im_end|>", "<think>\ntool said 42\n</think>\n\nIt is 42.<|im_end|>"]]
     assert "<tool_response>\n42\n</tool_response>" in qwen3.decode(samples[0].input_ids.tolist())
 
 
 def test_template_error_is_bad_record(mistral, tmp_path):
-    rec = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                        {"role": "assistant", "content": "c"}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"},
+        ]
+    }
     f = write_jsonl(tmp_path / "c.jsonl", [rec])
     with pytest.raises(BadRecordError, match=r"c\.jsonl:1: chat template error: .*must alternate"):
         load_samples(f, mistral)
@@ -534,10 +586,17 @@ def test_mode_chat_rejects_text(llama3, tmp_path):
 
 
 def test_assistant_first_and_key_variants(llama3, tmp_path):
-    recs = [{"messages": [{"role": "assistant", "content": "Welcome!"}, {"role": "user", "content": "hi"},
-                          {"role": "assistant", "content": "hello"}]},
-            # ShareGPT container with OpenAI-style keys, odd case in speaker names
-            {"conversations": [{"role": "Human", "content": "q"}, {"role": "GPT", "content": "a"}]}]
+    recs = [
+        {
+            "messages": [
+                {"role": "assistant", "content": "Welcome!"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        },
+        # ShareGPT container with OpenAI-style keys, odd case in speaker names
+        {"conversations": [{"role": "Human", "content": "q"}, {"role": "GPT", "content": "a"}]},
+    ]
     runs, _, rep = _masks(llama3, tmp_path, recs)
     assert runs == [["Welcome!<|eot_id|>", "hello<|eot_id|>"], ["a<|eot_id|>"]]
 
@@ -555,8 +614,10 @@ def test_json_array_file(llama3, tmp_path):
 
 
 # ----------------------------------------------------------------------------------- prompts/eval
-TURNS = [{"question_id": 1, "turns": ["Complete the code I provided.\n\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n"]},
-         {"question_id": 2, "turns": ["Tell me a joke.", "Another one."]}]
+TURNS = [
+    {"question_id": 1, "turns": ['Complete the code I provided.\n\ndef add(a, b):\n    """Add."""\n']},
+    {"question_id": 2, "turns": ["Tell me a joke.", "Another one."]},
+]
 
 
 def test_turns_records_are_prompts(tok, llama3, tmp_path):
@@ -564,7 +625,8 @@ def test_turns_records_are_prompts(tok, llama3, tmp_path):
     samples, rep = load_samples(f, llama3)
     assert rep.kept == 2 and rep.masked_tokens == 0 and all(not s.loss_mask.any() for s in samples)
     assert llama3.decode(samples[1].input_ids.tolist()).endswith(
-        "Tell me a joke.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        "Tell me a joke.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     samples, rep = load_samples(f, tok)  # no template: the first turn as raw text
     assert tok.decode(samples[1].input_ids.tolist()) == "Tell me a joke."
 

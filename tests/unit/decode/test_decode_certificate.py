@@ -10,19 +10,29 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from decode_helpers import overfit_drafter_ttt, random_drafter
+
 from draftsmith.decode import certificate as C
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.evaluate import run_eval
 
 ROOT = str(Path(__file__).resolve().parents[3])
-PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
-                    if os.path.isdir(p)), None)
+PYCODE_TINY = next(
+    (p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny") if os.path.isdir(p)),
+    None,
+)
 pytestmark = [pytest.mark.skipif(PYCODE_TINY is None, reason="pycode-tiny not available"), pytest.mark.slow]
 NEW = 24
-SEEDS = ["def ", "import os\n", "class Foo:\n    def ", "for i in range(", "# utils\n", "x = [", "def add(a, b):\n",
-         "if __name__ == "]
+SEEDS = [
+    "def ",
+    "import os\n",
+    "class Foo:\n    def ",
+    "for i in range(",
+    "# utils\n",
+    "x = [",
+    "def add(a, b):\n",
+    "if __name__ == ",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +67,11 @@ def test_epsilon_is_a_few_bf16_ulps():
     assert C.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-@pytest.mark.parametrize("mode", [DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3,
-                                                                                   tree_tokens=8)],
-                         ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    "mode",
+    [DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=8)],
+    ids=["chain", "tree"],
+)
 def test_bf16_greedy_divergences_are_near_ties_only(bf16_engine, mode):
     eng, prompts = bf16_engine
     rep = run_eval(eng, prompts, mode, temperatures=[0.0], max_new_tokens=NEW)

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 import torch
-
-from draftsmith.decode.engine import causal_mask, _region_mask
-from draftsmith.decode.hf_generic import HFGenericForward
-from draftsmith.decode.llama import LlamaFamilyForward, supports
 from decode_helpers import tiny_llama, tiny_qwen3
 
+from draftsmith.decode.engine import _region_mask, causal_mask
+from draftsmith.decode.hf_generic import HFGenericForward
+from draftsmith.decode.llama import LlamaFamilyForward, supports
+
 ROOT = str(Path(__file__).resolve().parents[3])
-PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
-                    if os.path.isdir(p)), None)
+PYCODE_TINY = next(
+    (p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny") if os.path.isdir(p)),
+    None,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +27,12 @@ def _one_thread(one_thread):
 
 
 def _models():
-    out = [("qwen3", tiny_qwen3()), ("qwen2-bias", tiny_llama(vocab_size=50, model_type="qwen2")),
-           ("llama-bias", tiny_llama(vocab_size=50, attention_bias=True)),
-           ("mistral", tiny_llama(vocab_size=50, model_type="mistral"))]
+    out = [
+        ("qwen3", tiny_qwen3()),
+        ("qwen2-bias", tiny_llama(vocab_size=50, model_type="qwen2")),
+        ("llama-bias", tiny_llama(vocab_size=50, attention_bias=True)),
+        ("mistral", tiny_llama(vocab_size=50, model_type="mistral")),
+    ]
     if PYCODE_TINY:
         from transformers import AutoModelForCausalLM
 
@@ -59,13 +63,13 @@ def test_own_forward_matches_hf(name, model):
     for j, lid in enumerate(_aux_ids(model)):
         if lid == model.config.num_hidden_layers - 1:  # HF's last hidden state is post-norm
             continue
-        torch.testing.assert_close(aux[:, j * H:(j + 1) * H], ref.hidden_states[lid + 1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux[:, j * H : (j + 1) * H], ref.hidden_states[lid + 1][0], atol=1e-4, rtol=1e-4)
     # incremental decode with the cache == full forward
     with torch.no_grad():
         fwd(ids[:10], pos[:10], pos[:10], causal_mask(64, pos[:10], "cpu"))
         for t in range(10, T):
-            p = pos[t:t + 1]
-            lg, _ = fwd(ids[t:t + 1], p, p, causal_mask(64, p, "cpu"))
+            p = pos[t : t + 1]
+            lg, _ = fwd(ids[t : t + 1], p, p, causal_mask(64, p, "cpu"))
             torch.testing.assert_close(lg[0], ref.logits[0, t].float(), atol=1e-4, rtol=1e-4)
 
 
@@ -81,8 +85,9 @@ def _runner(kind, model, max_len=64):
         return LlamaFamilyForward.from_hf(model, _aux_ids(model), max_len)
     from draftsmith.target_model.load import _find_decoder_layers
 
-    return HFGenericForward(model, _find_decoder_layers(model, model.config.num_hidden_layers), _aux_ids(model),
-                            max_len)
+    return HFGenericForward(
+        model, _find_decoder_layers(model, model.config.num_hidden_layers), _aux_ids(model), max_len
+    )
 
 
 def _seq_logits(model, ids):
@@ -147,8 +152,10 @@ def test_tree_mask_positions_and_compaction(kind, name, model):
 def test_region_mask_layout():
     reg = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
     m = _region_mask(8, torch.tensor(3), reg, "cpu")
-    assert m.tolist() == [[True, True, True, True, False, False, False, False],
-                          [True, True, True, True, True, False, False, False]]
+    assert m.tolist() == [
+        [True, True, True, True, False, False, False, False],
+        [True, True, True, True, True, False, False, False],
+    ]
 
 
 def test_engine_region_builder_equals_region_mask():
@@ -199,8 +206,14 @@ def test_compiled_step_updates_the_cache_in_place():
     from draftsmith.decode.llama import LlamaFamilyForward
 
     torch._dynamo.reset()
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
     r = LlamaFamilyForward.random(cfg, [0], max_len=4096, device="cpu", dtype=torch.float32)
     ids, pos = torch.zeros(1, dtype=torch.long), torch.tensor([5])
     mask = torch.arange(4096)[None] <= 5

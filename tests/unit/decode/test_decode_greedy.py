@@ -10,14 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import (
+    overfit_drafter,
+    overfit_drafter_ttt,
+    random_drafter,
+    reference_chain_drafts,
+    target_aux,
+    tiny_qwen3,
+)
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
-from decode_helpers import (overfit_drafter, overfit_drafter_ttt, random_drafter, reference_chain_drafts,
-                                       target_aux, tiny_qwen3)
 
 ROOT = str(Path(__file__).resolve().parents[3])
-PYCODE_TINY = next((p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny")
-                    if os.path.isdir(p)), None)
+PYCODE_TINY = next(
+    (p for p in (os.path.join(ROOT, "assets", "pycode-tiny"), "/work/shared/targets/pycode-tiny") if os.path.isdir(p)),
+    None,
+)
 HUMANEVAL = "/work/shared/data/eval/humaneval.jsonl"
 NEW = 12
 CHAIN = DecodeMode("chain", draft_tokens=3)
@@ -37,14 +45,20 @@ def _code_prompts(tok, n=50, max_tokens=24):
             out.append(tok.encode(text)[:max_tokens])
     seeds = ["def ", "import numpy as np\n", "class Foo:\n    def ", "for i in range(", "# utils\n", "x = [", "\n"]
     out += [tok.encode(s) for s in seeds]
-    return [p for p in out if p][:max(n, 50)]
+    return [p for p in out if p][: max(n, 50)]
 
 
 def _hf_greedy(model, ids, n, eos=None):
     x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +78,10 @@ def pycode():
 def qwen3():
     m = tiny_qwen3()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 20, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(50)]
+    prompts = [
+        torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(50)
+    ]
     torch.set_num_threads(1)
     refs = [_hf_greedy(m, p, NEW) for p in prompts]
     return m, prompts, refs
@@ -146,13 +162,20 @@ def test_greedy_equal_max_autotune_rounds_pycode(pycode):
         SpeculativeDecoder(t, None, max_len=64, compile="fast")
 
 
-QWEN_MODES = [CHAIN, TREE, DecodeMode("plain"), DecodeMode("chain", draft_tokens=1),
-              DecodeMode("tree", top_k=1, depth=4, tree_tokens=4), DecodeMode("tree", top_k=5, depth=1, tree_tokens=5),
-              DecodeMode("tree", top_k=4, depth=4, tree_tokens=40)]
+QWEN_MODES = [
+    CHAIN,
+    TREE,
+    DecodeMode("plain"),
+    DecodeMode("chain", draft_tokens=1),
+    DecodeMode("tree", top_k=1, depth=4, tree_tokens=4),
+    DecodeMode("tree", top_k=5, depth=1, tree_tokens=5),
+    DecodeMode("tree", top_k=4, depth=4, tree_tokens=40),
+]
 
 
-@pytest.mark.parametrize("mode", QWEN_MODES, ids=["chain", "tree", "plain", "chain-k1", "tree-k1", "tree-d1",
-                                                  "tree-wide"])
+@pytest.mark.parametrize(
+    "mode", QWEN_MODES, ids=["chain", "tree", "plain", "chain-k1", "tree-k1", "tree-d1", "tree-wide"]
+)
 def test_greedy_equal_random_drafter_qwen3(qwen3, mode):
     m, prompts, refs = qwen3
     eng = SpeculativeDecoder(m, random_drafter(m), max_len=96)
@@ -172,11 +195,23 @@ def _other_arch(name):
 
     torch.manual_seed(0)
     if name == "gemma":
-        return T.GemmaForCausalLM(T.GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                                head_dim=16, initializer_range=0.3)).eval()
-    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=64, n_layer=4, n_head=4, initializer_range=0.3,
-                                          bos_token_id=None, eos_token_id=None)).eval()
+        return T.GemmaForCausalLM(
+            T.GemmaConfig(
+                vocab_size=64,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                initializer_range=0.3,
+            )
+        ).eval()
+    return T.GPT2LMHeadModel(
+        T.GPT2Config(
+            vocab_size=64, n_embd=64, n_layer=4, n_head=4, initializer_range=0.3, bos_token_id=None, eos_token_id=None
+        )
+    ).eval()
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gpt2"])
@@ -260,7 +295,7 @@ def test_trained_drafter_equal_and_tau(trained):
         r = eng.generate(p, NEW, mode=DecodeMode("chain", draft_tokens=1))
         assert r.token_ids == ref
         expect = _teacher_forced_tau(eng, d, p, ref)
-        assert r.accepted[:len(expect)] == expect[:len(r.accepted)]
+        assert r.accepted[: len(expect)] == expect[: len(r.accepted)]
         taus.append(r.tau)
     mean_tau = sum(taus) / len(taus)
     assert mean_tau > 1.4, mean_tau  # random drafter: ~1.0
@@ -341,8 +376,14 @@ def test_bench_script_smoke(tmp_path):
 
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[3])
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode.py"), "--smoke", "--sections",
-                        "P1,P2a,P2b"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "decode.py"), "--smoke", "--sections", "P1,P2a,P2b"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "bench_decode.json").read_text())
     assert not res["errors"], res["errors"]
@@ -358,8 +399,14 @@ def test_decode_kernels_bench_smoke(tmp_path):
     md = tmp_path / "BENCH.md"
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(md))
     root = str(Path(__file__).resolve().parents[3])
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "decode_kernels.json").read_text())
     assert {row["attention"] for row in res["rows"]} == {"sdpa", "bmm", "split"}
@@ -376,7 +423,7 @@ def test_cache_end_falls_back_to_plain_steps(qwen3):
     for mode in (CHAIN, TREE):
         r = eng.generate(p, 40, mode=mode)
         assert r.finish_reason == "cache" and 16 <= len(r.token_ids) < 40
-        assert r.token_ids == ref[:len(r.token_ids)]
+        assert r.token_ids == ref[: len(r.token_ids)]
 
 
 def test_compiled_engine_stays_compiled_across_many_settings(pycode):

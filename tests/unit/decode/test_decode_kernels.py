@@ -19,11 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from decode_helpers import random_drafter, tiny_llama, tiny_qwen3, tree_mask  # noqa: E402
+
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask  # noqa: E402
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
-from decode_helpers import random_drafter, tiny_llama, tiny_qwen3, tree_mask  # noqa: E402
 from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,8 +34,10 @@ _FOLDS = [(False, False, False), (True, False, False), (True, True, False), (Fal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm,bias,res,prefetch,norm_block", [(*f, pf, None) for f in _FOLDS for pf in (0, 1)]
-                         + [(True, False, False, 1, 128)])
+@pytest.mark.parametrize(
+    "norm,bias,res,prefetch,norm_block",
+    [(*f, pf, None) for f in _FOLDS for pf in (0, 1)] + [(True, False, False, 1, 128)],
+)
 def test_gemv_equals_torch(dtype, norm, bias, res, prefetch, norm_block, monkeypatch):
     """With and without the next block's weights loaded ahead; the norm's sum of squares in one pass over x or in
     blocks (NORM_BLOCK_MAX below K)."""
@@ -106,7 +109,7 @@ def test_gemv_glu_equals_silu_gate_times_up(dtype, prefetch):
 def _rope_reference(qkv, pos, slots, cos, sin, kc, vc, nh, nkv, qkn, eps):
     T, d = qkv.shape[0], cos.shape[1]
     x = qkv.view(1, T, nh + 2 * nkv, d)
-    qk, v = x[:, :, :nh + nkv], x[:, :, nh + nkv:]
+    qk, v = x[:, :, : nh + nkv], x[:, :, nh + nkv :]
     if qkn is not None:
         qk = hf_rms_norm(qk, qkn, eps)
     qk = qk * cos[pos][None, :, None] + _rotate_half(qk) * sin[pos][None, :, None]
@@ -140,11 +143,19 @@ def test_rope_and_cache_equals_torch(dtype, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh,nkv,d,S,M,split,bs", [(4, 2, 16, 37, 64, None, None), (8, 2, 32, 200, 256, 64, None),
-                                                   (4, 4, 16, 130, 160, None, None), (3, 1, 64, 600, 640, None, None),
-                                                   (3, 1, 64, 600, 640, 128, None), (32, 8, 128, 208, 208, None, None),
-                                                   (4, 2, 32, 1100, 1152, 32, 32)],
-                         ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads", "35-chunks"])
+@pytest.mark.parametrize(
+    "nh,nkv,d,S,M,split,bs",
+    [
+        (4, 2, 16, 37, 64, None, None),
+        (8, 2, 32, 200, 256, 64, None),
+        (4, 4, 16, 130, 160, None, None),
+        (3, 1, 64, 600, 640, None, None),
+        (3, 1, 64, 600, 640, 128, None),
+        (32, 8, 128, 208, 208, None, None),
+        (4, 2, 32, 1100, 1152, 32, 32),
+    ],
+    ids=["gqa2", "split-masked-chunk", "mha", "g3-long", "g3-split", "8b-heads", "35-chunks"],
+)
 def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
     """One query token over the first S cache slots with a random mask, one program per KV head or the keys split
     over programs (a chunk with every key masked included), against the compact forward's attention in fp32."""
@@ -156,9 +167,10 @@ def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
     mask[-1] = True
     if split:
         mask[:split] = False  # the whole first chunk masked: its weight must be 0, not NaN
-    o = decode_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs)
-    ref = grouped_attention(q.view(1, nh, 1, d).float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask[None],
-                            d ** -0.5, "bmm").reshape(1, nh * d)
+    o = decode_attention(q, kc, vc, mask, d**-0.5, split_len=split, block_s=bs)
+    ref = grouped_attention(
+        q.view(1, nh, 1, d).float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask[None], d**-0.5, "bmm"
+    ).reshape(1, nh * d)
     assert o.shape == (1, nh * d) and o.dtype == dtype
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(o.float(), ref, **tol)
@@ -183,8 +195,11 @@ def test_decode_attention_uses_the_tuned_plan(monkeypatch):
     torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), ref, atol=2e-6, rtol=2e-6)
     for S_ in (208, 2128, 8192):
         sl, bs, _ = K._attn_plan(S_, 8, 4, 128, torch.bfloat16, q.device, None, None, None)
-        assert sl % bs == 0 and -(-S_ // sl) <= K.ATTN_TARGET_CHUNKS and (sl == bs or -(-S_ // (sl // 2)) >
-                                                                          K.ATTN_TARGET_CHUNKS)
+        assert (
+            sl % bs == 0
+            and -(-S_ // sl) <= K.ATTN_TARGET_CHUNKS
+            and (sl == bs or -(-S_ // (sl // 2)) > K.ATTN_TARGET_CHUNKS)
+        )
 
 
 def test_decode_attention_skips_unmasked_tail():
@@ -205,11 +220,18 @@ def _tree_mask(T: int, S: int, ctx: int, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,nh,nkv,d,ctx,M,split,bs,br", [
-    (7, 4, 2, 16, 30, 64, None, None, None), (49, 8, 2, 32, 150, 256, None, None, None),
-    (5, 3, 1, 64, 40, 64, 32, 16, 16), (33, 4, 4, 16, 200, 256, 64, 32, 32), (2, 32, 8, 128, 60, 128, None, None, None),
-    (1, 4, 2, 16, 20, 32, None, None, None)],
-    ids=["gqa2", "verify-49", "mqa-split-rows", "mha-row-blocks", "8b-heads", "one-token"])
+@pytest.mark.parametrize(
+    "T,nh,nkv,d,ctx,M,split,bs,br",
+    [
+        (7, 4, 2, 16, 30, 64, None, None, None),
+        (49, 8, 2, 32, 150, 256, None, None, None),
+        (5, 3, 1, 64, 40, 64, 32, 16, 16),
+        (33, 4, 4, 16, 200, 256, 64, 32, 32),
+        (2, 32, 8, 128, 60, 128, None, None, None),
+        (1, 4, 2, 16, 20, 32, None, None, None),
+    ],
+    ids=["gqa2", "verify-49", "mqa-split-rows", "mha-row-blocks", "8b-heads", "one-token"],
+)
 def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs, br):
     """T query tokens with a tree mask each (rows of several tiles, keys split over programs, chunks that some or
     all rows of a tile cannot see), q a strided view as the compact forward passes it, against the compact forward's
@@ -223,18 +245,24 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
     mask = _tree_mask(T, S, ctx, g).to(DEV)
     if split:
         mask[: T // 2, :split] = False  # a chunk that half the rows (in the same tile as the rest) do not see
-    o = rows_attention(q, kc, vc, mask, d ** -0.5, split_len=split, block_s=bs, block_r=br)
+    o = rows_attention(q, kc, vc, mask, d**-0.5, split_len=split, block_s=bs, block_r=br)
     # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing
-    o_slots = rows_attention(q, kc, vc, mask, d ** -0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split,
-                             block_s=bs, block_r=br)
+    o_slots = rows_attention(
+        q, kc, vc, mask, d**-0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split, block_s=bs, block_r=br
+    )
     torch.testing.assert_close(o_slots, o, atol=0, rtol=0)
-    ref = grouped_attention(q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask,
-                            d ** -0.5, "bmm").transpose(1, 2).reshape(T, nh * d)
+    ref = (
+        grouped_attention(
+            q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask, d**-0.5, "bmm"
+        )
+        .transpose(1, 2)
+        .reshape(T, nh * d)
+    )
     assert o.shape == (T, nh * d) and o.dtype == dtype
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(o.float(), ref, **tol)
     if split is None:  # the default plan through the torch operator gives the same
-        torch.testing.assert_close(rows_attention(q, kc, vc, mask, d ** -0.5), o, atol=0, rtol=0)
+        torch.testing.assert_close(rows_attention(q, kc, vc, mask, d**-0.5), o, atol=0, rtol=0)
 
 
 def test_rows_attention_skips_unseen_keys_and_checks_shapes():
@@ -264,14 +292,26 @@ def test_rows_attention_skips_unseen_keys_and_checks_shapes():
     with pytest.raises(ValueError, match="rows_attention"):
         rows_attention(q, kc, vc, mask[:5], 0.25)
     with pytest.raises(ValueError, match="rows_attention"):
-        rows_attention(torch.randn(T, nh, 24, device=DEV), torch.randn(1, nkv, M, 24, device=DEV),
-                       torch.randn(1, nkv, M, 24, device=DEV), mask, 0.25)
+        rows_attention(
+            torch.randn(T, nh, 24, device=DEV),
+            torch.randn(1, nkv, M, 24, device=DEV),
+            torch.randn(1, nkv, M, 24, device=DEV),
+            mask,
+            0.25,
+        )
 
 
-@pytest.mark.parametrize("R,V,k,dtype", [(1, 50, 3, torch.float32), (8, 5000, 8, torch.float32),
-                                         (8, 200, 8, torch.bfloat16), (3, 2049, 16, torch.float32),
-                                         (2, 16, 16, torch.float32)],
-                         ids=["one-row", "draft-level", "bf16", "block-edge", "k-equals-V"])
+@pytest.mark.parametrize(
+    "R,V,k,dtype",
+    [
+        (1, 50, 3, torch.float32),
+        (8, 5000, 8, torch.float32),
+        (8, 200, 8, torch.bfloat16),
+        (3, 2049, 16, torch.float32),
+        (2, 16, 16, torch.float32),
+    ],
+    ids=["one-row", "draft-level", "bf16", "block-edge", "k-equals-V"],
+)
 def test_topk_logprobs_equals_torch(R, V, k, dtype):
     """log-softmax + top-k in two kernels against torch's: the same columns in the same order, the same log-probs;
     ties go to the lower column (torch leaves their order open, so a tie is checked on its own)."""
@@ -323,9 +363,11 @@ def test_verify_forward_through_rows_attention_equals_torch_path():
 
 @pytest.mark.parametrize("T", [1, 5, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm,bias,res,glu", [(False, False, False, False), (True, True, False, False),
-                                               (False, True, True, False), (True, True, False, True)],
-                         ids=["plain", "norm-bias", "bias-res", "norm-glu"])
+@pytest.mark.parametrize(
+    "norm,bias,res,glu",
+    [(False, False, False, False), (True, True, False, False), (False, True, True, False), (True, True, False, True)],
+    ids=["plain", "norm-bias", "bias-res", "norm-glu"],
+)
 def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
     """T rows (a verify's tokens) as one tl.dot tile: fp32 against F.linear (+ folds); bf16 against the one-row
     gemv row by row (the same roundings: gemv is checked against torch above), since the interpreter's
@@ -351,8 +393,10 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
             ref = r + ref
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     else:
-        rows = [gemv(x[t:t + 1], w, nw, 1e-5, bias=b, residual=None if r is None else r[t:t + 1], glu=glu)
-                for t in range(T)]
+        rows = [
+            gemv(x[t : t + 1], w, nw, 1e-5, bias=b, residual=None if r is None else r[t : t + 1], glu=glu)
+            for t in range(T)
+        ]
         torch.testing.assert_close(y.float(), torch.cat(rows).float(), atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="gemm_rows"):
         gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
@@ -372,8 +416,9 @@ def test_verify_forward_through_row_kernels_equals_torch_path():
     ar = torch.arange(48, device=DEV)
     node = torch.arange(7, device=DEV)
     # tree: every node sees the context (0..8) and the even-offset nodes before it
-    tree = (ar[None, :] < 9) | ((ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) &
-                                ((node[:, None] - (ar[None, :] - 9)) % 2 == 0))
+    tree = (ar[None, :] < 9) | (
+        (ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) & ((node[:, None] - (ar[None, :] - 9)) % 2 == 0)
+    )
     with torch.no_grad():
         for f in (ref, kf):
             f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
@@ -390,9 +435,11 @@ def test_gemv_rejects_a_mismatched_weight():
         gemv(torch.randn(1, 8, device=DEV), torch.randn(4, 9, device=DEV))
 
 
-@pytest.mark.parametrize("name,model", [("qwen3", tiny_qwen3()), ("qwen2-bias", tiny_llama(vocab_size=50,
-                                                                                           model_type="qwen2"))],
-                         ids=["qwen3", "qwen2-bias"])
+@pytest.mark.parametrize(
+    "name,model",
+    [("qwen3", tiny_qwen3()), ("qwen2-bias", tiny_llama(vocab_size=50, model_type="qwen2"))],
+    ids=["qwen3", "qwen2-bias"],
+)
 def test_one_token_step_equals_torch_path(name, model):
     """A decode step (T=1) with kernels="triton" gives the torch path's logits, aux states and cache rows."""
     model = model.to(DEV)
@@ -416,9 +463,18 @@ def _gelu_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(2)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=1, hidden_act="gelu", max_position_embeddings=128, initializer_range=0.3,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        hidden_act="gelu",
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
@@ -440,8 +496,8 @@ def test_one_token_step_routes_each_op(name, leave_out):
         for f in (ref, kf):
             f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
         for t in range(9, 12):  # three one-token steps: each reads the cache rows the previous ones wrote
-            p = pos[t:t + 1]
-            (lr, ar), (lk, ak) = (f(ids[t:t + 1], p, p, causal_mask(48, p, DEV)) for f in (ref, kf))
+            p = pos[t : t + 1]
+            (lr, ar), (lk, ak) = (f(ids[t : t + 1], p, p, causal_mask(48, p, DEV)) for f in (ref, kf))
             torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(ak, ar, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
@@ -478,8 +534,10 @@ def test_greedy_equal_with_triton_kernels(setup):
     m = tiny_qwen3().to(DEV)
     d = random_drafter(m, seed=1).to(DEV)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(4)]
+    prompts = [
+        torch.randint(0, m.config.vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(4)
+    ]
     ref = SpeculativeDecoder(m, d, max_len=64)
     if setup == "built":
         eng = SpeculativeDecoder(m, d, max_len=64, kernels="triton")
@@ -519,8 +577,10 @@ def test_triton_kernels_with_compiled_rounds():
     torch._dynamo.reset()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU bench runs; triton 3.6's "
-                    "interpreter fails on the tiny CPU shape")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="on a GPU machine the GPU bench runs; triton 3.6's interpreter fails on the tiny CPU shape",
+)
 def test_bench_decode_kernels_triton_smoke(tmp_path):
     """bench/decode_kernels.py --gemv torch,triton runs the Triton rows and the per-matrix table (tiny shape)."""
     import json
@@ -529,11 +589,32 @@ def test_bench_decode_kernels_triton_smoke(tmp_path):
 
     root = str(Path(__file__).resolve().parents[3])
     # --smoke runs on CPU tensors, also on a GPU machine: the kernels there need the interpreter
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"),
-               TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off",
-                        "--impls", "sdpa", "--gemv", "torch,triton", "--attn-sweep"], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        OUT=str(tmp_path),
+        OMP_NUM_THREADS="1",
+        DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"),
+        TRITON_INTERPRET="1",
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "bench", "decode_kernels.py"),
+            "--smoke",
+            "--compile",
+            "off",
+            "--impls",
+            "sdpa",
+            "--gemv",
+            "torch,triton",
+            "--attn-sweep",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "decode_kernels.json").read_text())
     assert {row["gemv"] for row in res["rows"]} == {"torch", "triton"}
@@ -554,8 +635,14 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "aot.json"
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "",
-                        "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "", "--json", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.exists(), r.stderr[-2000:]
     rows = json.loads(out.read_text())
     from draftsmith.decode import kernels as K
@@ -567,6 +654,9 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
     # 16-byte loads: as vector loads into registers, or as the async copies of a pipelined tl.dot loop
-    assert all(row["v4 loads"] > 0 or row["cp.async"] > 0 for row in rows
-               if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention")))
+    assert all(
+        row["v4 loads"] > 0 or row["cp.async"] > 0
+        for row in rows
+        if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention"))
+    )
     assert r.returncode == 0

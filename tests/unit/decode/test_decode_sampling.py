@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 import torch
+from decode_helpers import random_drafter, tiny_llama
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams, chain_accept, warp
-from decode_helpers import random_drafter, tiny_llama
 
 V = 5
 PROMPT = [1, 3, 2]
@@ -38,8 +38,11 @@ def _chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:
         stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
         df += 1
     df -= 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 def _exact_joint(model, sp, n_tok=3):
@@ -93,7 +96,7 @@ def test_chi2_detects_a_biased_sampler(setup):
     m, _ = setup
     sp = SamplingParams(temperature=1.0)
     exact = _exact_joint(m, sp)
-    biased = {c: (p ** 1.5) for c, p in exact.items()}
+    biased = {c: (p**1.5) for c, p in exact.items()}
     z = sum(biased.values())
     g = torch.Generator().manual_seed(0)
     keys = list(biased)

@@ -20,13 +20,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import random_drafter, tiny_qwen3
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams, warp
-from decode_helpers import random_drafter, tiny_qwen3
 
-FACTORIES = ("zeros", "ones", "full", "empty", "arange", "eye", "rand", "randn", "randint", "randperm", "linspace",
-             "logspace", "scalar_tensor", "empty_strided", "tril_indices", "triu_indices")
+FACTORIES = (
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "arange",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "logspace",
+    "scalar_tensor",
+    "empty_strided",
+    "tril_indices",
+    "triu_indices",
+)
 
 
 def _is_host_value(v) -> bool:
@@ -49,8 +65,10 @@ def _has_host_index(index) -> bool:
 def _names_device(args, kwargs) -> bool:
     if kwargs.get("device") is not None or isinstance(kwargs.get("other"), torch.Tensor):
         return True
-    return any(isinstance(a, (str, torch.device, torch.Tensor)) or (isinstance(a, int) and not isinstance(a, bool))
-               for a in args)
+    return any(
+        isinstance(a, (str, torch.device, torch.Tensor)) or (isinstance(a, int) and not isinstance(a, bool))
+        for a in args
+    )
 
 
 class _IndexGuard(torch.overrides.TorchFunctionMode):
@@ -73,6 +91,7 @@ def no_host_sync():
     def boom(name):
         def f(*a, **k):
             raise AssertionError(f"host sync / host data inside a round: {name}")
+
         return f
 
     patched = {}
@@ -85,8 +104,18 @@ def no_host_sync():
         patched[(obj, name)] = (getattr(obj, name), own)
         setattr(obj, name, fn)
 
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "cuda",
-                 "new_tensor"):
+    for name in (
+        "item",
+        "tolist",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "numpy",
+        "cpu",
+        "cuda",
+        "new_tensor",
+    ):
         patch(torch.Tensor, name, boom(f"Tensor.{name}"))
     for name in ("tensor", "as_tensor", "from_numpy", "asarray"):
         patch(torch, name, boom(f"torch.{name}"))
@@ -94,9 +123,12 @@ def no_host_sync():
     def factory(name, fn):
         def f(*a, **k):
             if k.get("device") is None:
-                raise AssertionError(f"torch.{name} without an explicit device= inside a round "
-                                     "(builds a host tensor that must be copied to the device)")
+                raise AssertionError(
+                    f"torch.{name} without an explicit device= inside a round "
+                    "(builds a host tensor that must be copied to the device)"
+                )
             return fn(*a, **k)
+
         return f
 
     for name in FACTORIES:
@@ -137,8 +169,13 @@ def eng():
 
 
 MODES = [DecodeMode("plain"), DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=4, tree_tokens=10)]
-SAMPLING = [SamplingParams(), SamplingParams(0.8), SamplingParams(0.8, top_p=0.9), SamplingParams(0.8, top_k=20),
-            SamplingParams(0.8, top_p=0.9, top_k=20)]
+SAMPLING = [
+    SamplingParams(),
+    SamplingParams(0.8),
+    SamplingParams(0.8, top_p=0.9),
+    SamplingParams(0.8, top_k=20),
+    SamplingParams(0.8, top_p=0.9, top_k=20),
+]
 SP_IDS = ["greedy", "temp", "top_p", "top_k", "top_p_k"]
 
 
@@ -167,10 +204,21 @@ def test_warp_has_no_host_data(sp, shape):
 def test_guard_catches_host_copies():
     """The guard itself: each way of smuggling host data into a round raises."""
     x = torch.zeros(4, dtype=torch.bool)
-    cases = [lambda: torch.zeros(3), lambda: torch.arange(3), lambda: torch.full((2,), 1.0), lambda: torch.rand(2),
-             lambda: x.to("cpu"), lambda: x.to(torch.device("cpu")), lambda: x.to(x), lambda: x.new_tensor([1]),
-             lambda: x[..., 0].__setitem__((), True), lambda: x.__setitem__(0, True), lambda: x[[0, 1]],
-             lambda: x.__setitem__([0, 1], torch.ones(2, dtype=torch.bool)), lambda: torch.tensor(1)]
+    cases = [
+        lambda: torch.zeros(3),
+        lambda: torch.arange(3),
+        lambda: torch.full((2,), 1.0),
+        lambda: torch.rand(2),
+        lambda: x.to("cpu"),
+        lambda: x.to(torch.device("cpu")),
+        lambda: x.to(x),
+        lambda: x.new_tensor([1]),
+        lambda: x[..., 0].__setitem__((), True),
+        lambda: x.__setitem__(0, True),
+        lambda: x[[0, 1]],
+        lambda: x.__setitem__([0, 1], torch.ones(2, dtype=torch.bool)),
+        lambda: torch.tensor(1),
+    ]
     with no_host_sync():
         for c in cases:
             with pytest.raises(AssertionError):
@@ -193,8 +241,12 @@ def test_round_op_budget():
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
     from decode_ops import census
 
-    rows = {r["mode"]: r for r in census(str(Path(__file__).resolve().parents[3] / "assets" / "pycode-tiny"),
-                                         ["plain", "chain3", "tree8/5/32"])}
+    rows = {
+        r["mode"]: r
+        for r in census(
+            str(Path(__file__).resolve().parents[3] / "assets" / "pycode-tiny"), ["plain", "chain3", "tree8/5/32"]
+        )
+    }
     assert rows["plain"]["bookkeeping"] <= 8
     assert rows["chain3"]["bookkeeping"] <= 40
     assert rows["tree8/5/32"]["bookkeeping"] <= 160

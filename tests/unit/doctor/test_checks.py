@@ -20,8 +20,9 @@ def _checks(target, path, store=None):
     from draftsmith.doctor.diagnosis import load_for_doctor
 
     info = load_for_doctor(str(path), target)
-    out = static_checks(target, str(path), info["format"], info["config"], info["state"], info["notes"],
-                        info["load_error"], store)
+    out = static_checks(
+        target, str(path), info["format"], info["config"], info["state"], info["notes"], info["load_error"], store
+    )
     return {c["name"]: c for c in out}
 
 
@@ -75,9 +76,9 @@ def test_store_hashes_and_aux_layers(target, tmp_path):
     p = _drafter(target, aux_layer_ids=[1, 3, 4]).save_pretrained(tmp_path / "d")
     store = tmp_path / "store"
     store.mkdir()
-    (store / "manifest.json").write_text(json.dumps({"target": {"config_hash": target.config_hash,
-                                                                "tokenizer_hash": "0" * 64},
-                                                     "aux_layers": [1, 3, 5]}))
+    (store / "manifest.json").write_text(
+        json.dumps({"target": {"config_hash": target.config_hash, "tokenizer_hash": "0" * 64}, "aux_layers": [1, 3, 5]})
+    )
     c = _checks(target, p, store=str(store))
     assert c["store_config_hash"]["ok"]
     assert not c["store_tokenizer_hash"]["ok"]
@@ -104,8 +105,10 @@ def test_suggestions_read_tau_sim_of_the_run_and_the_fall_off(tmp_path):
 
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
-    recs = [{"step": 10, "tau_sim": 1.0, "acc": [0.5] * 7},
-            {"step": 20, "tau_sim": 2.9, "acc": [0.9] * 7, "eval_tau_sim": 2.5, "eval_acc": [0.9, 0.8, 0.8, 0.7]}]
+    recs = [
+        {"step": 10, "tau_sim": 1.0, "acc": [0.5] * 7},
+        {"step": 20, "tau_sim": 2.9, "acc": [0.9] * 7, "eval_tau_sim": 2.5, "eval_acc": [0.9, 0.8, 0.8, 0.7]},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     ts = read_tau_sim(str(run / "final"))
     assert ts["held_out"] and ts["step"] == 20 and ts["tau_sim"] == 2.5
@@ -138,8 +141,9 @@ def test_chain_drafts_equal_a_from_scratch_reference(layers):
     tr = trace_prompt(target_from_model(model), [3, 7, 1, 9, 4], max_new_tokens=12, lookahead=3)
     starts = torch.tensor([5, 8, 11])
     table = d.draft_target_ids
-    drafts, _ = chain_drafts(d, tr.layer_states[:, d.config.aux_layer_ids].reshape(tr.length, -1), tr.input_ids,
-                             starts, 3, table)
+    drafts, _ = chain_drafts(
+        d, tr.layer_states[:, d.config.aux_layer_ids].reshape(tr.length, -1), tr.input_ids, starts, 3, table
+    )
     eng = SpeculativeDecoder(model, d, max_len=64)
     for row, n in zip(drafts.tolist(), starts.tolist()):
         assert row == reference_chain_drafts(eng, d, tr.input_ids[: n + 1].tolist(), 3)

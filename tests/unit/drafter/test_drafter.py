@@ -10,21 +10,44 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.drafter import Drafter, DrafterConfig, build_draft_vocab
 from draftsmith.drafter.model import rope_inv_freq
-from draftsmith.common.errors import DraftsmithError
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = next((p for p in (REPO / "assets" / "pycode-tiny", REPO.parent / "shared" / "targets" / "pycode-tiny",
-                         Path("/work/shared/targets/pycode-tiny")) if (p / "config.json").is_file()), None)
+TINY = next(
+    (
+        p
+        for p in (
+            REPO / "assets" / "pycode-tiny",
+            REPO.parent / "shared" / "targets" / "pycode-tiny",
+            Path("/work/shared/targets/pycode-tiny"),
+        )
+        if (p / "config.json").is_file()
+    ),
+    None,
+)
 needs_tiny = pytest.mark.skipif(TINY is None, reason="pycode-tiny target not found")
 
 
 def small_config(**kw) -> DrafterConfig:
-    base = dict(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=128, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[0, 2, 3],
-                target_num_layers=5, target_model_type="llama", target_name_or_path="toy")
+    base = dict(
+        hidden_size=32,
+        target_hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        vocab_size=100,
+        draft_vocab_size=40,
+        aux_layer_ids=[0, 2, 3],
+        target_num_layers=5,
+        target_model_type="llama",
+        target_name_or_path="toy",
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -134,8 +157,11 @@ def test_kv_cache_attn_fn_matches_full_forward():
                 v = torch.cat([cache[layer_idx][1], v], dim=2)
             cache[layer_idx] = (k, v)
             return F.scaled_dot_product_attention(
-                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]))
+                q,
+                k.repeat_interleave(2, 1),
+                v.repeat_interleave(2, 1),
+                attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]),
+            )
 
         first = d(ids[:, :4], hid[:, :4], torch.arange(4)[None], attn_fn=cached)
         rest = [d(ids[:, i : i + 1], hid[:, i : i + 1], torch.tensor([[i]]), attn_fn=cached) for i in (4, 5)]
@@ -175,9 +201,14 @@ def _reference_forward(d: Drafter, ids, hidden, pos):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     c = d.config
-    hf = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                     num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-                     rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    hf = LlamaConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        head_dim=c.head_dim,
+        num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    )
     cos, sin = LlamaRotaryEmbedding(hf)(hidden, pos)
 
     def norm(mod, x):
@@ -196,8 +227,10 @@ def _reference_forward(d: Drafter, ids, hidden, pos):
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     o = naive_attention(q, k, v, 0).transpose(1, 2).reshape(b, t, -1)
     r = hidden + a.o_proj(o)
-    out = r + m.mlp.down_proj(F.silu(m.mlp.gate_proj(norm(m.post_attention_layernorm, r))) * m.mlp.up_proj(
-        norm(m.post_attention_layernorm, r)))
+    out = r + m.mlp.down_proj(
+        F.silu(m.mlp.gate_proj(norm(m.post_attention_layernorm, r)))
+        * m.mlp.up_proj(norm(m.post_attention_layernorm, r))
+    )
     return out, d.lm_head(norm(d.norm, out))
 
 
@@ -225,8 +258,9 @@ def test_norm_before_residual_changes_residual_only():
         # the difference is exactly the residual branch: hidden vs hidden_norm(hidden)
         m = d.layers[0]
         e = m.input_layernorm(d.embed_tokens(ids))
-        attn = m.self_attn(torch.cat([e, m.hidden_norm(hid)], -1),
-                           *_cos_sin(d, torch.arange(9).expand(2, -1)), naive_attention)
+        attn = m.self_attn(
+            torch.cat([e, m.hidden_norm(hid)], -1), *_cos_sin(d, torch.arange(9).expand(2, -1)), naive_attention
+        )
         r = m.hidden_norm(hid) + attn
         torch.testing.assert_close(b, r + m.mlp(m.post_attention_layernorm(r)), rtol=1e-5, atol=1e-5)
 
@@ -237,19 +271,38 @@ def _cos_sin(d, pos):
     return rope_cos_sin(d._inv_freq, pos, torch.float32)
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "factor": 4.0},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = small_config(head_dim=16, num_attention_heads=2, num_key_value_heads=1, rope_theta=500000.0,
-                       max_position_embeddings=512, rope_scaling=scaling)
-    hf = LlamaConfig(hidden_size=32, num_attention_heads=2, head_dim=16, max_position_embeddings=512,
-                     rope_parameters={"rope_theta": 500000.0, **scaling})
+    cfg = small_config(
+        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        max_position_embeddings=512,
+        rope_scaling=scaling,
+    )
+    hf = LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
     torch.testing.assert_close(rope_inv_freq(cfg), ref.float(), rtol=1e-6, atol=0)
 
@@ -369,7 +422,12 @@ def test_from_target_pycode_tiny(tmp_path):
     d = Drafter.from_target(TINY, token_counts=counts, draft_vocab_size=500)
     c = d.config
     assert (c.hidden_size, c.target_hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
-        192, 192, 3, 1, 64)
+        192,
+        192,
+        3,
+        1,
+        64,
+    )
     assert (c.intermediate_size, c.vocab_size, c.draft_vocab_size, c.target_num_layers) == (512, 16384, 500, 6)
     assert c.aux_layer_ids == [1, 2, 3]  # distinct: EAGLE-3 [1, N//2-1, N-4] collides for N=6 (layer-output ids)
     assert c.rope_theta == 10000.0 and c.rms_norm_eps == 1e-5 and c.target_model_type == "llama"
@@ -426,9 +484,19 @@ def test_fused_decoding_view_matches_the_drafter(layers, bias):
     from draftsmith.drafter import Drafter, DrafterConfig
 
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=300, draft_vocab_size=100, target_hidden_size=48,
-                        num_hidden_layers=layers, attention_bias=bias, mlp_bias=bias)
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        draft_vocab_size=100,
+        target_hidden_size=48,
+        num_hidden_layers=layers,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
     d = Drafter(cfg)
     d.set_embedding(torch.randn(300, 64))
     with torch.no_grad():

@@ -17,17 +17,32 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.drafter import Drafter, inspect_drafter
 from draftsmith.drafter.formats import detect_format
-from draftsmith.common.errors import DraftsmithError
 from draftsmith.export import export
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = next((p for p in (REPO / "assets" / "pycode-tiny", REPO.parent / "shared" / "targets" / "pycode-tiny",
-                         Path("/work/shared/targets/pycode-tiny")) if (p / "config.json").is_file()), None)
+TINY = next(
+    (
+        p
+        for p in (
+            REPO / "assets" / "pycode-tiny",
+            REPO.parent / "shared" / "targets" / "pycode-tiny",
+            Path("/work/shared/targets/pycode-tiny"),
+        )
+        if (p / "config.json").is_file()
+    ),
+    None,
+)
 pytestmark = pytest.mark.skipif(TINY is None, reason="pycode-tiny target not found")
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 
 
 def make_drafter(seed=0, **kw) -> Drafter:
@@ -65,15 +80,18 @@ def keys(path: Path) -> set[str]:
 
 
 # ------------------------------------------------------------------------------------- round trips
-@pytest.mark.parametrize("fmt,variant", [
-    ("sglang", {}),
-    ("vllm", {}),
-    ("vllm", {"norm_before_residual": True, "num_hidden_layers": 2}),
-    ("speculators", {}),
-    ("speculators", {"norm_before_residual": True, "num_hidden_layers": 2}),
-    ("sglang", {"rope_scaling": LLAMA3_ROPE}),
-    ("speculators", {"rope_scaling": LLAMA3_ROPE}),
-])
+@pytest.mark.parametrize(
+    "fmt,variant",
+    [
+        ("sglang", {}),
+        ("vllm", {}),
+        ("vllm", {"norm_before_residual": True, "num_hidden_layers": 2}),
+        ("speculators", {}),
+        ("speculators", {"norm_before_residual": True, "num_hidden_layers": 2}),
+        ("sglang", {"rope_scaling": LLAMA3_ROPE}),
+        ("speculators", {"rope_scaling": LLAMA3_ROPE}),
+    ],
+)
 def test_round_trip_identical_logits(tmp_path, fmt, variant):
     d = make_drafter(**variant)
     ids, aux, pos = sample(d)
@@ -94,7 +112,8 @@ def test_round_trip_identical_logits(tmp_path, fmt, variant):
     # and back again: re-export of the re-import gives the same files
     export(d2, tmp_path / "again", fmt, target=TINY, dtype="fp32")
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
-        (tmp_path / fmt / "config.json").read_text())
+        (tmp_path / fmt / "config.json").read_text()
+    )
 
 
 def test_sglang_and_vllm_layout(tmp_path):
@@ -109,12 +128,25 @@ def test_sglang_and_vllm_layout(tmp_path):
         assert c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # hidden_states ids (vLLM reads this one)
         assert c["torch_dtype"] == c["dtype"] == "bfloat16"  # the target's dtype (issue #14 item 13)
     for c in (s, v):
-        assert (c["vocab_size"], c["draft_vocab_size"], c["num_hidden_layers"], c["hidden_size"]) == (16384, 700, 1, 192)
+        assert (c["vocab_size"], c["draft_vocab_size"], c["num_hidden_layers"], c["hidden_size"]) == (
+            16384,
+            700,
+            1,
+            192,
+        )
         assert c["tie_word_embeddings"] is False and "target_hidden_size" not in c  # H == H_t
     k = keys(tmp_path / "s")
     assert k == keys(tmp_path / "v")
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-            "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= k
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= k
     assert not any("embed" in x or x.startswith("layers.") or x.startswith("model.") for x in k)
     # the marker names the layout; without it, a drafter SGLang can run reads as sglang (the same reader)
     assert detect_format(s, marker={"format": "sglang"}) == "sglang" == detect_format(s)
@@ -167,8 +199,10 @@ def test_import_sglang_with_model_prefix(tmp_path):
     export(d, tmp_path / "s", "sglang", target=TINY, dtype="fp32")
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     (tmp_path / "p").mkdir()
-    save_file({("model." + k if k not in ("lm_head.weight", "d2t", "t2d") else k): v for k, v in sd.items()},
-              str(tmp_path / "p" / "model.safetensors"))
+    save_file(
+        {("model." + k if k not in ("lm_head.weight", "d2t", "t2d") else k): v for k, v in sd.items()},
+        str(tmp_path / "p" / "model.safetensors"),
+    )
     (tmp_path / "p" / "config.json").write_text((tmp_path / "s" / "config.json").read_text())
     d2 = Drafter.from_pretrained(tmp_path / "p", target=TINY)
     ids, aux, pos = sample(d)
@@ -195,8 +229,11 @@ def test_import_official_eagle_release(tmp_path):
     d = make_drafter(aux_layer_ids=None)  # default aux layers for the target
     path = _official_eagle(tmp_path, d)
     # a config without aux ids takes the engines' default, and says so in both conventions (issue #14)
-    with pytest.warns(UserWarning, match=r"names no aux layers.*layer-output ids \[1, 2, 2\] = hidden_states ids "
-                                         r"\[2, 3, 3\]"):
+    with pytest.warns(
+        UserWarning,
+        match=r"names no aux layers.*layer-output ids \[1, 2, 2\] = hidden_states ids "
+        r"\[2, 3, 3\]",
+    ):
         d2 = Drafter.from_pretrained(path, target=TINY)
     assert d2.config.extra["source_format"] == "eagle"
     assert d2.config.aux_layer_ids == [1, 2, 2]  # engine default [2, N//2, N-3] hidden_states ids for N=6
@@ -233,8 +270,10 @@ def test_fit_refusals_name_the_field(tmp_path):
     def with_cfg(**changes):
         cfg_path.write_text(json.dumps({**base, **changes}))
 
-    with_cfg(eagle_aux_hidden_state_layer_ids=[1, 3, 7], eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 6],
-                                                                      "use_aux_hidden_state": True})
+    with_cfg(
+        eagle_aux_hidden_state_layer_ids=[1, 3, 7],
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 6], "use_aux_hidden_state": True},
+    )
     with pytest.raises(DraftsmithError, match="aux_layer_ids"):
         Drafter.from_pretrained(tmp_path / "v", target=TINY)
     with_cfg(eagle_aux_hidden_state_layer_ids=[1, 3, 4])  # disagrees with the nested layer-output ids
@@ -271,8 +310,21 @@ def test_cli_export(tmp_path):
         pass
 
     make_drafter().save_pretrained(tmp_path / "native")
-    r = CliRunner().invoke(app, ["export", str(tmp_path / "native"), "--format", "sglang", "--out",
-                                 str(tmp_path / "out"), "--target", str(TINY), "--dtype", "bf16"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "native"),
+            "--format",
+            "sglang",
+            "--out",
+            str(tmp_path / "out"),
+            "--target",
+            str(TINY),
+            "--dtype",
+            "bf16",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "--speculative-algorithm EAGLE3" in r.output and "speculators convert" in r.output
     assert "[1, 3, 5]" in r.output  # hidden_states ids for the converter
@@ -320,9 +372,12 @@ def _speculators():
     if importlib.util.find_spec("speculators") is None:
         pytest.skip("speculators not installed (see module docstring)")
     for mod in ("speculators.utils.loading", "speculators.convert"):  # pull in its light deps (loguru, ...)
-        pytest.importorskip(mod, reason="speculators' dependencies missing (see module docstring)", exc_type=ImportError)
-    return pytest.importorskip("speculators.models.eagle3", reason="speculators or its dependencies missing",
-                               exc_type=ImportError)
+        pytest.importorskip(
+            mod, reason="speculators' dependencies missing (see module docstring)", exc_type=ImportError
+        )
+    return pytest.importorskip(
+        "speculators.models.eagle3", reason="speculators or its dependencies missing", exc_type=ImportError
+    )
 
 
 def _spec_logits(model, ids, aux, pos):
@@ -332,15 +387,22 @@ def _spec_logits(model, ids, aux, pos):
     try:
         with torch.no_grad():
             for b in range(ids.shape[0]):
-                model(hidden_states=aux[b : b + 1], input_ids=ids[b : b + 1], position_ids=pos[b : b + 1],
-                      document_ids=torch.zeros_like(ids[b : b + 1]), ttt_steps=1)
+                model(
+                    hidden_states=aux[b : b + 1],
+                    input_ids=ids[b : b + 1],
+                    position_ids=pos[b : b + 1],
+                    document_ids=torch.zeros_like(ids[b : b + 1]),
+                    ttt_steps=1,
+                )
     finally:
         hook.remove()
     return torch.cat(out, 0)
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True, "num_hidden_layers": 2},
-                                     {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}])
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"norm_before_residual": True, "num_hidden_layers": 2}, {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}],
+)
 def test_speculators_loads_our_export(tmp_path, variant):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -366,8 +428,13 @@ def test_speculators_convert_of_our_sglang_export(tmp_path):
         info = export(d, tmp_path / "sglang", "sglang", target=TINY, dtype="fp32")
         # what `speculators convert` runs (the printed command passes the hidden_states ids the same way)
         assert '"eagle_aux_hidden_state_layer_ids": [1, 3, 5]' in info["speculators_convert_command"]
-        convert_model(model=str(tmp_path / "sglang"), verifier=str(TINY), output_path=str(tmp_path / "conv"),
-                      algorithm="eagle3", eagle_aux_hidden_state_layer_ids=[1, 3, 5])
+        convert_model(
+            model=str(tmp_path / "sglang"),
+            verifier=str(TINY),
+            output_path=str(tmp_path / "conv"),
+            algorithm="eagle3",
+            eagle_aux_hidden_state_layer_ids=[1, 3, 5],
+        )
         m = Eagle3DraftModel.from_pretrained(str(tmp_path / "conv")).eval()
         # speculators 0.9.0's converter writes no embed_tokens and its from_pretrained then leaves the embedding
         # initialised by transformers (zeros or random) instead of fetching the verifier's; use its own reload
@@ -390,8 +457,17 @@ def test_narrow_drafter_keeps_its_own_embedding(tmp_path):
     from draftsmith.drafter import DrafterConfig
 
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=32, target_hidden_size=48, intermediate_size=64, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
+    cfg = DrafterConfig(
+        hidden_size=32,
+        target_hidden_size=48,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        draft_vocab_size=40,
+        aux_layer_ids=[0, 1, 2],
+    )
     d = Drafter(cfg)
     d.set_embedding(torch.randn(100, 32))
     g = torch.Generator().manual_seed(0)
@@ -529,8 +605,9 @@ def test_missing_aux_ids_warn_in_one_line(tmp_path):
     app = typer.Typer()
     register(app)
     app.command("noop", hidden=True)(lambda: None)
-    r = CliRunner().invoke(app, ["export", str(tmp_path / "d"), "--format", "vllm", "--out", str(tmp_path / "o"),
-                                 "--target", str(TINY)])
+    r = CliRunner().invoke(
+        app, ["export", str(tmp_path / "d"), "--format", "vllm", "--out", str(tmp_path / "o"), "--target", str(TINY)]
+    )
     # the engines' default for 6 layers repeats a layer: the warning says which, then the export is refused
     assert r.exit_code != 0
     warning = [line for line in r.output.splitlines() if line.startswith("warning:")]

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from draftsmith.common.errors import DraftsmithError
-
 from draftsmith.export.speculators_store import export_speculators, summary_lines
 
 HAVE_DATASETS = importlib.util.find_spec("datasets") is not None and importlib.util.find_spec("pyarrow") is not None
@@ -32,6 +31,7 @@ HAVE_DATASETS = importlib.util.find_spec("datasets") is not None and importlib.u
 def _needs_datasets(request):
     if not HAVE_DATASETS and request.node.originalname != "test_missing_datasets_names_the_extra":
         pytest.skip("the speculators export needs `datasets` and `pyarrow`: pip install 'draftsmith[speculators]'")
+
 
 H = 8
 AUX = [1, 3, 4]  # layer-output ids of a 6-layer target -> hidden_states ids [2, 4, 5]
@@ -308,8 +308,16 @@ def _write_real_store(path: Path, dtype: str) -> None:
             t["aux_hidden_states"], t["final_hidden_states"] = aux.bfloat16(), final.bfloat16()
         save_file({a: b.contiguous() for a, b in t.items()}, str(path / fmt.shard_name(si)))
         f = path / fmt.shard_name(si)  # the manifest's schema (draftsmith/store/manifest.py) wants size and sha256
-        shards.append({"file": fmt.shard_name(si), "first_sample": first, "num_samples": n,
-                       "num_tokens": int(offsets[-1]), "bytes": f.stat().st_size, "sha256": sha256_file(f)})
+        shards.append(
+            {
+                "file": fmt.shard_name(si),
+                "first_sample": first,
+                "num_samples": n,
+                "num_tokens": int(offsets[-1]),
+                "bytes": f.stat().st_size,
+                "sha256": sha256_file(f),
+            }
+        )
     counts = torch.zeros(50, dtype=torch.int64)
     for ids, mask, _, _ in samples:
         m = ids[torch.from_numpy(mask)]
@@ -468,9 +476,7 @@ def test_speculators_prepare_data_makes_the_same_features(exported):
             "loss_mask": [s["loss_mask"].long().tolist() for s in store.samples],
         }
     )
-    theirs = raw.map(
-        lambda ex: _passthrough_pretokenized(ex, 1 << 20), batched=True, remove_columns=raw.column_names
-    )
+    theirs = raw.map(lambda ex: _passthrough_pretokenized(ex, 1 << 20), batched=True, remove_columns=raw.column_names)
     theirs.set_format(type="torch")
     ours = load_from_disk(str(out))
     assert theirs.features == ours.features

@@ -43,15 +43,28 @@ def _records(n: int) -> list[dict]:
     recs = []
     for i in range(n):
         if i % 2:
-            recs.append({"id": i, "conversations": [
-                {"from": "human", "value": f"def add_{i}(a, b):\n  "},
-                {"from": "gpt", "value": "dataset answer"},
-                {"from": "human", "value": "  and now  \u00e9 \\n unicode ☃\t"},
-                {"from": "gpt", "value": "second dataset answer"}]})
+            recs.append(
+                {
+                    "id": i,
+                    "conversations": [
+                        {"from": "human", "value": f"def add_{i}(a, b):\n  "},
+                        {"from": "gpt", "value": "dataset answer"},
+                        {"from": "human", "value": "  and now  \u00e9 \\n unicode ☃\t"},
+                        {"from": "gpt", "value": "second dataset answer"},
+                    ],
+                }
+            )
         else:
-            recs.append({"messages": [{"role": "system", "content": "You write Python."},
-                                      {"role": "user", "content": f"class Stack{i}:\n    def push(self, x):"},
-                                      {"role": "assistant", "content": "old"}], "meta": {"k": i}})
+            recs.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "You write Python."},
+                        {"role": "user", "content": f"class Stack{i}:\n    def push(self, x):"},
+                        {"role": "assistant", "content": "old"},
+                    ],
+                    "meta": {"k": i},
+                }
+            )
     return recs
 
 
@@ -99,8 +112,12 @@ def test_keeps_non_assistant_turns_and_adds_provenance(regenerated, chat_target)
         prov = o["provenance"]
         assert prov["target"] == str(chat_target) and prov["temperature"] == 0.0 and prov["max_new_tokens"] == 12
         assert prov["source"].endswith(f"in.jsonl:{recs.index(r) + 1}") and "draftsmith_version" in prov
-    answers = [m.get("value", m.get("content")) for o in outs for m in o.get("conversations", o.get("messages"))
-               if m.get("from", m.get("role")) in ("gpt", "assistant")]
+    answers = [
+        m.get("value", m.get("content"))
+        for o in outs
+        for m in o.get("conversations", o.get("messages"))
+        if m.get("from", m.get("role")) in ("gpt", "assistant")
+    ]
     assert not {"old", "dataset answer", "second dataset answer"} & set(answers)
 
 
@@ -115,9 +132,10 @@ def test_answers_are_the_targets_greedy_continuation(regenerated, chat_target):
     prompt = tok.apply_chat_template(recs[0]["messages"][:2], tokenize=False, add_generation_prompt=True)
     ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     # an explicit mask: the prompt holds <|pad|> tokens, which generate() would otherwise mask out
-    ref = model.generate(ids, attention_mask=ids * 0 + 1, max_new_tokens=12, do_sample=False, eos_token_id=0,
-                         pad_token_id=1)[0, ids.shape[1]:].tolist()
-    ref = ref[:ref.index(0)] if 0 in ref else ref
+    ref = model.generate(
+        ids, attention_mask=ids * 0 + 1, max_new_tokens=12, do_sample=False, eos_token_id=0, pad_token_id=1
+    )[0, ids.shape[1] :].tolist()
+    ref = ref[: ref.index(0)] if 0 in ref else ref
     assert o["messages"][2]["content"] == tok.decode(ref, skip_special_tokens=True)
 
 
@@ -132,8 +150,9 @@ def test_loss_mask_covers_exactly_the_regenerated_answers(regenerated, chat_targ
     assert len(samples) == len(outs)
     for s, o in zip(samples, outs):
         msgs = o.get("conversations", o.get("messages"))
-        answers = [m.get("value", m.get("content")) for m in msgs if m.get("from", m.get("role")) in
-                   ("gpt", "assistant")]
+        answers = [
+            m.get("value", m.get("content")) for m in msgs if m.get("from", m.get("role")) in ("gpt", "assistant")
+        ]
         ids = [int(t) for t in s.input_ids]
         mask = [bool(m) for m in s.loss_mask]
         masked = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
@@ -141,8 +160,9 @@ def test_loss_mask_covers_exactly_the_regenerated_answers(regenerated, chat_targ
 
 
 def test_bad_records_error_or_skip(chat_target, tmp_path):
-    data = _write(tmp_path / "in.jsonl", _records(2), ['{"conversations": [{"from": "human", "value": "x"}]}',
-                                                       "{not json"])
+    data = _write(
+        tmp_path / "in.jsonl", _records(2), ['{"conversations": [{"from": "human", "value": "x"}]}', "{not json"]
+    )
     with pytest.raises(DraftsmithError, match=r"in\.jsonl:3: no assistant turn"):
         run_regenerate(_cfg(chat_target, data, tmp_path / "a.jsonl"), log=lambda s: None)
     rep = run_regenerate(_cfg(chat_target, data, tmp_path / "b.jsonl", on_bad="skip"), log=lambda s: None)
@@ -167,8 +187,25 @@ def test_resume_after_kill_9(chat_target, tmp_path):
     n = 12
     data = _write(tmp_path / "in.jsonl", _records(n))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "draftsmith", "regenerate", "--target", str(chat_target), "--data", str(data),
-           "--out", str(out), "--batch-size", "1", "--max-new-tokens", "6", "--device", "cpu", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "draftsmith",
+        "regenerate",
+        "--target",
+        str(chat_target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--batch-size",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     prog = progress_path(out)
@@ -198,10 +235,19 @@ def test_resume_after_kill_9(chat_target, tmp_path):
 
 
 def test_assistant_turns_with_tool_calls_are_kept(chat_target, tmp_path):
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-        "name": "lookup", "arguments": "{\"q\": \"x\"}"}}]}
-    rec = {"messages": [{"role": "user", "content": "find x"}, call, {"role": "tool", "content": "x = 1"},
-                        {"role": "assistant", "content": "dataset answer"}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}],
+    }
+    rec = {
+        "messages": [
+            {"role": "user", "content": "find x"},
+            call,
+            {"role": "tool", "content": "x = 1"},
+            {"role": "assistant", "content": "dataset answer"},
+        ]
+    }
     data = _write(tmp_path / "in.jsonl", [rec])
     run_regenerate(_cfg(chat_target, data, tmp_path / "out.jsonl"), log=lambda s: None)
     (out,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]

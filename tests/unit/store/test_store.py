@@ -11,16 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from store_helpers import capture, make_corpus  # noqa: E402  (tests/store_helpers.py)
 
+from draftsmith.capture.job import plan_batches, plan_shards
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 from draftsmith.common.io import LOCK_FILE_NAME
 from draftsmith.store import HiddenStateStore
 from draftsmith.store import format as fmt
-from draftsmith.capture.job import CaptureConfig, plan_batches, plan_shards, run_capture
 from draftsmith.store.verify import verify_store
 from draftsmith.target_model import load_target
-
-from store_helpers import capture, make_corpus  # noqa: E402  (tests/store_helpers.py)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -75,8 +74,18 @@ def test_store_matches_output_hidden_states(store_bf16, tiny_path):
 
 def test_manifest_and_sizes(store_bf16):
     m = json.loads((store_bf16 / "manifest.json").read_text())
-    for key in ("target", "aux_layers", "aux_layers_convention", "dtype", "hidden_size", "num_samples",
-                "num_tokens", "shards", "draftsmith_version", "token_counts"):
+    for key in (
+        "target",
+        "aux_layers",
+        "aux_layers_convention",
+        "dtype",
+        "hidden_size",
+        "num_samples",
+        "num_tokens",
+        "shards",
+        "draftsmith_version",
+        "token_counts",
+    ):
         assert key in m
     assert m["target"]["config_hash"] and m["target"]["tokenizer_hash"]
     assert m["aux_layers_convention"] == "layer-output"
@@ -181,27 +190,52 @@ def test_incomplete_store_says_resume(tmp_path):
 def _cli(args, env=None, check=True):
     e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "draftsmith", *args], cwd=REPO, env=e, capture_output=True,
-                          text=True, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "draftsmith", *args], cwd=REPO, env=e, capture_output=True, text=True, check=check
+    )
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file of a store but the directory lock (it holds the pid of the last capture)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != LOCK_FILE_NAME}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != LOCK_FILE_NAME
+    }
 
 
 def _cli_crashing_at(point: str, args):
     """The CLI run by tests/capture_crash.py, which SIGKILLs it at one commit point (test-only fault injection)."""
     e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(REPO / "tests" / "capture_crash.py"), point, *args], cwd=REPO, env=e,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tests" / "capture_crash.py"), point, *args],
+        cwd=REPO,
+        env=e,
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.slow
 def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, corpus, tmp_path):
-    args = ["capture", "--target", str(tiny_path), "--data", str(corpus), "--max-length", "128",
-            "--batch-tokens", "512", "--shard-tokens", "700", "--model-dtype", "fp32", "--aux-layers", "1,3,4", "-q"]
+    args = [
+        "capture",
+        "--target",
+        str(tiny_path),
+        "--data",
+        str(corpus),
+        "--max-length",
+        "128",
+        "--batch-tokens",
+        "512",
+        "--shard-tokens",
+        "700",
+        "--model-dtype",
+        "fp32",
+        "--aux-layers",
+        "1,3,4",
+        "-q",
+    ]
     ref = tmp_path / "ref"
     _cli([*args, "--out", str(ref)])
     want = _tree_bytes(ref)
@@ -223,15 +257,34 @@ def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, co
 def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
     import time
 
-    args = ["capture", "--target", str(tiny_path), "--data", str(corpus), "--max-length", "128",
-            "--batch-tokens", "256", "--shard-tokens", "300", "--model-dtype", "fp32", "-q"]
+    args = [
+        "capture",
+        "--target",
+        str(tiny_path),
+        "--data",
+        str(corpus),
+        "--max-length",
+        "128",
+        "--batch-tokens",
+        "256",
+        "--shard-tokens",
+        "300",
+        "--model-dtype",
+        "fp32",
+        "-q",
+    ]
     ref = tmp_path / "ref"
     _cli([*args, "--out", str(ref)])
     out = tmp_path / "killed"
     e = dict(os.environ, OMP_NUM_THREADS="1")
     for delay in (0.3, 1.5):  # seconds after the plan is written, i.e. while shards are being captured
-        p = subprocess.Popen([sys.executable, "-m", "draftsmith", *args, "--out", str(out)], cwd=REPO, env=e,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "draftsmith", *args, "--out", str(out)],
+            cwd=REPO,
+            env=e,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         while not (out / "plan.json").exists() and p.poll() is None:
             time.sleep(0.05)
         time.sleep(delay)
@@ -244,15 +297,47 @@ def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
 def _torchrun_capture(args, port: int) -> None:
     """`torchrun --nproc-per-node 2 -m draftsmith capture ARGS` (gloo on CPU); fails the test on a non-zero exit."""
     e = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(port), "-m", "draftsmith", "capture", *args], cwd=REPO, env=e, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            "-m",
+            "draftsmith",
+            "capture",
+            *args,
+        ],
+        cwd=REPO,
+        env=e,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process(tiny_path, corpus, tmp_path):
-    args = ["--target", str(tiny_path), "--data", str(corpus), "--max-length", "128", "--batch-tokens", "512",
-            "--shard-tokens", "700", "--model-dtype", "fp32", "--device", "cpu", "-q"]
+    args = [
+        "--target",
+        str(tiny_path),
+        "--data",
+        str(corpus),
+        "--max-length",
+        "128",
+        "--batch-tokens",
+        "512",
+        "--shard-tokens",
+        "700",
+        "--model-dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     one = tmp_path / "one"
     _cli(["capture", *args, "--out", str(one)])
     two = tmp_path / "two"
@@ -263,12 +348,28 @@ def test_two_gloo_ranks_equal_one_process(tiny_path, corpus, tmp_path):
 def test_cli_bad_record_is_one_line(tiny_path, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "def f(): pass"}\n{"text": oops}\n')
-    r = _cli(["capture", "--target", str(tiny_path), "--data", str(bad), "--out", str(tmp_path / "s"), "-q"], check=False)
+    r = _cli(
+        ["capture", "--target", str(tiny_path), "--data", str(bad), "--out", str(tmp_path / "s"), "-q"], check=False
+    )
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "bad.jsonl:2" in lines[0] and "Traceback" not in r.stderr
-    r = _cli(["capture", "--target", str(tiny_path), "--data", str(bad), "--out", str(tmp_path / "s2"), "-q",
-              "--on-bad", "skip", "--model-dtype", "fp32"])
+    r = _cli(
+        [
+            "capture",
+            "--target",
+            str(tiny_path),
+            "--data",
+            str(bad),
+            "--out",
+            str(tmp_path / "s2"),
+            "-q",
+            "--on-bad",
+            "skip",
+            "--model-dtype",
+            "fp32",
+        ]
+    )
     s = HiddenStateStore.open(tmp_path / "s2")
     assert len(s) == 1
 
@@ -284,8 +385,23 @@ def test_cli_store_info_and_verify(store_bf16):
 def test_tensor_parallel_capture_matches_single_process(small_path, corpus, tmp_path):
     """transformers' tp_plan='auto' under torchrun (2 gloo ranks on CPU): same store as one process."""
     pytest.importorskip("accelerate")
-    args = ["--target", str(small_path), "--data", str(corpus), "--max-length", "64", "--batch-tokens", "512",
-            "--model-dtype", "fp32", "--device", "cpu", "--max-samples", "6", "-q"]
+    args = [
+        "--target",
+        str(small_path),
+        "--data",
+        str(corpus),
+        "--max-length",
+        "64",
+        "--batch-tokens",
+        "512",
+        "--model-dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--max-samples",
+        "6",
+        "-q",
+    ]
     one = tmp_path / "one"
     _cli(["capture", *args, "--out", str(one)])
     tp = tmp_path / "tp"

@@ -44,8 +44,11 @@ def store(tiny_path, corpus, target, tmp_path_factory):
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != LOCK_FILE_NAME}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != LOCK_FILE_NAME
+    }
 
 
 def _copy(store: Path, dst: Path, edit=None) -> Path:
@@ -67,6 +70,7 @@ def _set(path: str, value):
             del obj[keys[-1]]
         else:
             obj[keys[-1]] = value
+
     return edit
 
 
@@ -88,8 +92,11 @@ BAD_MANIFESTS = [
 ]
 
 
-@pytest.mark.parametrize("field,value,message", BAD_MANIFESTS,
-                         ids=[f"{b[0]}={'deleted' if b[1] is _DELETE else repr(b[1])[:12]}" for b in BAD_MANIFESTS])
+@pytest.mark.parametrize(
+    "field,value,message",
+    BAD_MANIFESTS,
+    ids=[f"{b[0]}={'deleted' if b[1] is _DELETE else repr(b[1])[:12]}" for b in BAD_MANIFESTS],
+)
 def test_a_bad_manifest_is_one_line_naming_the_field(store, tmp_path, field, value, message):
     bad = _copy(store, tmp_path / "bad", _set(field, value))
     for reader in (HiddenStateStore.open, lambda p: verify_store(p, progress=False)):
@@ -113,11 +120,13 @@ def test_cli_verify_and_info_refuse_a_bad_manifest_in_one_line(store, tmp_path):
     bad = _copy(store, tmp_path / "bad", _set("shards.0.file", "/etc/passwd"))
     e = dict(os.environ, OMP_NUM_THREADS="1")
     for cmd in (["store", "verify", str(bad), "-q"], ["store", "info", str(bad)]):
-        r = subprocess.run([sys.executable, "-m", "draftsmith", *cmd], cwd=REPO, env=e, capture_output=True,
-                           text=True, check=False)
+        r = subprocess.run(
+            [sys.executable, "-m", "draftsmith", *cmd], cwd=REPO, env=e, capture_output=True, text=True, check=False
+        )
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert r.stderr.strip().splitlines() == [f"error: {bad / fmt.MANIFEST}: field 'shards[0].file' '/etc/passwd' "
-                                                 "is not a relative path inside the store"]
+        assert r.stderr.strip().splitlines() == [
+            f"error: {bad / fmt.MANIFEST}: field 'shards[0].file' '/etc/passwd' is not a relative path inside the store"
+        ]
 
 
 # -- the reader trusts nothing (item 2) -------------------------------------------------------------------------
@@ -191,11 +200,29 @@ def test_cli_out_that_is_a_file_is_one_line(tiny_path, corpus, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     e = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "draftsmith", "capture", "--target", str(tiny_path), "--data",
-                        str(corpus), "--out", str(f), "-q"], cwd=REPO, env=e, capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith",
+            "capture",
+            "--target",
+            str(tiny_path),
+            "--data",
+            str(corpus),
+            "--out",
+            str(f),
+            "-q",
+        ],
+        cwd=REPO,
+        env=e,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: {f}: exists and is not a directory; choose another --out"], r.stderr[-2000:]
+        f"error: {f}: exists and is not a directory; choose another --out"
+    ], r.stderr[-2000:]
     assert f.read_text() == "x"
 
 
@@ -220,11 +247,18 @@ def _writes_in_order(store: Path) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("which", ["plan.json", "shard 0", "progress 1", "shard 2", "token_counts", "manifest"])
-def test_a_full_disk_at_each_write_is_one_line_then_a_rerun_completes(tiny_path, corpus, target, store, tmp_path,
-                                                                      which):
+def test_a_full_disk_at_each_write_is_one_line_then_a_rerun_completes(
+    tiny_path, corpus, target, store, tmp_path, which
+):
     order = _writes_in_order(store)
-    names = {"plan.json": fmt.PLAN, "shard 0": fmt.shard_name(0), "progress 1": fmt.progress_name(1),
-             "shard 2": fmt.shard_name(2), "token_counts": fmt.TOKEN_COUNTS, "manifest": fmt.MANIFEST}
+    names = {
+        "plan.json": fmt.PLAN,
+        "shard 0": fmt.shard_name(0),
+        "progress 1": fmt.progress_name(1),
+        "shard 2": fmt.shard_name(2),
+        "token_counts": fmt.TOKEN_COUNTS,
+        "manifest": fmt.MANIFEST,
+    }
     j = [name for name, _ in order].index(names[which])
     # room for the lock and every earlier file, and one page short of this one
     pages = 1 + sum(p for _, p in order[:j]) + order[j][1] - 1
@@ -245,11 +279,35 @@ def test_cli_full_disk_is_one_line_and_exit_2(tiny_path, corpus, store, tmp_path
     with small_tmpfs(tmp_path / "disk", 3 * PAGE) as disk:  # the lock, plan.json, and no room for a shard
         out = disk / "store"
         e = dict(os.environ, OMP_NUM_THREADS="1")
-        args = ["--target", str(tiny_path), "--data", str(corpus), "--out", str(out), "--aux-layers", "1,3,4",
-                "--max-length", "64", "--shard-tokens", "150", "--batch-tokens", "256", "--writers", "1",
-                "--model-dtype", "fp32", "-q"]
-        r = subprocess.run([sys.executable, "-m", "draftsmith", "capture", *args], cwd=REPO, env=e,
-                           capture_output=True, text=True, check=False)
+        args = [
+            "--target",
+            str(tiny_path),
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--aux-layers",
+            "1,3,4",
+            "--max-length",
+            "64",
+            "--shard-tokens",
+            "150",
+            "--batch-tokens",
+            "256",
+            "--writers",
+            "1",
+            "--model-dtype",
+            "fp32",
+            "-q",
+        ]
+        r = subprocess.run(
+            [sys.executable, "-m", "draftsmith", "capture", *args],
+            cwd=REPO,
+            env=e,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error")]
         want = [f"error: no space left on device: {out / fmt.shard_name(0)}"]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.common.errors import DraftsmithError
 from draftsmith.capture import AuxCapture
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.target_model import load_target, target_from_model
 from draftsmith.target_model.layers import (
     default_aux_hidden_states_ids,
     default_aux_layers,
     engine_default_aux_layers,
-    repeated_aux_problem,
     from_hidden_states_ids,
     parse_layer_list,
+    repeated_aux_problem,
     to_hidden_states_ids,
     validate_aux_layers,
 )
@@ -36,7 +36,14 @@ def test_default_aux_layers_distinct_wherever_possible():
     """Issue #14 item 12: repeated ids cannot be served (SGLang captures by membership, vLLM de-duplicates), and
     SGLang cannot capture the last layer's output; the defaults avoid both wherever the target has the layers."""
     assert {n: default_aux_layers(n) for n in range(1, 8)} == {
-        1: [0, 0, 0], 2: [0, 1, 1], 3: [0, 1, 2], 4: [0, 1, 2], 5: [1, 2, 3], 6: [1, 2, 3], 7: [1, 2, 3]}
+        1: [0, 0, 0],
+        2: [0, 1, 1],
+        3: [0, 1, 2],
+        4: [0, 1, 2],
+        5: [1, 2, 3],
+        6: [1, 2, 3],
+        7: [1, 2, 3],
+    }
     for n in range(3, 200):
         ids = default_aux_layers(n)
         assert len(set(ids)) == 3 and ids == sorted(ids) and 0 <= ids[0] and ids[-1] <= n - 1, n
@@ -175,14 +182,17 @@ def _remote_code_target(tmp_path):
     d = _target_copy(tmp_path, "remote")
     marker = tmp_path / "REMOTE_CODE_RAN"
     c = json.loads((d / "config.json").read_text())
-    c.update(model_type="remote_llama", auto_map={"AutoConfig": "remote_llama.RemoteConfig",
-                                                    "AutoModelForCausalLM": "remote_llama.RemoteModel"})
+    c.update(
+        model_type="remote_llama",
+        auto_map={"AutoConfig": "remote_llama.RemoteConfig", "AutoModelForCausalLM": "remote_llama.RemoteModel"},
+    )
     (d / "config.json").write_text(json.dumps(c))
     (d / "remote_llama.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "class RemoteConfig(LlamaConfig):\n    model_type = 'remote_llama'\n"
-        "class RemoteModel(LlamaForCausalLM):\n    config_class = RemoteConfig\n")
+        "class RemoteModel(LlamaForCausalLM):\n    config_class = RemoteConfig\n"
+    )
     return d, marker
 
 
@@ -269,4 +279,3 @@ def test_damaged_target_weights_are_one_line_errors(tmp_path):
             assert "\n" not in str(e.value) and str(path) in str(e.value)
     assert not marker.exists()
     assert "truncated or corrupted" in " ".join(target_weight_problems(trunc))
-

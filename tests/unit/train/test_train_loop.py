@@ -17,8 +17,11 @@ import torch
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 
 REPO = Path(__file__).resolve().parents[3]
-TARGET = str(REPO / "assets" / "pycode-tiny") if (REPO / "assets" / "pycode-tiny" / "config.json").is_file() \
+TARGET = (
+    str(REPO / "assets" / "pycode-tiny")
+    if (REPO / "assets" / "pycode-tiny" / "config.json").is_file()
     else "/work/shared/targets/pycode-tiny"
+)
 
 SNIPPET = (
     'def add_{i}(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n\n'
@@ -39,9 +42,12 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     data = root / "code.jsonl"
     data.write_text("".join(json.dumps({"text": SNIPPET.format(i=i)}) + "\n" for i in range(8)))
-    run_capture(CaptureConfig(target=TARGET, data=str(data), out=str(root / "store"), max_length=256, progress=False,
-                              model_dtype="fp32"),
-                log=_quiet)
+    run_capture(
+        CaptureConfig(
+            target=TARGET, data=str(data), out=str(root / "store"), max_length=256, progress=False, model_dtype="fp32"
+        ),
+        log=_quiet,
+    )
     return root
 
 
@@ -55,9 +61,22 @@ def target():
 def _cfg(tiny, out, **kw):
     from draftsmith.train import TrainConfig
 
-    base = dict(target=TARGET, store=str(tiny / "store"), out=str(out), steps=3, ttt_steps=2, draft_vocab_size=256,
-                batch_tokens=256, lr=3e-3, warmup=0, eval_fraction=0.0, save_every=0, progress=False,
-                tensorboard=False, plot=False)
+    base = dict(
+        target=TARGET,
+        store=str(tiny / "store"),
+        out=str(out),
+        steps=3,
+        ttt_steps=2,
+        draft_vocab_size=256,
+        batch_tokens=256,
+        lr=3e-3,
+        warmup=0,
+        eval_fraction=0.0,
+        save_every=0,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -87,8 +106,21 @@ def _cli(args, env=None, torchrun=0, check=True):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "draftsmith", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(torchrun),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            "draftsmith",
+            "train",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "draftsmith", "train", *args]
     r = subprocess.run(cmd, env=env or _env(), cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -103,7 +135,9 @@ def test_overfit_tiny_store_acc0(tiny, target, tmp_path):
     from draftsmith.train import train
 
     out = tmp_path / "run"
-    last = train(target=target, cfg=_cfg(tiny, out, steps=30, batch_tokens=512, tensorboard=True, plot=True), log=_quiet)
+    last = train(
+        target=target, cfg=_cfg(tiny, out, steps=30, batch_tokens=512, tensorboard=True, plot=True), log=_quiet
+    )
     recs = _metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 31))
     for key in ("step", "loss", "acc", "cond_acc", "loss_k", "tau_sim", "lr", "grad_norm"):
@@ -126,7 +160,11 @@ def test_offline_equals_online(tiny, target, tmp_path):
     on = tmp_path / "on"
     kw = dict(steps=3, eval_fraction=0.25, eval_every=3)
     train(target=target, cfg=_cfg(tiny, off, **kw), log=_quiet)
-    train(target=target, cfg=_cfg(tiny, on, store=None, online=True, data=str(tiny / "code.jsonl"), max_length=256, **kw), log=_quiet)
+    train(
+        target=target,
+        cfg=_cfg(tiny, on, store=None, online=True, data=str(tiny / "code.jsonl"), max_length=256, **kw),
+        log=_quiet,
+    )
     a, b = _metrics(off), _metrics(on)
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
@@ -141,9 +179,31 @@ def test_resume_after_kill9_equals_uninterrupted(tiny, target, tmp_path):
 
     full = tmp_path / "full"
     train(target=target, cfg=_cfg(tiny, full, steps=6, save_every=2, eval_fraction=0.2), log=_quiet)
-    args = ["--target", TARGET, "--store", str(tiny / "store"), "--out", str(tmp_path / "cut"), "--steps", "6",
-            "--ttt-steps", "2", "--draft-vocab-size", "256", "--batch-tokens", "256", "--lr", "3e-3", "--warmup", "0",
-            "--eval-fraction", "0.2", "--save-every", "2", "-q"]
+    args = [
+        "--target",
+        TARGET,
+        "--store",
+        str(tiny / "store"),
+        "--out",
+        str(tmp_path / "cut"),
+        "--steps",
+        "6",
+        "--ttt-steps",
+        "2",
+        "--draft-vocab-size",
+        "256",
+        "--batch-tokens",
+        "256",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "0",
+        "--eval-fraction",
+        "0.2",
+        "--save-every",
+        "2",
+        "-q",
+    ]
     env = _env()
     env["DRAFTSMITH_TEST_KILL_AT_STEP"] = "3"  # SIGKILL itself right after step 3 (checkpoint at step 2)
     r = _cli(args, env=env, check=False)
@@ -198,16 +258,44 @@ def one_process_run(tiny, target, tmp_path_factory):
     return _metrics(one)
 
 
-@pytest.mark.parametrize("fsdp,online", [(False, False), (True, False), (False, True)],
-                         ids=["ddp", "fsdp", "ddp-online"])
+@pytest.mark.parametrize(
+    "fsdp,online", [(False, False), (True, False), (False, True)], ids=["ddp", "fsdp", "ddp-online"]
+)
 def test_two_gloo_processes_equal_one(tiny, one_process_run, tmp_path, fsdp, online):
     # online: each rank runs the target in the loop on its own rows; must equal the offline 1-process run
-    data = ["--online", "--data", str(tiny / "code.jsonl"), "--max-length", "256"] if online else \
-        ["--store", str(tiny / "store")]
-    args = ["--target", TARGET, *data, "--out", str(tmp_path / "two"), "--steps", "3",
-            "--ttt-steps", "2", "--draft-vocab-size", "256", "--batch-tokens", "128", "--lr", "3e-3", "--warmup", "0",
-            "--eval-fraction", "0", "--save-every", "0", "-q", "--device", "cpu",
-            "--loss-chunk", "50"] + (["--fsdp"] if fsdp else [])  # + checkpointed loss chunks under DDP/FSDP
+    data = (
+        ["--online", "--data", str(tiny / "code.jsonl"), "--max-length", "256"]
+        if online
+        else ["--store", str(tiny / "store")]
+    )
+    args = [
+        "--target",
+        TARGET,
+        *data,
+        "--out",
+        str(tmp_path / "two"),
+        "--steps",
+        "3",
+        "--ttt-steps",
+        "2",
+        "--draft-vocab-size",
+        "256",
+        "--batch-tokens",
+        "128",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "0",
+        "--eval-fraction",
+        "0",
+        "--save-every",
+        "0",
+        "-q",
+        "--device",
+        "cpu",
+        "--loss-chunk",
+        "50",
+    ] + (["--fsdp"] if fsdp else [])  # + checkpointed loss chunks under DDP/FSDP
     _cli(args, torchrun=2)
     a, b = one_process_run, _metrics(tmp_path / "two")
     assert len(a) == len(b) == 3
@@ -254,8 +342,19 @@ def test_error_empty_store_and_big_vocab(tiny, target, tmp_path):
         Trainer(_cfg(tiny, tmp_path / "r"), target=target, source=[]).run()
     with pytest.raises(DraftsmithError, match="draft-vocab-size.*larger"):
         train(target=target, cfg=_cfg(tiny, tmp_path / "r2", draft_vocab_size=20000), log=_quiet)
-    r = _cli(["--target", TARGET, "--store", str(tiny / "store"), "--out", str(tmp_path / "r3"),
-              "--draft-vocab-size", "99999"], check=False)
+    r = _cli(
+        [
+            "--target",
+            TARGET,
+            "--store",
+            str(tiny / "store"),
+            "--out",
+            str(tmp_path / "r3"),
+            "--draft-vocab-size",
+            "99999",
+        ],
+        check=False,
+    )
     assert r.returncode == 2
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "larger than the target vocab" in err[0] and "Traceback" not in r.stderr
@@ -280,8 +379,10 @@ def test_cli_yaml_config(tiny, tmp_path):
     from draftsmith.cli import app
 
     cfg = tmp_path / "train.yaml"
-    cfg.write_text(f"target: {TARGET}\nstore: {tiny / 'store'}\nsteps: 1\nttt-steps: 2\ndraft_vocab_size: 128\n"
-                   f"batch_tokens: 256\ntensorboard: false\nplot: false\neval_fraction: 0\n")
+    cfg.write_text(
+        f"target: {TARGET}\nstore: {tiny / 'store'}\nsteps: 1\nttt-steps: 2\ndraft_vocab_size: 128\n"
+        f"batch_tokens: 256\ntensorboard: false\nplot: false\neval_fraction: 0\n"
+    )
     res = CliRunner().invoke(app, ["train", "--config", str(cfg), "--out", str(tmp_path / "run"), "-q", "--lr", "1e-3"])
     assert res.exit_code == 0, res.output
     rec = _metrics(tmp_path / "run")
@@ -307,8 +408,19 @@ def test_compiled_path_logs_and_falls_back(tiny, target, tmp_path, monkeypatch, 
         calls.append(1)
         if fails:
             raise RuntimeError("inductor exploded\nsecond line")
-        loss, st = ttt_unroll(drafter, input_ids, aux, doc_ids, loss_mask, teacher, ttt_steps=k, step_weight=w,
-                              backend="chunked", position_ids=position_ids, loss_chunk=lc)
+        loss, st = ttt_unroll(
+            drafter,
+            input_ids,
+            aux,
+            doc_ids,
+            loss_mask,
+            teacher,
+            ttt_steps=k,
+            step_weight=w,
+            backend="chunked",
+            position_ids=position_ids,
+            loss_chunk=lc,
+        )
         return loss, st.as_tensor()
 
     monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
@@ -319,8 +431,10 @@ def test_compiled_path_logs_and_falls_back(tiny, target, tmp_path, monkeypatch, 
     train(target=target, cfg=_cfg(tiny, tmp_path / "ref", compile="off"), log=_quiet)
     text = "\n".join(logs)
     if fails:
-        assert len(calls) == 1 and text.count("warning: the compiled TTT unroll failed (RuntimeError: inductor "
-                                              "exploded)") == 1
+        assert (
+            len(calls) == 1
+            and text.count("warning: the compiled TTT unroll failed (RuntimeError: inductor exploded)") == 1
+        )
         assert "includes compiling" not in text
     else:
         assert len(calls) == 3 and "step 1:" in text and "(includes compiling the TTT unroll)" in text
@@ -335,23 +449,23 @@ def test_compiled_unroll_compiles_once_across_steps(tiny, target, tmp_path, monk
     drafter's per-device RoPE cache was first filled inside the compiled call, so the next call failed that
     graph's guard. CPU stand-in: aot_eager and the dense flex replacement of the compiled-unroll test."""
     import torch._dynamo
+    from test_train_ttt import _dense_doc_causal, _dense_flex
     from torch._dynamo.utils import counters
 
     import draftsmith.train.ttt as ttt
     from draftsmith.train import train
     from draftsmith.train import trainer as tr
-    from test_train_ttt import _dense_doc_causal, _dense_flex
 
     monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
     monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
     monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
     cls = ttt.CompiledStepUnroll if granularity == "step" else ttt.CompiledUnroll
-    monkeypatch.setattr(tr.TTTModel, "enable_compile",
-                        lambda self, **kw: setattr(self, "compiled", cls(backend="aot_eager")))
+    monkeypatch.setattr(
+        tr.TTTModel, "enable_compile", lambda self, **kw: setattr(self, "compiled", cls(backend="aot_eager"))
+    )
     torch._dynamo.reset()
     counters.clear()
-    train(target=target, cfg=_cfg(tiny, tmp_path / "c", steps=3, attn_backend="flex", pad_to_budget=True),
-          log=_quiet)
+    train(target=target, cfg=_cfg(tiny, tmp_path / "c", steps=3, attn_backend="flex", pad_to_budget=True), log=_quiet)
     assert len(_metrics(tmp_path / "c")) == 3
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     torch._dynamo.reset()
@@ -361,13 +475,23 @@ def test_fp8_rows_dequantized_after_the_copy_equal_host_dequantized(tiny, tmp_pa
     """A store read with `defer_dequantize` (what the trainer does on CUDA: fp8 bytes cross to the GPU and are
     dequantized there) gives micro-batches equal, after `.to(device)`, to rows dequantized on the host —
     including the zero padding of a padded row and an explicit dtype."""
-    from draftsmith.store import HiddenStateStore
     from draftsmith.capture.job import CaptureConfig, run_capture
+    from draftsmith.store import HiddenStateStore
     from draftsmith.train.batches import build_micro_batch
 
     out = tmp_path / "fp8"
-    run_capture(CaptureConfig(target=TARGET, data=str(tiny / "code.jsonl"), out=str(out), max_length=256,
-                              progress=False, model_dtype="fp32", dtype="fp8"), log=_quiet)
+    run_capture(
+        CaptureConfig(
+            target=TARGET,
+            data=str(tiny / "code.jsonl"),
+            out=str(out),
+            max_length=256,
+            progress=False,
+            model_dtype="fp32",
+            dtype="fp8",
+        ),
+        log=_quiet,
+    )
     host = HiddenStateStore.open(out, dtype=torch.float32)
     deferred = HiddenStateStore.open(out, dtype=torch.float32)
     deferred.defer_dequantize = True
@@ -406,15 +530,15 @@ class _Poisoned:
 def test_non_finite_loss_stops_naming_step_and_sample(tiny, target, tmp_path):
     from draftsmith.store import HiddenStateStore
     from draftsmith.train import Trainer
-
     from draftsmith.train.batches import epoch_rows, source_lengths
 
     store = HiddenStateStore.open(tiny / "store", dtype=torch.float32)
     bad = epoch_rows(range(len(store)), source_lengths(store), 128, 0, 0)[1][0]  # in step 2's row
     out = tmp_path / "r"
     with pytest.raises(DraftsmithError) as e:
-        Trainer(_cfg(tiny, out, save_every=1, batch_tokens=128), target=target, source=_Poisoned(store, bad),
-                log=_quiet).run()
+        Trainer(
+            _cfg(tiny, out, save_every=1, batch_tokens=128), target=target, source=_Poisoned(store, bad), log=_quiet
+        ).run()
     msg = str(e.value)
     assert msg.startswith("step 2: the training loss is nan") and "\n" not in msg, msg
     assert re.search(rf"sample {bad} \(shards/shard-\d+\.safetensors #\d+\)", msg), msg
@@ -478,8 +602,10 @@ def test_draft_vocab_capped_at_the_distinct_loss_masked_tokens(tiny, target, tmp
     n = _distinct_tokens(tiny)
     msgs: list[str] = []
     train(target=target, cfg=_cfg(tiny, tmp_path / "r", steps=1, draft_vocab_size=n + 7), log=msgs.append)
-    assert any(f"--draft-vocab-size {n + 7} is more than the {n} distinct loss-masked tokens" in m and
-               f"capped at {n}" in m for m in msgs), msgs
+    assert any(
+        f"--draft-vocab-size {n + 7} is more than the {n} distinct loss-masked tokens" in m and f"capped at {n}" in m
+        for m in msgs
+    ), msgs
     assert Drafter.from_pretrained(tmp_path / "r" / "final").config.draft_vocab_size == n
     msgs.clear()
     train(target=target, cfg=_cfg(tiny, tmp_path / "s", steps=1, draft_vocab_size=n - 1), log=msgs.append)
@@ -505,20 +631,22 @@ def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny
     then calls without a recompile, and the losses are those of an eager run. CPU stand-in: aot_eager and the dense
     flex replacement; `done()` waits, so the switch is at step 2."""
     import torch._dynamo
+    from test_train_ttt import _dense_doc_causal, _dense_flex
     from torch._dynamo.utils import counters
 
     import draftsmith.train.ttt as ttt
-    from draftsmith.train import train
+    from draftsmith.train import train, warmup
     from draftsmith.train import trainer as tr
-    from draftsmith.train import warmup
-    from test_train_ttt import _dense_doc_causal, _dense_flex
 
     monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
     monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
     monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
     monkeypatch.setattr(tr.Trainer, "_background_compile_wanted", lambda self: True)
-    monkeypatch.setattr(tr.TTTModel, "enable_compile",
-                        lambda self, **kw: setattr(self, "compiled", ttt.CompiledUnroll(backend="aot_eager")))
+    monkeypatch.setattr(
+        tr.TTTModel,
+        "enable_compile",
+        lambda self, **kw: setattr(self, "compiled", ttt.CompiledUnroll(backend="aot_eager")),
+    )
     monkeypatch.setattr(warmup.BackgroundCompile, "done", lambda self: self.wait())
     torch._dynamo.reset()
     counters.clear()

@@ -16,7 +16,6 @@ from draftsmith.train.ttt import (
     ttt_unroll,
 )
 
-
 _MASKS: dict = {}
 
 
@@ -95,9 +94,18 @@ def test_positions_restart_per_document():
 def _tiny_drafter(num_layers=1, V=50, Vd=20, H=32):
     from draftsmith.drafter import Drafter, DrafterConfig
 
-    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, draft_vocab_size=Vd, num_hidden_layers=num_layers,
-                        aux_layer_ids=[0, 1, 2], target_num_layers=3)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        draft_vocab_size=Vd,
+        num_hidden_layers=num_layers,
+        aux_layer_ids=[0, 1, 2],
+        target_num_layers=3,
+    )
     d = Drafter(cfg)
     d.set_embedding(torch.randn(V, H))
     counts = torch.randint(0, 100, (V,))
@@ -121,8 +129,9 @@ def _random_row(drafter, lens, T, mask_p=None):
     ids = torch.randint(0, V, (1, T))
     lmask = torch.ones(1, T, dtype=torch.bool) if mask_p is None else torch.rand(1, T) > mask_p
     aux = torch.randn(1, T, 3 * H)
-    teacher = compute_teacher(torch.randn(1, T, H), _Norm(), torch.randn(V, H) * 3, drafter.draft_target_ids,
-                              drafter.t2d)
+    teacher = compute_teacher(
+        torch.randn(1, T, H), _Norm(), torch.randn(V, H) * 3, drafter.draft_target_ids, drafter.t2d
+    )
     return ids, aux, doc, lmask, teacher
 
 
@@ -175,8 +184,9 @@ def test_unroll_loss_and_grads_match_naive(num_layers):
 
     teacher = compute_teacher(final, norm, W, drafter.draft_target_ids, drafter.t2d)
     assert 0 < int(teacher.in_vocab.sum()) < T  # both cases occur
-    got, stats = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=K, step_weight=0.8,
-                            backend="chunked", chunk=8)
+    got, stats = ttt_unroll(
+        drafter, ids, aux, doc, lmask, teacher, ttt_steps=K, step_weight=0.8, backend="chunked", chunk=8
+    )
     g_got = torch.autograd.grad(got, [p for p in drafter.parameters()])
     want, accs = _naive_loss(drafter, ids, aux, doc, lmask, final, norm, W, K, 0.8)
     g_want = torch.autograd.grad(want, [p for p in drafter.parameters()])
@@ -250,8 +260,13 @@ def test_chunked_loss_matches_whole_row():
     ids = torch.randint(0, 50, (1, T))
     lmask = torch.ones(1, T, dtype=torch.bool)
     aux = torch.randn(1, T, 96, dtype=torch.float64)
-    teacher = compute_teacher(torch.randn(1, T, 32, dtype=torch.float64), _Norm(),
-                              torch.randn(50, 32, dtype=torch.float64) * 3, drafter.draft_target_ids, drafter.t2d)
+    teacher = compute_teacher(
+        torch.randn(1, T, 32, dtype=torch.float64),
+        _Norm(),
+        torch.randn(50, 32, dtype=torch.float64) * 3,
+        drafter.draft_target_ids,
+        drafter.t2d,
+    )
     params = list(drafter.parameters())
     a, sa = ttt_unroll(drafter, ids, aux, doc, lmask, teacher, ttt_steps=3, loss_chunk=0)
     ga = torch.autograd.grad(a, params)
@@ -340,8 +355,9 @@ def test_fused_soft_ce_matches_log_softmax():
     a = soft_ce_sum(x, p, valid)
     b, _ = ttt_loss_step(x, p, valid)
     torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(torch.autograd.grad(a * 1.7, x)[0], torch.autograd.grad(b * 1.7, x)[0],
-                               atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(
+        torch.autograd.grad(a * 1.7, x)[0], torch.autograd.grad(b * 1.7, x)[0], atol=1e-10, rtol=1e-10
+    )
     xb = x.detach().to(torch.bfloat16).requires_grad_()  # autocast dtype: math in fp32, grad in bf16
     a = soft_ce_sum(xb, p.float(), valid)
     b, _ = ttt_loss_step(xb.float(), p.float(), valid)
