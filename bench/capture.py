@@ -4,7 +4,7 @@ store write GB/s, and bytes/token vs SpecForge's 8H+16.
     python bench/capture.py --small PATH/pycode-small [--corpus DIR] [--tokens N] [--tokens-8b N]
 
 Floors: capture is a prefill, FLOP-bound: 2 * params * tokens (+ attention) at ~790 TFLOP/s bf16 (H200,
-measured; GUIDE §8), plus the store's bytes at the disk's write bandwidth. The ratio capture/bare shows
+measured), plus the store's bytes at the disk's write bandwidth. The ratio capture/bare shows
 what hooks + device->host copies + writing cost on top of the forward the target must do anyway.
 """
 
@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import markdown_table, record  # noqa: E402
 
-PEAK_BF16 = 790e12  # measured 8192^3 bf16 matmul on the device (GUIDE §8)
+PEAK_BF16 = 790e12  # measured 8192^3 bf16 matmul on the device
 
 
 def useful_flops(n_params: int, lengths: np.ndarray, hidden: int, layers: int) -> float:

@@ -36,7 +36,7 @@ def device_description() -> str:
 
 
 def measure_copy_bandwidth(gib: float = 2.0) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (the GUIDE's convention)."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     import torch
 
     n = int(gib * 2**30)

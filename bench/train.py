@@ -5,7 +5,7 @@
 
 What one timed step is: the real training step of `draftsmith train` — teacher (target final norm +
 lm_head over the stored pre-norm states, softmax over the draft columns), the K-step TTT unroll with the
-GUIDE §4 attention over a packed row (documents of <= 2048 tokens, position ids restarting per document),
+docs/eagle3.md#training-time-test-ttt attention over a packed row (documents of <= 2048 tokens, position ids restarting per document),
 soft-CE loss, backward, grad clip, AdamW step — under bf16 autocast. Data: rows from `--store` when given
 (memory-mapped, as in training), otherwise synthetic rows with the target's shapes (random documents of
 256..2048 tokens, random hidden states; the cost of a step does not depend on the values).
@@ -20,7 +20,7 @@ fills about 9 minutes; pick `--seq`/`--backends` for shorter calls.
 
 Floors: the drafter is one decoder layer, so a step is ~K x (fc + layer + lm_head over V_d) forward and
 twice that backward: FLOPs ~= 6 * K * T * (params of layer + H * V_d) + attention; the table prints the
-model-FLOP utilisation against ~790 TFLOP/s bf16 (H200, GUIDE §8).
+model-FLOP utilisation against ~790 TFLOP/s bf16 (an H200, measured).
 
 The side-by-side with speculators 0.9.0 (same store, split, draft vocab, K, token budget, evaluator) is
 bench/train_compare.py.

@@ -4,8 +4,7 @@
 Why: an 8B-shape plain step spends 0.90 of copy bandwidth in its weight matmuls alone, but the whole compiled
 step reaches 0.74 — the rest is ~16 kernels per layer where ~7 would do (bench/decode_kernels.py, docs/LOG.md).
 With every op below a one-token layer is seven kernels (eight with the attention's combine) and nothing else;
-measured on an H200 (Llama-3.1-8B shape, bf16, 2026-12-01): 0.877 / 0.855 of copy bandwidth at contexts 128 /
-2048, against 0.619 / 0.608 for the torch step and 0.74 for the compiled one.
+how close that comes to the copy bandwidth, against the torch and compiled steps, is in BENCHMARKS.md ("P1").
 
   gemv(qkv, norm)  ->  rope_and_cache  ->  decode_attention  ->  gemv(o, +residual)
   ->  gemv(gate/up, norm, silu(g)*u)  ->  gemv(down, +residual)
@@ -26,8 +25,8 @@ run as their own programs (a one-token attention is a chain of dependent loads: 
 win), then one small combine kernel. `rows_attention`: the same for T tokens with a mask row each (a speculative
 round's verify, hand-off and tree draft steps, which keep cuBLAS for their matmuls): the tile's rows are the
 (token, query head) pairs of a KV head, and the keys end at the highest slot the forward wrote, so the K/V loads
-pipeline without waiting for the mask (8B shape, H200: 12.5 us a layer for a 49-token verify, torch's two batched
-matmuls + softmax 33.6 us). It is a torch custom op, so compiled forwards can call it.
+pipeline without waiting for the mask (one kernel pair where torch runs two batched matmuls and a softmax; timings
+in BENCHMARKS.md, "decode attention"). It is a torch custom op, so compiled forwards can call it.
 
 Rounding follows the torch path op for op (HF's RMSNorm: fp32 normalise, round to the model dtype, times the
 weight, round; the matmul accumulates in fp32 and rounds once; the residual add rounds again; RoPE rounds each
@@ -96,9 +95,9 @@ _TUNED: dict = {}
 NORM_BLOCK_MAX = 8192
 
 # decode_attention's default plan: keys per block, and at most this many chunks per KV head — the smallest chunk
-# of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan (8B shape, H200,
-# bench/decode_kernels.py --attn-sweep, docs/LOG.md): one or two 32-key blocks per program won at 208 and 2,128
-# slots, by 0.05-0.2 ms a step over the plans `tune_attention` prefers when attention is timed alone.
+# of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan
+# (bench/decode_kernels.py --attn-sweep, docs/LOG.md): one or two 32-key blocks per program won at short and long
+# caches over the plans `tune_attention` prefers when attention is timed alone (other kernels share the memory system).
 ATTN_BLOCK_S = 32
 ATTN_TARGET_CHUNKS = 64
 # The sweep of `tune_attention`: (BLOCK_S, key blocks per program, num_warps); 0 blocks = one program per KV head.
@@ -1242,7 +1241,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """`torch.topk(torch.log_softmax(logits.float(), -1), k)` in two kernels: logits [..., V] (any float dtype) ->
     (log-probs fp32 [..., k] in descending order, column indices int64 [..., k]; among equal values the lower
     column first). What a tree level of the drafter needs; torch's top-k over a 32k-wide row is a chain of radix-
-    select kernels (~10 a call on an H200) after a separate log-softmax. A torch custom op (compiled callers)."""
+    select kernels after a separate log-softmax. A torch custom op (compiled callers)."""
     _need()
     shape = logits.shape
     v, i = _topk_logprobs_op(logits.reshape(-1, shape[-1]), int(k))
@@ -1281,8 +1280,7 @@ def tune_attention(
     key visible: the longest the step gets); with `keep`, the fastest becomes this shape's plan. One row per plan
     (`us` per layer); [] on CPU or when this shape was kept before (unless `force`).
 
-    Attention timed alone is not the step: on the H200 its favourite plans cost the whole step 0.05-0.2 ms more
-    than the default rule's (other kernels' weight streams share the memory system), so the engine does not keep
+    Attention timed alone is not the step: its favourite plans cost the whole step more than the default rule's (other kernels' weight streams share the memory system), so the engine does not keep
     these timings; bench/decode_kernels.py prints them next to whole-step timings of every plan."""
     _need()
     kc0 = k_layers[0]

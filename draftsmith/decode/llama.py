@@ -80,7 +80,7 @@ def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
 
     Query heads that share a KV head are folded into the query length, so the KV cache is read once and
     never repeated (any backend, any mask). `impl`:
-      sdpa   F.scaled_dot_product_attention (with a mask, on an H200: cuDNN's fused kernel, which like the
+      sdpa   F.scaled_dot_product_attention (with a mask on CUDA: cuDNN's fused kernel, which like the
              memory-efficient one parallelises over heads x query blocks only: at decode (a few query rows,
              8 KV heads) a handful of CTAs walk the whole cache);
       bmm    two batched matmuls around an fp32 softmax (HF "eager" numerics; cuBLAS tiles over the keys);
@@ -161,12 +161,11 @@ class LlamaFamilyForward(torch.nn.Module):
         self.max_len = int(max_len)
         self.attn_impl = "sdpa"  # see grouped_attention
         # "triton": one-token steps run through `draftsmith.decode.kernels` (norms, residual adds, silu*up, RoPE
-        # and the cache write folded into seven kernels a layer; 0.86-0.88 of copy bandwidth on an H200, 8B
-        # shape); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
+        # and the cache write folded into seven kernels a layer, BENCHMARKS.md "P1"); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
         # others stay torch), so a benchmark can route each op to whichever is faster. Wider forwards (a verify, a
         # hand-off) take only the attention kernel (`triton_ops_for`). `triton_max_rows` > 1 also sends forwards of
         # up to that many tokens through the T-row matmul kernels (`kernels.gemm_rows`): experimental and off by
-        # default — correct on the H200 but slower than cuBLAS so far (11.9 vs 6.97 ms at T=49, docs/LOG.md).
+        # default — correct but slower than cuBLAS so far (docs/LOG.md).
         self.kernels = "torch"
         self.triton_ops = set(TRITON_OPS)
         self.triton_max_rows = 1

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model (GUIDE §3): `Drafter`, `DrafterConfig`, `build_draft_vocab`.
+"""The EAGLE-3 draft model (docs/eagle3.md#the-drafter): `Drafter`, `DrafterConfig`, `build_draft_vocab`.
 
 Usage (training / decoding)
 ---------------------------

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model (GUIDE §3), in one readable file.
+"""The EAGLE-3 draft model (docs/eagle3.md#the-drafter), in one readable file.
 
 Data flow for one draft step (B = batch, T = positions, H = drafter hidden, H_t = target hidden):
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary: the V_d most frequent target tokens, and its two mappings (GUIDE §3).
+"""Draft vocabulary: the V_d most frequent target tokens, and its two mappings (docs/eagle3.md#the-drafter).
 
 - `d2t` int64 [V_d]: offsets, `target_id = draft_id + d2t[draft_id]` (the EAGLE-3 / SGLang / vLLM /
   speculators convention; SGLang's `hot_token_id` is `d2t + arange(V_d)`).

@@ -1,4 +1,4 @@
-"""Layer-index conventions (GUIDE §2) — the #1 source of silently low acceptance.
+"""Layer-index conventions (docs/eagle3.md#layer-ids) — the #1 source of silently low acceptance.
 
 draftsmith uses **layer-output ids** internally: id k is the output of decoder layer k (0-based), i.e. the
 residual stream after layer k, before any final norm. This is SGLang's nested

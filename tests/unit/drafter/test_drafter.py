@@ -196,7 +196,7 @@ def test_rope_table_rows_equal_computed_rope(dtype):
 
 
 def _reference_forward(d: Drafter, ids, hidden, pos):
-    """Independent re-statement of GUIDE §3 with transformers' own Llama RoPE / RMSNorm."""
+    """Independent re-statement of docs/eagle3.md#the-drafter with transformers' own Llama RoPE / RMSNorm."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 

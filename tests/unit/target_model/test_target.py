@@ -22,7 +22,7 @@ from tests.tiny_models import ARCHS
 
 
 def test_default_layers_match_peers():
-    # GUIDE §2: SGLang's inputs of [2, 30, 58] == SpecForge's outputs [1, 29, 57] for a 61-layer model... and
+    # docs/eagle3.md#layer-ids: SGLang's inputs of [2, 30, 58] == SpecForge's outputs [1, 29, 57] for a 61-layer model... and
     # for a 32-layer Llama the EAGLE-3 defaults are [1, 15, 28] (layer-output) == [2, 16, 29] (hidden_states).
     assert default_aux_layers(32) == [1, 15, 28]
     assert default_aux_hidden_states_ids(32) == [2, 16, 29]
