@@ -4,5 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+export TOKENIZERS_PARALLELISM=false
+WORKERS=${PYTEST_WORKERS:-2}
+# the subprocesses tests start (CLI runs, servers) share the cores with the other worker too
+[ "$WORKERS" = 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# style first (seconds): the tree is ruff-formatted and lint-clean
+ruff format --check --quiet draftsmith bench tests scripts dev
+ruff check --quiet draftsmith bench tests scripts dev
+# two pytest workers of one intra-op thread each (tests/conftest.py): the suite is mostly small single-threaded
+# forwards, so two processes use 2 cores better than one process with two threads. PYTEST_WORKERS=0: one process.
+if [ "$WORKERS" = 0 ]; then python -m pytest -q "$@"; else python -m pytest -q -n "$WORKERS" "$@"; fi

@@ -57,4 +57,6 @@ def one_thread():
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # one intra-op thread per pytest-xdist worker (scripts/test.sh runs two), two in a single process
+    threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+    torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
