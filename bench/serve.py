@@ -61,13 +61,13 @@ class EngineDirect:
     """The engine in this process, built as `draftsmith serve` builds it (same cache size and settings)."""
 
     def __init__(self, target, drafter, args, max_model_len):
-        from draftsmith.decode.cli import _engine, _load, _mode
         from draftsmith.decode.engine import DecodeMode
         from draftsmith.decode.sampling import SamplingParams
+        from draftsmith.decode.setup import build_engine, decode_mode, load_models
 
-        self.t, d = _load(target, drafter, args.device, "auto")
-        self.mode = _mode(drafter is None, False, args.draft_tokens, 8, 5, 32, d)
-        self.eng = _engine(self.t, d, max_model_len + self.mode.cache_need + 2, "auto", True)
+        self.t, d = load_models(target, drafter, args.device, "auto")
+        self.mode = decode_mode(drafter is None, False, args.draft_tokens, 8, 5, 32, d)
+        self.eng = build_engine(self.t, d, max_model_len + self.mode.cache_need + 2, "auto", True)
         self.sp = SamplingParams()
         self.eng.warmup(self.mode, self.sp)
         if self.mode.kind != "plain":

@@ -12,5 +12,7 @@ WORKERS=${PYTEST_WORKERS:-2}
 ruff format --check --quiet draftsmith bench tests scripts dev
 ruff check --quiet draftsmith bench tests scripts dev
 # two pytest workers of one intra-op thread each (tests/conftest.py): the suite is mostly small single-threaded
-# forwards, so two processes use 2 cores better than one process with two threads. PYTEST_WORKERS=0: one process.
-if [ "$WORKERS" = 0 ]; then python -m pytest -q "$@"; else python -m pytest -q -n "$WORKERS" "$@"; fi
+# forwards, so two processes use 2 cores better than one process with two threads. A file's tests stay in one
+# worker (--dist loadfile): module fixtures (servers, trained drafters) are built once and run in file order.
+# PYTEST_WORKERS=0: one process.
+if [ "$WORKERS" = 0 ]; then python -m pytest -q "$@"; else python -m pytest -q -n "$WORKERS" --dist loadfile "$@"; fi

@@ -10,37 +10,7 @@ from typing import Optional
 import typer
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.common.hf import text_config
-
-
-def _load(target: str, drafter: Optional[str], device: str, dtype: str):
-    import torch
-
-    from draftsmith.target_model import load_target
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    t = load_target(target, dtype=dtype, device=device)
-    d = None
-    if drafter:
-        from draftsmith.drafter import Drafter
-
-        d = Drafter.from_pretrained(drafter, target=t)
-        d = d.to(device=t.device, dtype=t.dtype).eval()
-        d.requires_grad_(False)
-    return t, d
-
-
-def _mode(plain: bool, tree: bool, draft_tokens: int, top_k_draft: int, depth: int, tree_tokens: int, drafter=True):
-    from draftsmith.decode.engine import DecodeMode
-
-    if plain or drafter is None:
-        return DecodeMode("plain")
-    if tree:
-        return DecodeMode("tree", top_k=top_k_draft, depth=depth, tree_tokens=tree_tokens)
-    return DecodeMode("chain", draft_tokens=draft_tokens)
+from draftsmith.decode.setup import build_engine, decode_mode, load_models, max_positions
 
 
 def _check_numbers(max_new_tokens: int, temperatures: list[float], top_p: float, top_k: int, mode) -> None:
@@ -95,38 +65,6 @@ _TUNE_HELP = (
 _TUNE_PROMPTS_HELP = "Calibration prompts for --tune (any --prompts format; first 4 used). Default: the prompt(s)."
 _SAVE_TUNING_HELP = "Write the --tune choice and its measurements to FILE (JSON), for --tuning FILE later."
 _TUNING_HELP = "Use the mode saved by --save-tuning FILE (no calibration)."
-
-
-def _engine(
-    t,
-    d,
-    max_len: int,
-    backend: str,
-    cuda_graphs: bool,
-    compile: bool = False,
-    attn_impl: str = "auto",
-    kernels: str = "torch",
-):
-    from draftsmith.decode.engine import SpeculativeDecoder
-
-    try:
-        return SpeculativeDecoder(
-            t,
-            d,
-            max_len=max_len,
-            backend=backend,
-            cuda_graphs=None if cuda_graphs else False,
-            compile=compile,
-            attn_impl=attn_impl,
-            kernels=kernels,
-        )
-    except ValueError as e:
-        raise DraftsmithError(str(e)) from None
-
-
-def _max_positions(t) -> int:
-    cfg = text_config(t.config)
-    return int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
 
 
 def _tuning_need() -> int:
@@ -216,7 +154,7 @@ def register(app: typer.Typer) -> None:
         from draftsmith.decode.evaluate import load_prompt_ids, read_prompts_text, use_chat_template
         from draftsmith.decode.sampling import SamplingParams
 
-        mode = _mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens)
+        mode = decode_mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens)
         _check_numbers(max_new_tokens, [temperature], top_p, top_k, mode)
         _check_tune_flags(tune, tuning, tune_prompts, save_tuning, plain)
         if prompt == "":
@@ -224,7 +162,7 @@ def register(app: typer.Typer) -> None:
         saved = _load_tuning(tuning, drafter) if tuning else None
         if tune_prompts:
             read_prompts_text(tune_prompts)
-        t, d = _load(target, drafter, device, dtype)
+        t, d = load_models(target, drafter, device, dtype)
         tok = t.tokenizer
         if use_chat_template(tok, chat):
             ids = tok.apply_chat_template(
@@ -235,7 +173,7 @@ def register(app: typer.Typer) -> None:
             ids = tok(prompt)["input_ids"]
         if not ids:
             raise DraftsmithError("--prompt: the tokenizer gives no tokens for it")
-        mode = _mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
+        mode = decode_mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
         if saved is not None:
             mode = saved.mode
         cal = [ids]
@@ -244,16 +182,16 @@ def register(app: typer.Typer) -> None:
             if not cal:
                 raise DraftsmithError(f"{tune_prompts}: no prompts")
         need = max(mode.cache_need, _tuning_need() if tune and d is not None else 0) + 2
-        cap = _max_positions(t)
+        cap = max_positions(t)
         longest = max(len(p) for p in cal + [ids])
         max_len = min(cap, longest + max(max_new_tokens, 1) + need)
         if len(ids) + 2 > max_len:
             raise DraftsmithError(f"--prompt: {len(ids)} tokens do not fit the target's context ({max_len})")
-        eng = _engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl, kernels)
+        eng = build_engine(t, d, max_len, backend, cuda_graphs, compile, attn_impl, kernels)
         if tune:
             if d is None:
                 typer.secho("tuned: plain decoding (no --drafter)", err=True, fg=typer.colors.CYAN)
-                mode = _mode(True, False, 0, 0, 0, 0)
+                mode = decode_mode(True, False, 0, 0, 0, 0)
             else:
                 mode = _run_tune(eng, cal, max_new_tokens, save_tuning, _tuning_context(target, drafter, eng)).mode
         elif saved is not None:
@@ -344,7 +282,7 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError(f"--temperatures: expected comma-separated numbers, got {temperatures!r}") from None
         if not temps:
             raise DraftsmithError("--temperatures: give at least one temperature, e.g. '0'")
-        mode = _mode(False, tree, draft_tokens, top_k_draft, depth, tree_tokens)
+        mode = decode_mode(False, tree, draft_tokens, top_k_draft, depth, tree_tokens)
         _check_numbers(max_new_tokens, temps, top_p, top_k, mode)
         S.check_value("--limit", limit, (S.AT_LEAST_ONE,))
         _check_tune_flags(tune, tuning, tune_prompts, save_tuning)
@@ -354,13 +292,13 @@ def register(app: typer.Typer) -> None:
         for f in (prompts, tune_prompts):
             if f:
                 read_prompts_text(f)  # a missing or binary file: one line, before the models load
-        t, d = _load(target, drafter, device, dtype)
+        t, d = load_models(target, drafter, device, dtype)
         templated = use_chat_template(t.tokenizer, chat)
         ids = load_prompt_ids(prompts, t.tokenizer, raw=not templated, limit=limit)
         if not ids:
             raise DraftsmithError(f"{prompts}: no prompts")
         cal = load_prompt_ids(tune_prompts, t.tokenizer, raw=not templated, limit=4) if tune_prompts else ids
-        cap = _max_positions(t)
+        cap = max_positions(t)
         need = (
             max_new_tokens
             + max(mode.cache_need, saved.mode.cache_need if saved else 0, _tuning_need() if tune else 0)
@@ -376,7 +314,7 @@ def register(app: typer.Typer) -> None:
         if not kept:
             raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
         cal = [p for p in cal if len(p) + need <= cap] or kept
-        eng = _engine(
+        eng = build_engine(
             t, d, min(cap, max(len(p) for p in kept + cal) + need), backend, cuda_graphs, compile, attn_impl, kernels
         )
         report = run_eval(eng, kept, mode, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)

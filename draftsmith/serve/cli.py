@@ -138,22 +138,22 @@ def register(app: typer.Typer) -> None:
         built: dict = {}
 
         def build():
-            from draftsmith.decode.cli import _engine, _load, _max_positions, _mode
             from draftsmith.decode.engine import DecodeMode
             from draftsmith.decode.sampling import SamplingParams
+            from draftsmith.decode.setup import build_engine, decode_mode, load_models, max_positions
 
-            t, d = _load(target, drafter, device, dtype)
+            t, d = load_models(target, drafter, device, dtype)
             if template is not None:
                 t.tokenizer.chat_template = template
-            mode = _mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
+            mode = decode_mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
             try:
                 mode.validate()
             except ValueError as e:
                 raise DraftsmithError(str(e)) from None
-            limit = min(_max_positions(t), 4096) if max_model_len is None else max_model_len
+            limit = min(max_positions(t), 4096) if max_model_len is None else max_model_len
             if limit < 2:
                 raise DraftsmithError(f"--max-model-len {limit}: must be >= 2")
-            eng = _engine(t, d, limit + mode.cache_need + 2, backend, cuda_graphs, compile, attn_impl, kernels)
+            eng = build_engine(t, d, limit + mode.cache_need + 2, backend, cuda_graphs, compile, attn_impl, kernels)
             greedy = SamplingParams()
             eng.warmup(mode, greedy)
             if mode.kind != "plain":

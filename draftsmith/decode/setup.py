@@ -1,0 +1,77 @@
+"""Building an engine from user settings: what `generate`, `eval`, `serve` and the benches share (the target and
+drafter loaded onto one device/dtype, a DecodeMode from the mode flags, the SpeculativeDecoder with user errors as
+one line)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.hf import text_config
+
+
+def load_models(target: str, drafter: Optional[str], device: str, dtype: str):
+    """(target, drafter or None) on `device` ("auto": cuda when available) in `dtype` ("auto": bf16 on cuda, fp32
+    on the CPU); the drafter frozen, in eval mode, with the target's embedding attached."""
+    import torch
+
+    from draftsmith.target_model import load_target
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    t = load_target(target, dtype=dtype, device=device)
+    d = None
+    if drafter:
+        from draftsmith.drafter import Drafter
+
+        d = Drafter.from_pretrained(drafter, target=t)
+        d = d.to(device=t.device, dtype=t.dtype).eval()
+        d.requires_grad_(False)
+    return t, d
+
+
+def decode_mode(
+    plain: bool, tree: bool, draft_tokens: int, top_k_draft: int, depth: int, tree_tokens: int, drafter=True
+):
+    """The DecodeMode the mode flags ask for; plain decoding without a drafter."""
+    from draftsmith.decode.engine import DecodeMode
+
+    if plain or drafter is None:
+        return DecodeMode("plain")
+    if tree:
+        return DecodeMode("tree", top_k=top_k_draft, depth=depth, tree_tokens=tree_tokens)
+    return DecodeMode("chain", draft_tokens=draft_tokens)
+
+
+def build_engine(
+    t,
+    d,
+    max_len: int,
+    backend: str,
+    cuda_graphs: bool,
+    compile: bool = False,
+    attn_impl: str = "auto",
+    kernels: str = "torch",
+):
+    from draftsmith.decode.engine import SpeculativeDecoder
+
+    try:
+        return SpeculativeDecoder(
+            t,
+            d,
+            max_len=max_len,
+            backend=backend,
+            cuda_graphs=None if cuda_graphs else False,
+            compile=compile,
+            attn_impl=attn_impl,
+            kernels=kernels,
+        )
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None
+
+
+def max_positions(t) -> int:
+    cfg = text_config(t.config)
+    return int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
