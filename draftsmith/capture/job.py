@@ -347,7 +347,7 @@ class _CaptureJob:
         if pending is not None:
             _land(buf, pending, cfg.dtype)
         if self.writer:
-            slots.submit(slot, _write_shard, self.out, si, first, shard_samples, offsets, buf, self.plan_sha)
+            slots.submit(slot, _write_shard, self.out, si, first, shard_samples, buf, self.plan_sha)
 
     # -- the manifest --------------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -590,44 +590,21 @@ def _land(buf: _ShardBuffers, pending, dtype: str) -> None:
             dest.index_copy_(0, dst, rows)
 
 
-def _write_shard(
-    out: Path, si: int, first: int, shard_samples, offsets, buf: _ShardBuffers, plan_sha: str
-) -> tuple[float, int]:
+def _write_shard(out: Path, si: int, first: int, shard_samples, buf: _ShardBuffers, plan_sha: str) -> tuple[float, int]:
     """Commit shard `si`: the shard file (atomic rename), then its progress record. Returns (seconds, bytes)."""
-    n = len(shard_samples)
-    ids = np.concatenate([s.input_ids for s in shard_samples]).astype(np.int32)
-    spans = [fmt.mask_to_spans(s.loss_mask) for s in shard_samples]
-    span_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in spans], out=span_offsets[1:])
-    tensors = {
-        "input_ids": torch.from_numpy(ids),
-        "sample_offsets": torch.from_numpy(offsets),
-        "sample_index": torch.arange(first, first + n, dtype=torch.int64),
-        "loss_spans": torch.from_numpy(np.concatenate(spans).reshape(-1, 2).astype(np.int32)),
-        "span_offsets": torch.from_numpy(span_offsets),
-        "aux_hidden_states": buf.aux,
-    }
-    if buf.final is not None:
-        tensors["final_hidden_states"] = buf.final
-    if buf.aux_scale is not None:
-        tensors["aux_scale"] = buf.aux_scale
-    if buf.final_scale is not None:
-        tensors["final_scale"] = buf.final_scale
+    states = {"aux_hidden_states": buf.aux}
+    for key, t in (("final_hidden_states", buf.final), ("aux_scale", buf.aux_scale), ("final_scale", buf.final_scale)):
+        if t is not None:
+            states[key] = t
+    masks = [s.loss_mask for s in shard_samples]
+    tensors = fmt.shard_tensors(first, [s.input_ids for s in shard_samples], masks, states)
     t0 = time.perf_counter()
     path = out / fmt.shard_name(si)
     # The plan hash in the shard itself: a resume (even without plan.json) reuses only shards of the same plan.
     digest, nbytes = atomic_save_safetensors_streaming(
         tensors, path, metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}", SHARD_PLAN_KEY: plan_sha}
     )
-    record = {
-        "file": fmt.shard_name(si),
-        "sha256": digest,
-        "bytes": nbytes,
-        "first_sample": first,
-        "num_samples": n,
-        "num_tokens": int(offsets[-1]),
-        "num_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in shard_samples)),
-    }
+    record = fmt.shard_record(si, first, tensors, masks, digest, nbytes)
     atomic_write_json(out / fmt.progress_name(si), record)
     return time.perf_counter() - t0, record["bytes"]
 

@@ -203,37 +203,19 @@ class ServeRecorder:
         si = len(self._shards)
         first = self._num_samples
         n = len(samples)
-        lengths = [len(s[0]) for s in samples]
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        spans = [fmt.mask_to_spans(s[1]) for s in samples]
-        span_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(s) for s in spans], out=span_offsets[1:])
-        tensors = {
-            "input_ids": torch.from_numpy(np.concatenate([s[0] for s in samples]).astype(np.int32)),
-            "sample_offsets": torch.from_numpy(offsets),
-            "sample_index": torch.arange(first, first + n, dtype=torch.int64),
-            "loss_spans": torch.from_numpy(np.concatenate(spans).reshape(-1, 2).astype(np.int32)),
-            "span_offsets": torch.from_numpy(span_offsets),
+        states = {
             "aux_hidden_states": torch.cat([s[2]["aux"] for s in samples]),
             "final_hidden_states": torch.cat([s[2]["final"] for s in samples]),
         }
         if self.dtype == "fp8":
-            tensors["aux_scale"] = torch.cat([s[2]["aux_scale"] for s in samples])
-            tensors["final_scale"] = torch.cat([s[2]["final_scale"] for s in samples])
+            states["aux_scale"] = torch.cat([s[2]["aux_scale"] for s in samples])
+            states["final_scale"] = torch.cat([s[2]["final_scale"] for s in samples])
+        masks = [s[1] for s in samples]
+        tensors = fmt.shard_tensors(first, [s[0] for s in samples], masks, states)
         digest, nbytes = atomic_save_safetensors_streaming(
             tensors, self.out / fmt.shard_name(si), metadata={"format": f"{fmt.FORMAT_NAME}:shard-{si:05d}"}
         )
-        loss_tokens = int(sum(int(s[1].sum()) for s in samples))
-        record = {
-            "file": fmt.shard_name(si),
-            "sha256": digest,
-            "bytes": nbytes,
-            "first_sample": first,
-            "num_samples": n,
-            "num_tokens": int(offsets[-1]),
-            "num_loss_tokens": loss_tokens,
-        }
+        record = fmt.shard_record(si, first, tensors, masks, digest, nbytes)
         atomic_write_json(self.out / fmt.progress_name(si), record)
         for ids, mask, _, _ in samples:
             masked = torch.from_numpy(ids[mask].astype(np.int64))

@@ -100,3 +100,36 @@ def spans_to_mask(spans: np.ndarray, length: int) -> np.ndarray:
     for a, b in np.asarray(spans).reshape(-1, 2):
         out[a:b] = True
     return out
+
+
+def shard_tensors(first: int, input_ids: list, loss_masks: list, states: dict[str, torch.Tensor]) -> dict:
+    """The tensors of one shard holding samples first, first+1, ...: token ids packed without padding, per-sample
+    offsets, the loss masks as [start, end) runs, and `states` (aux/final hidden states and their fp8 scales, rows
+    already in sample order). Capture and capture-while-serving both write shards through this."""
+    n = len(input_ids)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in input_ids], out=offsets[1:])
+    spans = [mask_to_spans(m) for m in loss_masks]
+    span_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in spans], out=span_offsets[1:])
+    return {
+        "input_ids": torch.from_numpy(np.concatenate(input_ids).astype(np.int32)),
+        "sample_offsets": torch.from_numpy(offsets),
+        "sample_index": torch.arange(first, first + n, dtype=torch.int64),
+        "loss_spans": torch.from_numpy(np.concatenate(spans).reshape(-1, 2).astype(np.int32)),
+        "span_offsets": torch.from_numpy(span_offsets),
+        **states,
+    }
+
+
+def shard_record(si: int, first: int, tensors: dict, loss_masks: list, digest: str, nbytes: int) -> dict:
+    """The manifest's (and the progress file's) record of shard `si`, once its file is written."""
+    return {
+        "file": shard_name(si),
+        "sha256": digest,
+        "bytes": nbytes,
+        "first_sample": first,
+        "num_samples": len(loss_masks),
+        "num_tokens": int(tensors["sample_offsets"][-1]),
+        "num_loss_tokens": int(sum(int(np.count_nonzero(m)) for m in loss_masks)),
+    }
