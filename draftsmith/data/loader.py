@@ -218,7 +218,7 @@ def _bos_id(tokenizer, add_bos) -> int | None:
 
 
 class _Loader:
-    def __init__(self, tokenizer, max_length, on_bad, mode, add_bos, split_long, template_kwargs=None):
+    def __init__(self, tokenizer, max_length, on_bad, mode, add_bos, split_long, template_kwargs=None, limit=None):
         if on_bad not in ("error", "skip"):
             raise DraftsmithError(f"on_bad={on_bad!r}: choose 'error' or 'skip'")
         if mode not in ("auto", "chat", "text"):
@@ -240,6 +240,7 @@ class _Loader:
         self.tkw = dict(template_kwargs or {})
         self.pool: _TextPool | None = None
         self._text_batches = 0
+        self.limit = limit  # stop reading once this many samples are kept (None: read everything)
 
     # -- bad records ---------------------------------------------------------------------------
     def bad(self, err: BadRecordError):
@@ -277,6 +278,8 @@ class _Loader:
         batch, chars = [], 0
         try:
             for where, thunk in items:
+                if self.limit is not None and len(self.samples) >= self.limit:
+                    break
                 self.report.total += 1
                 try:
                     item = self.classify(thunk())
@@ -290,6 +293,12 @@ class _Loader:
                     batch, chars = [], 0
             if batch:
                 self.flush(batch, split)
+            if self.limit is not None and len(self.samples) > self.limit:
+                dropped = self.samples[self.limit :]
+                del self.samples[self.limit :]
+                self.report.samples = len(self.samples)
+                self.report.tokens -= sum(len(d.input_ids) for d in dropped)
+                self.report.masked_tokens -= sum(int(d.loss_mask.sum()) for d in dropped)
         finally:
             if self.pool is not None:
                 self.pool.close()
@@ -470,6 +479,7 @@ def load_samples(
     glob=None,
     chat_template_kwargs=None,
     follow_symlinks=False,
+    max_samples=None,
 ):
     """Read user data and return (list[Sample], DataReport).
 
@@ -499,13 +509,17 @@ def load_samples(
     chat_template_kwargs: extra variables for the chat template (e.g. {"enable_thinking": False}).
     follow_symlinks: in a directory, files reached through a symlink that leads outside it are skipped (counted in
       report.skipped as 'symlink outside the data directory') unless this is True.
+    max_samples: keep the first N samples (windows count one each) and stop reading there: a cap on a large
+      directory costs only what it reads (report.total counts the records read).
     Sample.source is 'FILE:LINE' for JSONL, 'FILE[INDEX]' for a .json file holding one JSON array (the
     original ShareGPT layout), FILE for a source file (every window of a split file).
     """
     p = Path(path)
     if not p.exists():
         raise DraftsmithError(f"{path}: no such file or directory")
-    ld = _Loader(tokenizer, max_length, on_bad, mode, add_bos, split_long, chat_template_kwargs)
+    if max_samples is not None and (not isinstance(max_samples, (int, np.integer)) or max_samples < 1):
+        raise DraftsmithError(f"max_samples={max_samples!r}: must be a positive integer")
+    ld = _Loader(tokenizer, max_length, on_bad, mode, add_bos, split_long, chat_template_kwargs, limit=max_samples)
     if p.is_dir():
         files, outside = _list_dir(p, glob or "**/*.py", follow_symlinks)
         if not files and glob is None:

@@ -54,6 +54,13 @@ class TrainConfig:
         default_help="min(--batch-tokens, 2048, the target's max_position_embeddings)",
         help="Online mode: tokenizer cut; longer source files are split into windows (as `draftsmith capture`).",
     )
+    max_samples: int | None = setting(
+        None,
+        group="data",
+        checks=(AT_LEAST_ONE,),
+        default_help="all",
+        help="Online mode: use the first N samples (a split file's windows count one each); reading stops there.",
+    )
     on_bad: str = setting(
         "error",
         group="data",

@@ -420,7 +420,14 @@ class Trainer:
             cfg.batch_tokens, 2048, int(getattr(target.config, "max_position_embeddings", None) or 2048)
         )
         t_data = time.time()
-        samples, report = load_samples(cfg.data, target.tokenizer, max_length=max_len, on_bad=cfg.on_bad, glob=cfg.glob)
+        samples, report = load_samples(
+            cfg.data,
+            target.tokenizer,
+            max_length=max_len,
+            on_bad=cfg.on_bad,
+            glob=cfg.glob,
+            max_samples=cfg.max_samples,
+        )
         if hasattr(report, "summary"):
             self.log(f"data: {report.summary()} ({time.time() - t_data:.1f}s)")
         return samples

@@ -295,6 +295,18 @@ def test_directory_mode_sorted_split_deterministic(tok_bos, tmp_path):
     assert [s.source for s in samples] == [str(root / "notes.txt")]
 
 
+def test_max_samples_keeps_the_first_n_and_stops_reading(tok_bos, tmp_path):
+    root = _make_tree(tmp_path / "src")
+    full, _ = load_samples(root, tok_bos, max_length=50)
+    for n in (1, 3, len(full)):
+        head, rep = load_samples(root, tok_bos, max_length=50, max_samples=n)
+        assert [s.source for s in head] == [s.source for s in full[:n]] and rep.samples == n
+        assert rep.tokens == sum(len(s.input_ids) for s in head)
+        assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(head, full))
+    with pytest.raises(DraftsmithError, match="max_samples"):
+        load_samples(root, tok_bos, max_samples=0)
+
+
 def test_directory_invalid_utf8_file(tok, tmp_path):
     root = _make_tree(tmp_path / "src")
     (root / "pkg" / "bad.py").write_bytes(b"x = 1\ny = '\xff\xfe'\n")
