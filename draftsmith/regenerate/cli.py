@@ -52,6 +52,23 @@ def regenerate_command(
         help="KV cache of generate(): auto (static on CUDA, where "
         "transformers compiles the decode step; dynamic on CPU) | dynamic | static.",
     ),
+    continue_text: bool = typer.Option(
+        False,
+        "--continue-text",
+        help="Text data (base/code models): each sample's text becomes a prefix of it plus the target's own "
+        "continuation (--data: {'text'} JSONL or a directory of source files).",
+    ),
+    prefix_tokens: str = typer.Option(
+        "16:256",
+        "--prefix-tokens",
+        help="--continue-text: prefix length MIN:MAX tokens, drawn per sample (seeded) at a random offset.",
+    ),
+    glob: Optional[str] = typer.Option(
+        None, "--glob", help="--continue-text with a directory: which files (default '**/*.py')."
+    ),
+    max_length: int = typer.Option(
+        2048, "--max-length", help="--continue-text: source files are cut into windows of this many tokens."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-batch progress lines."),
 ) -> None:
     """Replace every assistant turn with the target's own answer to the conversation before it.
@@ -75,6 +92,10 @@ def regenerate_command(
         device=device,
         dtype=dtype,
         cache=cache,
+        continue_text=continue_text,
+        prefix_tokens=prefix_tokens,
+        glob=glob,
+        max_length=max_length,
     )
     rep = run_regenerate(cfg, log=lambda s: typer.echo(s, err=True), progress=not quiet)
     skipped = sum(rep["skipped"].values())

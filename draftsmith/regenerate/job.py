@@ -17,6 +17,13 @@ continues from the next input record: no record is repeated or lost. A rerun wit
 naming the setting.
 
 Bad records follow the capture rules: `--on-bad error` stops at `FILE:LINE: reason`, `--on-bad skip` counts them.
+
+Text data (`--continue-text`, for base/completion targets such as code models): the input is read like training
+text (`draftsmith.data.load_samples`: {"text"} JSONL records or a directory of source files, long files cut into
+windows of --max-length tokens); each sample becomes one record {"text": prefix + the target's continuation} whose
+prefix is a slice of the sample of --prefix-tokens MIN:MAX tokens at a seeded random offset (a seed per sample, so a
+resumed run draws the same prefixes). A drafter trained on these learns what the target itself writes after such
+prompts — the text it will see when serving greedy completions — instead of the corpus's text.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ RESUME_KEYS = (
     "max_samples",
     "on_bad",
     "chat_template_kwargs",
+    "continue_text",
+    "prefix_tokens",
+    "glob",
+    "max_length",
 )
 
 
@@ -65,6 +76,22 @@ class RegenerateConfig:
     # on the demo target, BENCHMARKS.md), dynamic on CPU (no compile there)
     cache: str = "auto"
     chat_template_kwargs: dict = field(default_factory=dict)
+    # text mode (see the module docstring)
+    continue_text: bool = False
+    prefix_tokens: str = "16:256"
+    glob: Optional[str] = None
+    max_length: int = 2048
+
+    def prefix_range(self) -> tuple[int, int]:
+        try:
+            lo, hi = (int(x) for x in str(self.prefix_tokens).split(":"))
+        except ValueError:
+            raise DraftsmithError(
+                f"--prefix-tokens: expected MIN:MAX (e.g. 16:256), got {self.prefix_tokens!r}"
+            ) from None
+        if not 1 <= lo <= hi:
+            raise DraftsmithError(f"--prefix-tokens: need 1 <= MIN <= MAX, got {self.prefix_tokens!r}")
+        return lo, hi
 
     def validate(self) -> None:
         if self.on_bad not in ("error", "skip"):
@@ -81,7 +108,13 @@ class RegenerateConfig:
             raise DraftsmithError(f"--max-samples: must be >= 1, got {self.max_samples}")
         if self.cache not in ("auto", "dynamic", "static"):
             raise DraftsmithError(f"--cache: expected 'auto', 'dynamic' or 'static', got {self.cache!r}")
-        if not Path(self.data).is_file():
+        if self.continue_text:
+            self.prefix_range()
+            if self.max_length < 2:
+                raise DraftsmithError(f"--max-length: must be >= 2, got {self.max_length}")
+            if not Path(self.data).exists():
+                raise DraftsmithError(f"{self.data}: --data not found (text JSONL or a directory of source files)")
+        elif not Path(self.data).is_file():
             raise DraftsmithError(f"{self.data}: --data file not found (JSONL with conversations/messages)")
         if Path(self.out).resolve() == Path(self.data).resolve():
             raise DraftsmithError(f"{self.out}: --out must differ from --data")
@@ -100,6 +133,8 @@ class _Item:
     messages: list  # normalized messages (role, content, pass-through fields)
     turns: list  # indices of the assistant messages still to regenerate
     truncated: int = 0
+    prompt: Optional[list] = None  # text mode: the prefix's token ids (BOS included when the data has one)
+    extra: dict = field(default_factory=dict)  # more provenance (text mode: prefix offset and length)
 
 
 def _prepare(where: str, obj, on_bad: str) -> _Item:
@@ -145,6 +180,61 @@ def _records(cfg: RegenerateConfig, report: dict, log, start: int = 0):
             yield idx, None
 
 
+def _text_records(cfg: RegenerateConfig, tok, report: dict, log, start: int):
+    """Text mode: yield (index, _Item) per sample from `start` on, each with a seeded random prefix."""
+    import random
+
+    from draftsmith.data import load_samples
+
+    samples, rep = load_samples(
+        cfg.data,
+        tok,
+        max_length=cfg.max_length,
+        on_bad=cfg.on_bad,
+        mode="text",
+        glob=cfg.glob,
+        max_samples=cfg.max_samples,
+    )
+    report["skipped"] = dict(rep.skipped)
+    log(f"data: {rep.summary()}")
+    lo, hi = cfg.prefix_range()
+    for idx in range(start, len(samples)):
+        s = samples[idx]
+        ids = [int(t) for t in s.input_ids]
+        head = ids[:1] if len(ids) and not bool(s.loss_mask[0]) else []  # the BOS the loader prepended
+        body = ids[len(head) :]
+        if len(body) < 2:
+            continue
+        rng = random.Random(f"{cfg.seed}:{idx}")
+        n = min(rng.randint(lo, hi), len(body) - 1)
+        off = rng.randint(0, len(body) - n)
+        yield (
+            idx,
+            _Item(
+                where=s.source,
+                obj={},
+                key="text",
+                content_keys=[],
+                messages=[],
+                turns=[],
+                prompt=head + body[off : off + n],
+                extra={"prefix_offset": off, "prefix_tokens": n},
+            ),
+        )
+
+
+def _continue_batch(gen: _Generator, items: list[_Item]) -> int:
+    """Text mode: each item's text = its prefix + the target's continuation. Returns new tokens generated."""
+    outs = gen.generate([it.prompt for it in items])
+    new_tokens = 0
+    for it, (toks, cut) in zip(items, outs):
+        n_head = len(it.prompt) - it.extra["prefix_tokens"]
+        it.obj["text"] = gen.tok.decode(it.prompt[n_head:] + toks, skip_special_tokens=True)
+        it.truncated = int(cut)
+        new_tokens += len(toks)
+    return new_tokens
+
+
 def _settings(cfg: RegenerateConfig, target) -> dict:
     from draftsmith import __version__
 
@@ -159,6 +249,10 @@ def _settings(cfg: RegenerateConfig, target) -> dict:
         "max_samples": cfg.max_samples,
         "on_bad": cfg.on_bad,
         "chat_template_kwargs": cfg.chat_template_kwargs,
+        "continue_text": cfg.continue_text,
+        "prefix_tokens": cfg.prefix_tokens if cfg.continue_text else None,
+        "glob": cfg.glob if cfg.continue_text else None,
+        "max_length": cfg.max_length if cfg.continue_text else None,
         "draftsmith_version": __version__,
     }
 
@@ -300,10 +394,10 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     target = load_target(cfg.target, dtype=dtype, device=device)
-    if not getattr(target.tokenizer, "chat_template", None):
+    if not cfg.continue_text and not getattr(target.tokenizer, "chat_template", None):
         raise DraftsmithError(
             f"{cfg.target}: the tokenizer has no chat template; regenerate answers chat turns "
-            "(text data needs no regeneration: train on it directly)"
+            "(text data: --continue-text has the target continue prefixes of it)"
         )
     target.model.eval()
     settings = _settings(cfg, target)
@@ -331,10 +425,13 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
         items = [it for _, it in batch if it is not None]
         if items:
             tg = time.perf_counter()
-            report["new_tokens"] += _regenerate_batch(gen, items, cfg.chat_template_kwargs)
+            if cfg.continue_text:
+                report["new_tokens"] += _continue_batch(gen, items)
+            else:
+                report["new_tokens"] += _regenerate_batch(gen, items, cfg.chat_template_kwargs)
             gen_s += time.perf_counter() - tg
         for it in items:
-            it.obj["provenance"] = {**prov_base, "source": it.where, "truncated_turns": it.truncated}
+            it.obj["provenance"] = {**prov_base, "source": it.where, "truncated_turns": it.truncated, **it.extra}
             report["truncated_turns"] += it.truncated
             line = (json.dumps(it.obj, ensure_ascii=False) + "\n").encode("utf-8")
             f.write(line)
@@ -355,8 +452,9 @@ def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, pr
                 f"{report['new_tokens']} new tokens, {rate:.0f} tok/s"
             )
 
+    items = _text_records(cfg, target.tokenizer, report, log, consumed) if cfg.continue_text else None
     with open(cfg.out, "ab") as f:
-        for idx, item in _records(cfg, report, log, start=consumed):
+        for idx, item in items if items is not None else _records(cfg, report, log, start=consumed):
             batch.append((idx, item))
             if sum(1 for _, it in batch if it is not None) >= cfg.batch_size:
                 flush(f)

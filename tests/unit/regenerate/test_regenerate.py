@@ -253,3 +253,47 @@ def test_assistant_turns_with_tool_calls_are_kept(chat_target, tmp_path):
     (out,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert out["messages"][:3] == rec["messages"][:3]
     assert out["messages"][3]["content"] != "dataset answer"
+
+
+def test_continue_text_prefixes_and_greedy_continuations(tiny_path, tmp_path):
+    """--continue-text: each record = a slice of a source sample (the provenance says where) + the target's greedy
+    continuation of exactly that slice; a rerun after the output is cut short draws the same prefixes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.data import load_samples
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"m{i}.py").write_text(
+            "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40)), encoding="utf-8"
+        )
+    out = tmp_path / "out.jsonl"
+    cfg = _cfg(tiny_path, src, out, continue_text=True, prefix_tokens="8:40", max_length=128, max_new_tokens=10)
+    rep = run_regenerate(cfg, log=lambda s: None)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    samples, _ = load_samples(src, tok, max_length=128, mode="text")
+    assert len(recs) == len(samples) == rep["records"] and rep["new_tokens"] == 10 * len(recs)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    for r, s in zip(recs[:4], samples):
+        pv = r["provenance"]
+        assert pv["source"] == s.source and 8 <= pv["prefix_tokens"] <= 40
+        head = [] if s.loss_mask[0] else [int(s.input_ids[0])]  # a BOS the loader prepended (never a loss target)
+        body = [int(t) for t in s.input_ids[len(head) :]]
+        prefix = body[pv["prefix_offset"] : pv["prefix_offset"] + pv["prefix_tokens"]]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([head + prefix]), max_new_tokens=10, do_sample=False)
+        new = ref[0, len(head) + len(prefix) :].tolist()
+        assert r["text"] == tok.decode(prefix + new, skip_special_tokens=True)
+    # resume: cut the output back to two records (as a kill leaves it) and rerun: the same records again
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]))
+    prog = json.loads(progress_path(out).read_text())
+    prog.update(consumed=2, bytes=len("".join(lines[:2]).encode()))
+    progress_path(out).write_text(json.dumps(prog))
+    run_regenerate(cfg, log=lambda s: None)
+    assert out.read_text().splitlines(keepends=True) == lines
+    with pytest.raises(DraftsmithError, match="prefix-tokens"):
+        run_regenerate(_cfg(tiny_path, src, tmp_path / "o2.jsonl", continue_text=True, prefix_tokens="9"))
