@@ -12,9 +12,7 @@ from typing import Optional
 import typer
 
 from draftsmith.common.errors import DraftsmithError
-
-_ATTN_HELP = "Attention of the compact forward and the drafter: auto | sdpa | bmm | split (as for generate)."
-_KERNELS_HELP = "Decode kernels of the compact forward: torch | triton (as for generate)."
+from draftsmith.decode.config import EngineConfig, ModeConfig, settings
 
 
 def _need_server_deps() -> None:
@@ -29,7 +27,9 @@ def _need_server_deps() -> None:
 
 
 def register(app: typer.Typer) -> None:
+    # the engine and decode-mode options come from draftsmith/decode/config.py (shared with generate and eval)
     @app.command("serve")
+    @settings(engine=EngineConfig, mode=ModeConfig)
     def serve(
         target: str = typer.Option(..., "--target", help="HF target model directory."),
         drafter: Optional[str] = typer.Option(
@@ -73,21 +73,6 @@ def register(app: typer.Typer) -> None:
             "--chat-template",
             help="A Jinja chat template file for targets whose tokenizer has none (or to replace it).",
         ),
-        draft_tokens: int = typer.Option(4, "--draft-tokens", help="Chain: draft tokens per round (K)."),
-        tree: bool = typer.Option(False, "--tree", help="EAGLE-2 dynamic tree instead of a chain."),
-        top_k_draft: int = typer.Option(8, "--top-k-draft", help="Tree: frontier width / children per node."),
-        depth: int = typer.Option(5, "--depth", help="Tree: max draft tokens on one path."),
-        tree_tokens: int = typer.Option(32, "--tree-tokens", help="Tree: draft nodes verified per round."),
-        plain: bool = typer.Option(False, "--plain", help="Plain decoding even with a drafter (baseline)."),
-        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto = bf16 on CUDA, fp32 on CPU."),
-        backend: str = typer.Option("auto", "--backend", help="auto | llama (compact forward) | hf (generic)."),
-        cuda_graphs: bool = typer.Option(
-            True, "--cuda-graphs/--no-cuda-graphs", help="Replay rounds from CUDA graphs (GPU, compact forward)."
-        ),
-        compile: bool = typer.Option(False, "--compile", help="torch.compile the round forwards (slow start)."),
-        attn_impl: str = typer.Option("auto", "--attn-impl", help=_ATTN_HELP),
-        kernels: str = typer.Option("torch", "--kernels", help=_KERNELS_HELP),
         capture_to: Optional[Path] = typer.Option(
             None,
             "--capture-to",
@@ -108,6 +93,9 @@ def register(app: typer.Typer) -> None:
             "every write).",
         ),
         log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+        *,
+        engine: EngineConfig,
+        mode: ModeConfig,
     ) -> None:
         """Serve the target (+ drafter) over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (SSE or
         JSON), /v1/models, /health, /metrics. One sequence at a time on the engine; a bounded queue in front."""
@@ -122,6 +110,9 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError("--max-queue must be >= 1")
         if queue_timeout <= 0:
             raise DraftsmithError("--queue-timeout must be > 0")
+        from draftsmith.decode.setup import mode_from
+
+        mode_from(mode)  # the mode's shape, before the models load
         if not Path(target).is_dir():
             raise DraftsmithError(f"{target}: target not found (expected a Hugging Face model directory)")
         template = None
@@ -140,26 +131,22 @@ def register(app: typer.Typer) -> None:
         def build():
             from draftsmith.decode.engine import DecodeMode
             from draftsmith.decode.sampling import SamplingParams
-            from draftsmith.decode.setup import build_engine, decode_mode, load_models, max_positions
+            from draftsmith.decode.setup import engine_from, max_positions, mode_from, models_from
 
-            t, d = load_models(target, drafter, device, dtype)
+            t, d = models_from(target, drafter, engine)
             if template is not None:
                 t.tokenizer.chat_template = template
-            mode = decode_mode(plain, tree, draft_tokens, top_k_draft, depth, tree_tokens, d)
-            try:
-                mode.validate()
-            except ValueError as e:
-                raise DraftsmithError(str(e)) from None
+            dm = mode_from(mode, d)
             limit = min(max_positions(t), 4096) if max_model_len is None else max_model_len
             if limit < 2:
                 raise DraftsmithError(f"--max-model-len {limit}: must be >= 2")
-            eng = build_engine(t, d, limit + mode.cache_need + 2, backend, cuda_graphs, compile, attn_impl, kernels)
+            eng = engine_from(t, d, limit + dm.cache_need + 2, engine)
             greedy = SamplingParams()
-            eng.warmup(mode, greedy)
-            if mode.kind != "plain":
+            eng.warmup(dm, greedy)
+            if dm.kind != "plain":
                 eng.warmup(DecodeMode("plain"), greedy)  # generate's fallback near the end of the cache
-            built.update(target=t, limit=limit, mode=mode)
-            return eng, mode
+            built.update(target=t, limit=limit, mode=dm)
+            return eng, dm
 
         recorder_factory = None
         if capture_to is not None:
@@ -203,11 +190,10 @@ def register(app: typer.Typer) -> None:
             http_app, host=host, port=port, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5
         )
         server = uvicorn.Server(config)
-        mode = built["mode"]
         log.info(
             "engine ready: %s, %s decoding, backend %s, cuda graphs %s, context %d tokens%s",
             eng.device,
-            mode.kind,
+            built["mode"].kind,
             eng.backend,
             eng.cuda_graphs,
             built["limit"],
