@@ -431,31 +431,28 @@ def _panel(group: str) -> str:
     return {"ttt": "TTT"}.get(group, group.capitalize())
 
 
-def cli_parameters(schema: type) -> list[inspect.Parameter]:
-    """One typer option per setting. Value options take text (converted and checked by `convert`); every option
-    defaults to None, meaning "not given", so YAML values and the dataclass defaults apply beneath the flags."""
+def cli_parameter(info: FieldInfo) -> inspect.Parameter:
+    """The typer option of one setting (a value option takes text, converted and checked by `convert`); it
+    defaults to None, meaning "not given", so YAML values and the dataclass defaults apply beneath the flag."""
     import typer
 
-    params = []
-    for info in fields_of(schema).values():
-        flags = list(info.spec.flags) or [info.flag]
-        kw: dict[str, Any] = {"help": _help(info), "rich_help_panel": _panel(info.spec.group)}
-        if info.kind is bool:
-            if not info.spec.negate and (info.optional or info.default is not False):
-                flags[0] = f"{flags[0]}/--no-{flags[0][2:]}"
-            annotation = Optional[bool]
-        else:
-            annotation = Optional[str]
-            kw["metavar"] = _metavar(info)
-        params.append(
-            inspect.Parameter(
-                info.name,
-                inspect.Parameter.KEYWORD_ONLY,
-                annotation=annotation,
-                default=typer.Option(None, *flags, **kw),
-            )
-        )
-    return params
+    flags = list(info.spec.flags) or [info.flag]
+    kw: dict[str, Any] = {"help": _help(info), "rich_help_panel": _panel(info.spec.group)}
+    if info.kind is bool:
+        if not info.spec.negate and (info.optional or info.default is not False):
+            flags[0] = f"{flags[0]}/--no-{flags[0][2:]}"
+        annotation = Optional[bool]
+    else:
+        annotation = Optional[str]
+        kw["metavar"] = _metavar(info)
+    return inspect.Parameter(
+        info.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=typer.Option(None, *flags, **kw)
+    )
+
+
+def cli_parameters(schema: type) -> list[inspect.Parameter]:
+    """One typer option per setting (`cli_parameter`)."""
+    return [cli_parameter(info) for info in fields_of(schema).values()]
 
 
 def config_parameter(stage: str) -> inspect.Parameter:

@@ -1,6 +1,7 @@
 """Building an engine from user settings: what `generate`, `eval`, `serve` and the benches share (the target and
 drafter loaded onto one device/dtype, a DecodeMode from the mode flags, the SpeculativeDecoder with user errors as
-one line)."""
+one line). The commands pass their EngineConfig/ModeConfig (draftsmith/decode/config.py) to the `*_from` forms; the
+benches call the plain ones."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Optional
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.hf import text_config
+from draftsmith.decode.config import EngineConfig, ModeConfig
 
 
 def load_models(target: str, drafter: Optional[str], device: str, dtype: str):
@@ -75,3 +77,22 @@ def build_engine(
 def max_positions(t) -> int:
     cfg = text_config(t.config)
     return int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
+
+
+def models_from(target: str, drafter: Optional[str], cfg: EngineConfig):
+    return load_models(target, drafter, cfg.device, cfg.dtype)
+
+
+def mode_from(cfg: ModeConfig, drafter=True):
+    """The DecodeMode of the mode flags, checked (one line naming the flag); plain without a drafter. Unless
+    --plain, the shape asked for is checked even without a drafter: a bad --tree-tokens fails before models load."""
+    asked = decode_mode(cfg.plain, cfg.tree, cfg.draft_tokens, cfg.top_k_draft, cfg.depth, cfg.tree_tokens)
+    try:
+        asked.validate()
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None
+    return decode_mode(cfg.plain, cfg.tree, cfg.draft_tokens, cfg.top_k_draft, cfg.depth, cfg.tree_tokens, drafter)
+
+
+def engine_from(t, d, max_len: int, cfg: EngineConfig):
+    return build_engine(t, d, max_len, cfg.backend, cfg.cuda_graphs, cfg.compile, cfg.attn_impl, cfg.kernels)

@@ -1,0 +1,143 @@
+"""The engine, decode-mode and sampling options of generate, eval and serve come from one schema
+(draftsmith/decode/config.py): the same names and defaults in the three commands, checked as they are parsed."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from draftsmith.cli import app, main
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.schema import fields_of
+from draftsmith.decode.config import (
+    ATTN_IMPLS,
+    BACKENDS,
+    KERNELS,
+    EngineConfig,
+    EvalSamplingConfig,
+    ModeConfig,
+    SamplingConfig,
+    parse_temperatures,
+)
+
+# The flags external checks use: a change here is a contract change (see issue 15).
+ENGINE_FLAGS = {
+    "--device": "auto",
+    "--dtype": "auto",
+    "--backend": "auto",
+    "--cuda-graphs": True,
+    "--compile": False,
+    "--attn-impl": "auto",
+    "--kernels": "torch",
+}
+MODE_FLAGS = {"--draft-tokens": 4, "--tree": False, "--top-k-draft": 8, "--depth": 5, "--tree-tokens": 32}
+
+
+def _options(name: str) -> dict[str, object]:
+    """{long flag: click default} of one command, as typer builds it."""
+    cmd = typer.main.get_command(app).commands[name]
+    return {p.opts[0]: p for p in cmd.params if p.opts}
+
+
+def _effective_default(param, schemas) -> object:
+    for s in schemas:
+        info = fields_of(s).get(param.name)
+        if info is not None:
+            assert param.default is None  # "not given": the schema's default applies
+            return info.default
+    return param.default
+
+
+@pytest.mark.parametrize(
+    "name,schemas",
+    [
+        ("generate", (EngineConfig, ModeConfig, SamplingConfig)),
+        ("eval", (EngineConfig, ModeConfig, EvalSamplingConfig)),
+        ("serve", (EngineConfig, ModeConfig)),
+    ],
+)
+def test_commands_share_engine_and_mode_flags(name, schemas):
+    opts = _options(name)
+    got = {f: _effective_default(opts[f], schemas) for f in (*ENGINE_FLAGS, *MODE_FLAGS) if f in opts}
+    want = {**ENGINE_FLAGS, **MODE_FLAGS}
+    assert got == want, name
+    cg = opts["--cuda-graphs"]
+    assert cg.secondary_opts == ["--no-cuda-graphs"]
+    # --plain: generate and serve (eval always measures plain decoding as its baseline)
+    assert ("--plain" in opts) == (name != "eval")
+    # the same help line in all three: one declaration
+    assert opts["--kernels"].help == _options("generate")["--kernels"].help
+
+
+def test_sampling_flags_of_generate_and_eval():
+    gen, ev = _options("generate"), _options("eval")
+    defaults = {
+        f: _effective_default(gen[f], (SamplingConfig,)) for f in ("--max-new-tokens", "--temperature", "--top-p")
+    }
+    assert defaults == {"--max-new-tokens": 128, "--temperature": 0.0, "--top-p": 1.0}
+    assert _effective_default(gen["--top-k"], (SamplingConfig,)) == 0
+    assert _effective_default(gen["--seed"], (SamplingConfig,)) is None
+    assert "--temperature" not in ev and _effective_default(ev["--temperatures"], (EvalSamplingConfig,)) == "0,1"
+    assert _effective_default(ev["--max-new-tokens"], (EvalSamplingConfig,)) == 256
+    assert _effective_default(ev["--seed"], (EvalSamplingConfig,)) == 0
+    assert "--temperatures" not in gen
+
+
+def test_choices_match_the_engine():
+    from draftsmith.decode.llama import ATTENTION_IMPLS
+
+    assert ATTN_IMPLS == ("auto", *ATTENTION_IMPLS)
+    assert KERNELS == ("torch", "triton") and BACKENDS == ("auto", "llama", "hf")
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["generate", "--prompt", "x", "--draft-tokens", "0"], "--draft-tokens: must be in [1, 250], got 0"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+        (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature: must be a finite number, got nan"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "--max-new-tokens: expected an integer, got 'ten'"),
+        (["eval", "--drafter", "d", "--prompts", "p", "--temperatures", "0,-1"], "--temperatures: must be"),
+        (["eval", "--drafter", "d", "--prompts", "p", "--kernels", "cuda"], "--kernels: must be one of torch, triton"),
+        (["serve", "--device", "gpu"], "--device: must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got 'gpu'"),
+        (["serve", "--attn-impl", "flash"], "--attn-impl: must be one of auto, sdpa, bmm, split, got 'flash'"),
+        (["serve", "--depth", "300"], "--depth: must be in [1, 250], got 300"),
+    ],
+)
+def test_bad_value_is_one_line_naming_the_flag(argv, line, tmp_path, capsys):
+    # the target does not exist: the error must come from parsing, before anything loads
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], "--target", str(tmp_path / "missing"), *argv[1:]])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: " + line), err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_tree_shape_checked_before_loading(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(tmp_path), "--prompt", "x", "--tree", "--top-k-draft", "2", "--depth", "2"])
+    assert "--tree-tokens 32 > candidates" in capsys.readouterr().err
+
+
+def test_python_callers_get_the_same_checks():
+    assert EngineConfig().kernels == "torch" and ModeConfig(tree=True).tree
+    with pytest.raises(DraftsmithError, match="--draft-tokens: must be in"):
+        ModeConfig(draft_tokens=251)
+    with pytest.raises(DraftsmithError, match="--dtype: must be one of"):
+        EngineConfig(dtype="int8")
+    assert EngineConfig(dtype="BF16").dtype == "BF16"  # load_target reads dtype names case-insensitively
+    assert parse_temperatures("0, 0.7,") == [0.0, 0.7]
+    assert EvalSamplingConfig(temperatures="1").temps == [1.0]
+    for bad in ("", "a", "-1", "inf"):
+        with pytest.raises(ValueError):
+            parse_temperatures(bad)
+
+
+def test_help_groups_the_engine_flags():
+    r = CliRunner().invoke(app, ["generate", "--help"], terminal_width=240, env={"COLUMNS": "240"})
+    assert r.exit_code == 0, r.output
+    for panel in ("Engine", "Decode mode", "Sampling"):
+        assert panel in r.output
+    assert "(default: 128; >= 1)" in r.output  # --max-new-tokens: the default and the bound from the schema
