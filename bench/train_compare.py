@@ -74,6 +74,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, markdown_table, record  # noqa: E402
 
+from draftsmith.target_model.layers import to_hidden_states_ids  # noqa: E402
+
 SPLIT_FILE = "draftsmith_split.json"
 
 
@@ -483,7 +485,7 @@ def plan(a) -> dict:
     spec = speculators_argv(
         a,
         export_dir=export_dir,
-        target_layer_ids=[i + 1 for i in aux],
+        target_layer_ids=to_hidden_states_ids(aux),
         ratio=split["train_data_ratio"],
         epochs=epochs,
         save_path=work / "speculators_run",
@@ -519,7 +521,9 @@ def main(argv=None) -> int:
         f"split: {split['num_samples']} samples, {split['num_train_rows']} train / {len(split['eval_samples'])} held out "
         f"(seed {a.seed}, eval fraction {a.eval_fraction}); speculators --train-data-ratio {split['train_data_ratio']!r}"
     )
-    print(f"aux layers {P['aux_layers']} (layer-output ids) = --target-layer-ids {[i + 1 for i in P['aux_layers']]}")
+    print(
+        f"aux layers {P['aux_layers']} (layer-output ids) = --target-layer-ids {to_hidden_states_ids(P['aux_layers'])}"
+    )
     if P["spec_batches_per_epoch"]:
         print(
             f"speculators: {P['spec_batches_per_epoch'][0]} packed batches in epoch 0 -> --epochs {P['spec_epochs']} "

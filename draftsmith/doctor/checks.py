@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.io import read_json
+from draftsmith.target_model.layers import to_hidden_states_ids, to_layer_output_ids
 
 # which config field holds the aux ids in each layout, and its convention ("lo": layer-output, "hs": hidden_states)
 AUX_FIELDS = {
@@ -35,7 +36,7 @@ def _get(d: dict, dotted: str):
 def aux_fix(fmt: str, layer_output_ids: list[int]) -> str:
     """The config edit that makes a drafter of layout `fmt` read the layers `layer_output_ids`."""
     lo = [int(i) for i in layer_output_ids]
-    hs = [i + 1 for i in lo]
+    hs = to_hidden_states_ids(lo)
     if fmt == "draftsmith":
         return f"set aux_layer_ids to {lo} (layer-output ids)"
     if fmt == "speculators":
@@ -127,7 +128,7 @@ def static_checks(
                 False,
             )
         else:
-            detail, ok = f"layer-output ids {ids} (hidden_states ids {[i + 1 for i in ids]})", True
+            detail, ok = f"layer-output ids {ids} (hidden_states ids {to_hidden_states_ids(ids)})", True
             if ids != sorted(ids):
                 ok = False
                 detail += (
@@ -146,7 +147,7 @@ def static_checks(
         if v is None:
             continue
         v = [int(i) for i in v]
-        lo = v if conv == "lo" else [i - 1 for i in v]
+        lo = v if conv == "lo" else to_layer_output_ids(v)
         named[fld] = lo
         written.append(f"{fld}={v} ({'layer-output' if conv == 'lo' else 'hidden_states'} ids -> layer outputs {lo})")
     ok = len({tuple(v) for v in named.values()}) <= 1
@@ -158,7 +159,7 @@ def static_checks(
         ok = False
         detail += (
             f": vLLM (V1) reads these nested ids raw as hidden_states ids, i.e. layer outputs "
-            f"{[i - 1 for i in lo]}; add the top-level eagle_aux_hidden_state_layer_ids {[i + 1 for i in lo]}"
+            f"{to_layer_output_ids(lo)}; add the top-level eagle_aux_hidden_state_layer_ids {to_hidden_states_ids(lo)}"
         )
     out.append(check("aux_id_conventions", ok, detail))
 

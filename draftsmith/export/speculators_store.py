@@ -40,6 +40,7 @@ from safetensors.torch import save
 from draftsmith.common.dtypes import torch_dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import fsync_dir, is_no_space, no_space_error
+from draftsmith.target_model.layers import to_hidden_states_ids
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class _ExportPlan:
     @classmethod
     def of(cls, store, dtype) -> _ExportPlan:
         aux_layers, hidden_size, manifest = _store_meta(store)
-        target_layer_ids = [i + 1 for i in aux_layers]
+        target_layer_ids = to_hidden_states_ids(aux_layers)
         num_layers = _num_target_layers(manifest)
         if num_layers is not None and max(target_layer_ids) > num_layers:
             raise DraftsmithError(

@@ -5,6 +5,7 @@ from draftsmith.target_model.layers import (
     default_aux_layers,
     from_hidden_states_ids,
     to_hidden_states_ids,
+    to_layer_output_ids,
 )
 from draftsmith.target_model.load import Target, load_target, target_from_model
 
@@ -16,4 +17,5 @@ __all__ = [
     "default_aux_hidden_states_ids",
     "to_hidden_states_ids",
     "from_hidden_states_ids",
+    "to_layer_output_ids",
 ]

@@ -77,18 +77,22 @@ def to_hidden_states_ids(layer_output_ids: Sequence[int]) -> list[int]:
     return [int(i) + 1 for i in layer_output_ids]
 
 
+def to_layer_output_ids(hidden_states_ids: Sequence[int]) -> list[int]:
+    """hidden_states ids -> layer-output ids: each - 1, unchecked (hidden_states id 0, the embedding output, gives
+    -1). For reporting what a file names; `from_hidden_states_ids` is the checked form for user input."""
+    return [int(i) - 1 for i in hidden_states_ids]
+
+
 def from_hidden_states_ids(hidden_states_ids: Sequence[int], where: str = "") -> list[int]:
     """hidden_states ids -> layer-output ids (each - 1); id 0 (the embedding output) is refused. `where` prefixes
     the error (file and field)."""
-    out = []
     for i in hidden_states_ids:
         if int(i) < 1:
             raise DraftsmithError(
                 f"{where + ': ' if where else ''}hidden_states id {i} is the embedding output, not a decoder layer "
                 "output; aux layers must be decoder layer outputs (hidden_states ids >= 1)"
             )
-        out.append(int(i) - 1)
-    return out
+    return to_layer_output_ids(hidden_states_ids)
 
 
 def validate_aux_layers(ids: Sequence[int], num_layers: int, flag: str = "--aux-layers") -> list[int]:

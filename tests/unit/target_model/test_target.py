@@ -16,6 +16,7 @@ from draftsmith.target_model.layers import (
     parse_layer_list,
     repeated_aux_problem,
     to_hidden_states_ids,
+    to_layer_output_ids,
     validate_aux_layers,
 )
 from tests.tiny_models import ARCHS
@@ -61,6 +62,9 @@ def test_layer_validation_errors():
         validate_aux_layers([1, 10], 6)
     with pytest.raises(DraftsmithError, match="embedding"):
         from_hidden_states_ids([0, 3])
+    # the unchecked inverse reports what a file names, the embedding output included (doctor shows it as -1)
+    assert to_layer_output_ids([0, 3, "17"]) == [-1, 2, 16]
+    assert to_hidden_states_ids(to_layer_output_ids([2, 16, 29])) == [2, 16, 29]
     with pytest.raises(DraftsmithError, match="integers"):
         parse_layer_list("1,a")
     assert parse_layer_list("[1, 4,7]") == [1, 4, 7]
