@@ -159,10 +159,10 @@ class TrainConfig:
         "auto",
         group="ttt",
         checks=(one_of("auto", "flex", "chunked", "background"),),
-        help="TTT attention: auto (flex on GPU, compiled before step 1; chunked on CPU), flex, "
-        "chunked, or background (experimental: the first steps run chunked while flex -- "
-        "with --compile auto the whole unroll -- compiles in a background thread; step 1 "
-        "in seconds, but torch's tracer is not thread-safe and a step can fail meanwhile).",
+        help="TTT attention: auto (GPU: flex -- with --compile auto the whole unroll -- compiled in a separate "
+        "process while the first steps run chunked, then switched to at a step boundary; chunked on CPU), "
+        "flex (compiled before step 1), chunked, or background (experimental: the compile in a thread; "
+        "torch's tracer is not thread-safe and a step can fail meanwhile).",
     )
     attn_chunk: int = setting(
         0,

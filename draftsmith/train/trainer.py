@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftsmith.common import dtypes
 from draftsmith.common.compiling import compile_seconds
 from draftsmith.common.dist import all_reduce, barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
@@ -50,7 +51,7 @@ from draftsmith.train.batches import (
 )
 from draftsmith.train.config import TrainConfig  # re-exported: TrainConfig lived here
 from draftsmith.train.ttt import TTTStats, compute_teacher, ttt_unroll
-from draftsmith.train.warmup import BackgroundCompile, private_copy
+from draftsmith.train.warmup import BackgroundCompile, CacheWarmer, private_copy, warm_spec
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,37 +137,36 @@ def lr_lambda_factory(total: int, warmup: int, min_ratio: float) -> Callable[[in
 # ---------------------------------------------------------------------------------------------------
 
 
-def forward_micro_batch(model, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype):
+def forward_micro_batch(model, mb: MicroBatch, target, lm_w, d2t_ids, t2d, amp_dtype, seen=None):
     """Teacher from the micro-batch's final states, then the TTT unroll under autocast -> (loss, stats).
-    The one forward of training and of `evaluate_drafter` (so the evaluator reproduces the trainer's numbers)."""
+    The one forward of training and of `evaluate_drafter` (so the evaluator reproduces the trainer's numbers).
+    `seen(inputs)`, if given, gets the tensors the model is called with (the compile-cache warmer's shapes)."""
     teacher = compute_teacher(mb.final_hidden, target.final_norm, lm_w, d2t_ids, t2d)
     aux = mb.aux_hidden.to(torch.float32) if amp_dtype is None else mb.aux_hidden
+    inputs = (
+        mb.input_ids,
+        aux,
+        mb.doc_ids,
+        mb.position_ids,
+        mb.loss_mask,
+        teacher.probs,
+        teacher.argmax,
+        teacher.in_vocab,
+    )
+    if seen is not None:
+        seen(inputs)
     ctx = torch.autocast(mb.input_ids.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     with ctx:
-        loss, stats = model(
-            mb.input_ids,
-            aux,
-            mb.doc_ids,
-            mb.position_ids,
-            mb.loss_mask,
-            teacher.probs,
-            teacher.argmax,
-            teacher.in_vocab,
-        )
+        loss, stats = model(*inputs)
     return loss, stats.detach()
 
 
 def amp_dtype(dtype: str, device: torch.device):
     """Autocast dtype for a --dtype value on a device (None = no autocast)."""
-    if dtype == "auto":
+    dt = dtypes.parse_dtype(dtype, "--dtype")
+    if dt == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
-    if dtype in ("fp32", "float32"):
-        return None
-    if dtype in ("bf16", "bfloat16"):
-        return torch.bfloat16
-    if dtype in ("fp16", "float16"):
-        return torch.float16
-    raise DraftsmithError(f"--dtype: unknown {dtype!r} (auto, fp32, bf16, fp16)")
+    return None if dt == torch.float32 else dt
 
 
 # run-directory entries that mark a previous `draftsmith train` run (what may be resumed or trained over)
@@ -219,6 +219,7 @@ class Trainer:
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
         self.background: BackgroundCompile | None = None
+        self.warmer: CacheWarmer | None = None
         self._prefetcher = None
 
     def log(self, msg: str) -> None:
@@ -250,6 +251,8 @@ class Trainer:
                     raise no_space_error(e.filename or self.out) from None
                 raise
             finally:
+                if self.warmer is not None:
+                    self.warmer.close()
                 if self._prefetcher is not None and hasattr(self._prefetcher, "close"):
                     self._prefetcher.close()
 
@@ -568,42 +571,57 @@ class Trainer:
             )
 
     def _choose_step_path(self) -> None:
-        """Which TTT unroll the steps run. `--compile` asks for the compiled unroll (`_use_compile`). On CUDA with
-        `--attn-backend auto`, the fast path (the compiled unroll, or flex attention's compiled kernels) is compiled
-        in the background on a private copy of the model while the first steps run the chunked attention, which
-        compiles nothing (`warmup.py`); an explicit `--attn-backend flex` or `--compile unroll/step/on` compiles
-        before step 1 instead (a run that does not depend on how long the compile took)."""
+        """Which TTT unroll the steps run. `--compile` asks for the compiled unroll (`_use_compile`). On CUDA the fast
+        path (the compiled unroll, or flex attention's compiled kernels) has to compile first -- a minute or more.
+        With `--attn-backend auto` (the default) the steps do not wait: they run the chunked attention, which
+        compiles nothing, while a separate process fills torch's compile caches with the same graphs; once it is
+        done, the trainer compiles the fast path itself from the warm caches (seconds) and switches
+        (`warmup.CacheWarmer`). `--attn-backend background` compiles in a thread instead (experimental); an explicit
+        `--attn-backend flex` or `--compile unroll/step/on` compiles before step 1 (a run that does not depend on
+        how long the compile took)."""
         model = self.model
         use_compile = self._use_compile(self.device)
         if use_compile:
             model.enable_compile(granularity="step" if self.cfg.compile == "step" else "unroll")
         self._compile_pending = model.compiled is not None  # a synchronous compile may still fail at step 1
-        self._fast_path = None
+        self._fast_path = None  # what the first steps run without: "compiled" (the unroll) or "flex"
         self._probe_model = None
-        if not self._background_compile_wanted():
+        # the warm start (default): None (not used), "pending" (step 1 not run), "running" (the child compiles),
+        # "done" (switched or given up); this rank's child's outcome, and all ranks' (agreed in `train_step`)
+        self._warm = self._warm_local = self._warm_agreed = self._first_inputs = None
+        self._switch_step = None
+        mode = self._deferred_compile()
+        if mode is None:
             return
         self._fast_path = "compiled" if use_compile else "flex"
         self._pending_compiled, model.compiled = model.compiled, None
         self._compile_pending = False
-        embedding = getattr(self.drafter, "embed_tokens", None)
-        self._probe_model = private_copy(model, [embedding.weight] if embedding is not None else [])
-        self._probe_model.compiled = self._pending_compiled
-        self._probe_model.backend = "flex"
+        if mode == "thread":
+            embedding = getattr(self.drafter, "embed_tokens", None)
+            self._probe_model = private_copy(model, [embedding.weight] if embedding is not None else [])
+            self._probe_model.compiled = self._pending_compiled
+            self._probe_model.backend = "flex"
+        else:
+            self._warm = "pending"
         model.backend = "chunked"
 
-    def _background_compile_wanted(self) -> bool:
-        c = self.cfg.compile
-        # Opt-in only: torch's FX tracer, which the compile runs, patches nn.Module.__call__ for every thread while it
-        # traces, so a training step that calls a module at that moment can fail (seen once on the GPU). The default
-        # compiles before step 1; docs/LOG.md has the measurements.
-        return self.device.type == "cuda" and self.cfg.attn_backend == "background" and c in ("auto", "off", False)
+    def _deferred_compile(self) -> str | None:
+        """ "process" (the default on CUDA), "thread" (`--attn-backend background`) or None (compile when first
+        called, before step 1 for the compiled unroll)."""
+        if self.device.type != "cuda" or self.cfg.compile not in ("auto", "off", False):
+            return None
+        # The thread is opt-in only: torch's FX tracer, which the compile runs, patches nn.Module.__call__ for every
+        # thread while it traces, so a training step that calls a module at that moment can fail (seen once on the
+        # GPU). The process shares nothing with the trainer but the cache directory.
+        return {"auto": "process", "background": "thread"}.get(self.cfg.attn_backend)
 
     def _log_setup(self) -> None:
         cfg, plan = self.cfg, self.plan
         n_params = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
         if self._fast_path is not None:
             what = "the TTT unroll" if self._fast_path == "compiled" else "flex attention"
-            compiling = f"; the first steps run the chunked attention while {what} compiles in the background"
+            where = "in the background" if self._warm is None else "in a separate process (after step 1)"
+            compiling = f"; the first steps run the chunked attention while {what} compiles {where}"
         elif self.model.compiled is not None:
             compiling = (
                 "; the first step compiles the TTT unroll (minutes, once per sequence length; --compile off skips it)"
@@ -644,7 +662,7 @@ class Trainer:
                 now = time.time()
                 rec["tokens_per_s"] = tok_window / max(now - time_window, 1e-9)
                 rec["elapsed_s"] = now - self.t0
-                if step - self.start_step <= 2:
+                if step - self.start_step <= 2 or step == self._switch_step:
                     self._log_first_steps(step, rec["elapsed_s"] if step == self.start_step + 1 else now - time_window)
                 tok_window, time_window = 0, now
                 last = rec
@@ -678,8 +696,8 @@ class Trainer:
                 bar.close()
             if tb is not None:
                 tb.close()
-        if self.background is not None and not self.background.done():
-            self.log("note: the run ended before the background compile finished: every step ran the chunked attention")
+        if (self.background is not None and not self.background.done()) or self._warm in ("pending", "running"):
+            self.log("note: the run ended before the compile finished: every step ran the chunked attention")
         self._save_final(total_steps)
         if self.is_main and cfg.plot:
             try:
@@ -744,14 +762,21 @@ class Trainer:
             loss_acc += losses[-1].double()
             tokens += mb.num_tokens
         over = float(cfg.max_time is not None and time.time() - self.t0 >= cfg.max_time)
+        ready, failed = float(self._warm_local == "ready"), float(self._warm_local == "failed")
         red = torch.cat(
             [
                 acc_stats.reshape(-1).double(),
                 loss_acc.reshape(1),
-                torch.tensor([float(tokens), over], dtype=torch.float64, device=device),
+                torch.tensor([float(tokens), over, ready, failed], dtype=torch.float64, device=device),
             ]
         )
         red = all_reduce(red.to(self._reduce_device), self.world).cpu()
+        # the warm start switches every rank at the same step (all ready), or none (any failed)
+        if float(red[-1]) > 0:
+            self._warm_agreed = "failed"
+        elif float(red[-2]) >= self.world:
+            self._warm_agreed = "ready"
+        red = red[:-2]
         st = TTTStats.from_tensor(red[:-3].view(5, -1))
         loss_mean = float(red[-3]) / self.plan.micro_batches_per_step
         if not math.isfinite(loss_mean):
@@ -772,22 +797,39 @@ class Trainer:
     def _forward_backward(self, mb: MicroBatch, sync: bool):
         """Loss and statistics of one micro-batch, its gradient accumulated (across ranks only when `sync`)."""
 
+        seen = None
+        if self._warm == "pending" and self._first_inputs is None:
+
+            def seen(inputs):
+                self._first_inputs = inputs
+
         def forward_backward():
-            loss, stats = forward_micro_batch(self.wrapped, mb, self.target, *self.teacher_head, self.amp)
+            loss, stats = forward_micro_batch(self.wrapped, mb, self.target, *self.teacher_head, self.amp, seen)
             with contextlib.nullcontext() if sync else self._no_sync(self.wrapped):
                 (loss / self.cfg.grad_accum).backward()
             return loss, stats
 
         try:
             out = forward_backward()
-        except Exception as e:  # only the very first step, before any gradient exists, may fall back
-            if not self._compile_pending or isinstance(e, torch.cuda.OutOfMemoryError) or self.cfg.compile != "auto":
+        except Exception as e:  # only the first compiled call, before any gradient of its step exists, may fall back
+            oom = isinstance(e, torch.cuda.OutOfMemoryError)
+            if self._compile_pending and self._warm is not None:  # the switch after the warm start: stay chunked
+                self.log(
+                    f"warning: compiling the TTT unroll from the warm caches failed ({_first_line(e)}); training on "
+                    f"with the chunked attention"
+                )
+                self.model.disable_compile()
+                self.model.backend = "chunked"
+                if oom:
+                    torch.cuda.empty_cache()
+            elif not self._compile_pending or oom or self.cfg.compile != "auto":
                 raise
-            self.log(
-                f"warning: the compiled TTT unroll failed ({_first_line(e)}); training eagerly "
-                f"(--compile off hides this)"
-            )
-            self.model.disable_compile()
+            else:
+                self.log(
+                    f"warning: the compiled TTT unroll failed ({_first_line(e)}); training eagerly "
+                    f"(--compile off hides this)"
+                )
+                self.model.disable_compile()
             self.optimizer.zero_grad(set_to_none=True)
             out = forward_backward()
         self._compile_pending = False
@@ -807,7 +849,11 @@ class Trainer:
 
     def _advance_step_path(self, step_index: int, batches) -> None:
         """Background compile (see `_choose_step_path`): start it on the first micro-batch; at each later step
-        boundary, switch to the fast path once it is compiled (or say that it failed and stay eager)."""
+        boundary, switch to the fast path once it is compiled (or say that it failed and stay eager). The warm start
+        (`_advance_warm`) likewise, with a separate process."""
+        if self._warm is not None:
+            self._advance_warm(step_index)
+            return
         if self._probe_model is not None:
             probe_model, self._probe_model = self._probe_model, None
             mb = self.source.to_device(batches[0][1], self.device)
@@ -836,6 +882,73 @@ class Trainer:
             f"the steps from here on use it"
         )
 
+    def _advance_warm(self, step_index: int) -> None:
+        """After step 1 (whose forward recorded the input shapes, and whose memory the allocator now holds), start
+        the child that warms the compile caches; at later boundaries, poll it, and once every rank's child is done
+        switch to the fast path (compiled here from the warm caches at the next step). A failure anywhere: one
+        line, and the steps stay chunked."""
+        what = "TTT unroll" if self._fast_path == "compiled" else "flex attention"
+        if self._warm == "pending":
+            if self._first_inputs is not None:
+                self._start_warmer()
+            return
+        if self._warm != "running":
+            return
+        if self.warmer is not None and self._warm_local is None:
+            state = self.warmer.poll()
+            if state == "failed":
+                self._warm_local = "failed"
+                self.log(
+                    f"warning: compiling the {what} in a separate process failed ({self.warmer.error}); training on "
+                    f"with the chunked attention"
+                )
+            elif state == "ready":
+                self._warm_local = "ready"
+        if self._warm_agreed == "failed":
+            self._warm = "done"
+            if self._warm_local != "failed":
+                self.log(
+                    f"warning: compiling the {what} failed on another rank; training on with the chunked attention"
+                )
+        elif self._warm_agreed == "ready":
+            self._warm = "done"
+            self.model.compiled = self._pending_compiled
+            self.model.backend = "flex"
+            self._compile_pending = self.model.compiled is not None
+            self._switch_step = step_index + 1
+            took = f"{self.warmer.seconds:.0f}s warming the caches in a separate process" if self.warmer else "here"
+            self.log(
+                f"step {step_index + 1}: the compiled {what} is ready ({took}); compiled here from the caches, "
+                f"the steps from here on use it"
+            )
+
+    def _start_warmer(self) -> None:
+        inputs, self._first_inputs = self._first_inputs, None
+        self._warm = "running"
+        try:
+            free, total = torch.cuda.mem_get_info(self.device)
+            spare = free - (2 << 30)  # the child's CUDA context and what the trainer's allocator may still grow
+            if spare < (1 << 30):
+                self.log("note: too little free GPU memory for a second process: compiling here at the next step")
+                self._warm_local = "ready"
+                return
+            spec = warm_spec(
+                self.model,
+                inputs,
+                self.amp,
+                self.device,
+                self._fast_path,
+                "unroll",
+                evaluate=bool(self.plan.eval_rows),
+                mem_fraction=spare / total,
+            )
+            name = "compile_warmup.log" if self.world == 1 else f"compile_warmup.rank{self.rank}.log"
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.warmer = CacheWarmer(spec, self.out / name)
+        except Exception as e:  # noqa: BLE001 - never fail the run for its start-up speed
+            self._warm_local = "failed"
+            self.log(f"warning: could not start the compile process ({_first_line(e)}); training on chunked")
+
     def _eval_due(self, step: int, total_steps: int, stop_early: bool) -> bool:
         cfg = self.cfg
         return bool(self.plan.eval_rows) and bool(
@@ -848,11 +961,12 @@ class Trainer:
     def _log_first_steps(self, step: int, seconds: float) -> None:
         """The first steps' times, with what torch.compile spent (flex attention compiles even without --compile)."""
         n_graphs, fwd_s, bwd_s = compile_seconds()
-        compiling = (
-            " (includes compiling the TTT unroll)"
-            if self.model.compiled is not None and step == self.start_step + 1
-            else ""
-        )
+        compiling = ""
+        if step == self._switch_step:
+            what = "the TTT unroll" if self._fast_path == "compiled" else "flex attention"
+            compiling = f" (includes compiling {what} from the warm caches)"
+        elif self.model.compiled is not None and step == self.start_step + 1:
+            compiling = " (includes compiling the TTT unroll)"
         so_far = f"; torch.compile so far: {n_graphs} graphs {fwd_s:.1f}s + backward {bwd_s:.1f}s" if n_graphs else ""
         self.log(f"step {step}: {seconds:.1f}s{compiling}{so_far}")
 
@@ -1003,7 +1117,7 @@ class Trainer:
             )
             d = Drafter(cfg)
             d.load_state_dict(msd, strict=False)
-            dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.save_dtype)
+            dt = dtypes.parse_dtype(self.cfg.save_dtype, "--save-dtype", allow_auto=False)
             d.save_pretrained(self.out / "final", dtype=dt)
             self.log(f"final drafter: {self.out / 'final'}")
         barrier(self.world)

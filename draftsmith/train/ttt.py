@@ -226,6 +226,23 @@ _FLEX_BROKEN = False  # set after flex attention failed once in this process (th
 FLEX_RECOMPILE_LIMIT = RECOMPILE_LIMIT
 _raise_recompile_limit = raise_recompile_limit
 
+# `with torch.autocast(enabled=False)` inside a compiled graph (the fp32 LSE merge) leaves these two calls in the
+# graph AOTAutograd caches; it refuses them as unknown functions ("Unsupported call_function target
+# _enter_autocast"), so every process would trace the joint graph again. Their arguments (device type, dtype,
+# enabled) are constants of the graph, which is what the cache key hashes: safe to mark.
+_AUTOCAST_FUNCTIONS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+
+
+def _compile_settings() -> None:
+    """What every compile of the TTT unroll sets first (the same in every process that shares the caches)."""
+    import torch._inductor.config as inductor_config
+
+    _raise_recompile_limit()
+    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):
+        for name in _AUTOCAST_FUNCTIONS:
+            marked.setdefault(name, "draftsmith-1")
+
 
 def _flex_lse(q, k, v, block_mask, scale, enable_gqa):
     """flex_attention returning (out, natural-log LSE [B, H, T])."""
@@ -251,7 +268,7 @@ def _flex(compiled: bool):
 
         fn = _flex_lse
         if compiled:
-            _raise_recompile_limit()
+            _compile_settings()
             # fullgraph: a graph break would run flex attention eagerly (dense scores); fail loudly instead
             fn = torch.compile(_flex_lse, dynamic=False, fullgraph=True)
         _FLEX[compiled] = (fn, create_block_mask)
@@ -515,8 +532,22 @@ class _SoftCE(torch.autograd.Function):
         return grad.to(logits.dtype), None, None
 
 
+def _soft_ce_traced(logits: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`_SoftCE`'s forward as plain ops, for a compiled graph: autograd derives the same backward,
+    softmax(x) * sum(p) - p, and inductor's partitioner chooses what to save (it fuses the passes anyway)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.to(acc)
+    ce = torch.logsumexp(x, dim=-1) * probs.sum(-1) - torch.linalg.vecdot(probs.to(acc), x)
+    return torch.where(valid, ce, torch.zeros((), dtype=acc, device=ce.device)).sum()
+
+
 def soft_ce_sum(logits: torch.Tensor, teacher_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Fused `ttt_loss_step(...)[0]` (same value, less memory, fewer kernels)."""
+    """Fused `ttt_loss_step(...)[0]` (same value, less memory, fewer kernels). Inside torch.compile the plain ops:
+    dynamo turns an autograd.Function into a higher-order op that AOTAutograd's persistent cache refuses
+    ("Unsupported call_function target autograd_function_apply"), so every process would trace the joint graph
+    again instead of loading it (train/warmup.py warms that cache in another process)."""
+    if torch.compiler.is_compiling():
+        return _soft_ce_traced(logits, teacher_probs, valid)
     return _SoftCE.apply(logits, teacher_probs, valid)
 
 
@@ -693,7 +724,7 @@ class CompiledUnroll:
         # mode="reduce-overhead": inductor replays the forward and backward graphs as CUDA graphs (the compiled
         # step is host-bound: 24 ms wall for ~16 ms of GPU work at 8k); callers must then call
         # torch.compiler.cudagraph_mark_step_begin() per step and copy outputs they keep. Benchmark-only so far.
-        _raise_recompile_limit()
+        _compile_settings()
         self.fn = torch.compile(
             _unroll_tensors, backend=backend, dynamic=False, fullgraph=fullgraph, **({"mode": mode} if mode else {})
         )
@@ -814,7 +845,7 @@ class CompiledStepUnroll:
     the loss runs over whole rows ([T, V_d] logits per step: `loss_chunk` is not applied)."""
 
     def __init__(self, backend: str = "inductor", fullgraph: bool = True):
-        _raise_recompile_limit()
+        _compile_settings()
         self.fn = torch.compile(_one_step, backend=backend, dynamic=False, fullgraph=fullgraph)
 
     def __call__(

@@ -641,7 +641,7 @@ def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny
     monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
     monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
     monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
-    monkeypatch.setattr(tr.Trainer, "_background_compile_wanted", lambda self: True)
+    monkeypatch.setattr(tr.Trainer, "_deferred_compile", lambda self: "thread")
     monkeypatch.setattr(
         tr.TTTModel,
         "enable_compile",
@@ -661,3 +661,99 @@ def test_background_compile_switches_at_a_step_boundary_without_recompiling(tiny
     train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=2, pad_to_budget=True, compile="off"), log=_quiet)
     for x, y in zip(_metrics(tmp_path / "bg"), _metrics(tmp_path / "ref"), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+class _FakeWarmer:
+    """Stands in for `warmup.CacheWarmer` (whose child process has its own tests): ready or failed at once."""
+
+    specs: list = []
+    fail = False
+
+    def __init__(self, spec, log_path):
+        type(self).specs.append(spec)
+        self.seconds, self.error = 1.0, "exit code 1: RuntimeError: inductor exploded (compile_warmup.log)"
+
+    def poll(self):
+        return "failed" if self.fail else "ready"
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["switches", "child-fails"])
+def test_warm_start_runs_chunked_then_switches_or_stays(tiny, target, tmp_path, monkeypatch, fails):
+    """The default CUDA start: the steps run the chunked attention from step 1; after step 1 a child process is
+    given the first forward's input shapes; once it is done every rank switches at one step boundary to the compiled
+    unroll, compiled once, with the losses of an eager run. A failed child: one warning line, every step chunked.
+    CPU stand-in: aot_eager and the dense flex replacement, a fake child."""
+    import torch
+    import torch._dynamo
+    from test_train_ttt import _dense_doc_causal, _dense_flex
+    from torch._dynamo.utils import counters
+
+    import draftsmith.train.ttt as ttt
+    from draftsmith.train import train
+    from draftsmith.train import trainer as tr
+
+    monkeypatch.setattr(ttt, "_flex_lse", _dense_flex)
+    monkeypatch.setattr(ttt, "doc_causal_block_mask", _dense_doc_causal)
+    monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
+    monkeypatch.setattr(tr.Trainer, "_deferred_compile", lambda self: "process")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
+    monkeypatch.setattr(
+        tr.TTTModel, "enable_compile", lambda self, **kw: setattr(self, "compiled", ttt.CompiledUnroll("aot_eager"))
+    )
+    monkeypatch.setattr(_FakeWarmer, "specs", [])
+    monkeypatch.setattr(_FakeWarmer, "fail", fails)
+    monkeypatch.setattr(tr, "CacheWarmer", _FakeWarmer)
+    torch._dynamo.reset()
+    counters.clear()
+    msgs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, tmp_path / "w", steps=5, pad_to_budget=True), log=msgs.append)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    text = "\n".join(msgs)
+    assert "the first steps run the chunked attention while the TTT unroll compiles in a separate process" in text
+    (spec,) = _FakeWarmer.specs
+    assert spec["fast_path"] == "compiled" and spec["inputs"][0]["shape"] == [1, 256]  # the padded row
+    assert spec["inputs"][5]["shape"][:2] == [1, 256] and spec["params"]["fc.weight"]["requires_grad"]
+    if fails:
+        assert graphs == 0 and text.count("warning:") == 1, text
+        assert "compiling the TTT unroll in a separate process failed (exit code 1: RuntimeError" in text
+    else:
+        # step 1 starts the child, step 2's boundary sees it done, step 3's reduce agrees: step 4 switches
+        assert graphs == 1 and "warning:" not in text, text
+        assert "step 4: the compiled TTT unroll is ready (1s warming the caches in a separate process)" in text
+        assert "step 4: " in text and "(includes compiling the TTT unroll from the warm caches)" in text
+    monkeypatch.undo()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=5, pad_to_budget=True, compile="off"), log=_quiet)
+    for x, y in zip(_metrics(tmp_path / "w"), _metrics(tmp_path / "ref"), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+def test_warm_start_switch_that_fails_to_compile_stays_chunked(tiny, target, tmp_path, monkeypatch):
+    """The compile from the warm caches fails at the switch: one warning, that step is redone chunked, the run goes
+    on with the losses of an eager run."""
+    import torch
+
+    from draftsmith.train import train
+    from draftsmith.train import trainer as tr
+
+    def broken(*a, **k):
+        raise RuntimeError("cache says no\nsecond line")
+
+    monkeypatch.setattr(tr.Trainer, "_use_compile", lambda self, device: True)
+    monkeypatch.setattr(tr.Trainer, "_deferred_compile", lambda self: "process")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
+    monkeypatch.setattr(tr.TTTModel, "enable_compile", lambda self, **kw: setattr(self, "compiled", broken))
+    monkeypatch.setattr(_FakeWarmer, "fail", False)
+    monkeypatch.setattr(tr, "CacheWarmer", _FakeWarmer)
+    msgs: list[str] = []
+    train(target=target, cfg=_cfg(tiny, tmp_path / "w", steps=5), log=msgs.append)
+    text = "\n".join(msgs)
+    assert text.count("warning:") == 1, text
+    assert "compiling the TTT unroll from the warm caches failed (RuntimeError: cache says no)" in text
+    monkeypatch.undo()
+    train(target=target, cfg=_cfg(tiny, tmp_path / "ref", steps=5, compile="off"), log=_quiet)
+    for x, y in zip(_metrics(tmp_path / "w"), _metrics(tmp_path / "ref"), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
