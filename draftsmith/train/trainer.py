@@ -886,7 +886,10 @@ class Trainer:
         """After step 1 (whose forward recorded the input shapes, and whose memory the allocator now holds), start
         the child that warms the compile caches; at later boundaries, poll it, and once every rank's child is done
         switch to the fast path (compiled here from the warm caches at the next step). A failure anywhere: one
-        line, and the steps stay chunked."""
+        line, and the steps stay chunked. Under torchrun every rank starts its own child on its own GPU: the caches
+        are per machine (nodes share none) and every rank compiles in-process anyway; switching all ranks at one
+        step (agreed in `train_step`'s reduction) puts those in-process compiles side by side, so the other ranks
+        do not wait at the gradient reduction for each in turn, and every step runs one attention on all ranks."""
         what = "TTT unroll" if self._fast_path == "compiled" else "flex attention"
         if self._warm == "pending":
             if self._first_inputs is not None:
