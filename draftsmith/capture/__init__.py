@@ -3,13 +3,13 @@ into a checksummed, resumable store (`job.run_capture`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.capture.hooks import AuxCapture
+
 __all__ = ["AuxCapture"]
-
-
-def __getattr__(name: str):
-    # Lazy: `draftsmith --help` imports every stage's cli module, which must not pull in torch.
-    if name == "AuxCapture":
-        from draftsmith.capture.hooks import AuxCapture
-
-        return AuxCapture
-    raise AttributeError(f"module 'draftsmith.capture' has no attribute {name!r}")
+# torch-free --help: `draftsmith --help` imports every stage's cli module, and with it this package
+__getattr__, __dir__ = lazy_exports(__name__, {"AuxCapture": "draftsmith.capture.hooks"})

@@ -13,6 +13,7 @@ import typer
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.schema import command_for, convert, fields_of
+from draftsmith.target_model.layers import from_hidden_states_ids
 
 DOC = """Capture the target's aux hidden states (and final pre-norm state) into a checksummed, resumable store.
 
@@ -39,7 +40,6 @@ def _aux_ids(values: dict[str, Any], extras: dict[str, Any]) -> None:
     ids = extras["aux_hidden_states_ids"]
     if ids is None:
         return
-    from draftsmith.target_model.layers import from_hidden_states_ids
 
     if values.get("aux_layers") is not None:
         raise DraftsmithError("give either --aux-layers (layer-output ids) or --aux-hidden-states-ids, not both")
@@ -48,8 +48,8 @@ def _aux_ids(values: dict[str, Any], extras: dict[str, Any]) -> None:
 
 
 def _run(cfg: CaptureConfig) -> None:
-    from draftsmith.capture.job import run_capture
-    from draftsmith.target_model.load import trust_remote_code_scope
+    from draftsmith.capture.job import run_capture  # torch-free --help
+    from draftsmith.target_model.load import trust_remote_code_scope  # torch-free --help
 
     with trust_remote_code_scope(cfg.trust_remote_code):
         run_capture(cfg, log=lambda *a: typer.echo(" ".join(str(x) for x in a), err=True))

@@ -20,11 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
+from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from draftsmith import __version__
 from draftsmith.capture.config import (
     CaptureConfig,  # CaptureConfig lived here: still importable from this module
 )
+from draftsmith.capture.graphs import GraphedCapture, bucket_seq_len
+from draftsmith.capture.hooks import AuxCapture
 from draftsmith.common.dist import barrier, dist_info, init_dist, resolve_device
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import (
@@ -38,8 +43,11 @@ from draftsmith.common.io import (
     read_json,
     sha256_file,
 )
+from draftsmith.data import DataReport, load_samples
 from draftsmith.store import format as fmt
+from draftsmith.target_model import load_target
 from draftsmith.target_model.layers import to_hidden_states_ids, validate_aux_layers
+from draftsmith.target_model.load import load_tokenizer
 
 SHARD_PLAN_KEY = "plan_sha256"  # shard metadata key: the hash of the capture plan the shard was written under
 
@@ -184,16 +192,10 @@ class _CaptureJob:
 
     def _load(self, target, samples):
         """Data first: a bad record fails in a second, not after loading a large model."""
-        from draftsmith.data import DataReport, load_samples
-        from draftsmith.target_model import load_target
-        from draftsmith.target_model.load import load_tokenizer
-
         cfg = self.cfg
         if target is None and not Path(cfg.target).is_dir():
             raise DraftsmithError(f"{cfg.target}: target not found (expected a Hugging Face model directory)")
         if not cfg.progress:
-            import transformers
-
             transformers.utils.logging.disable_progress_bar()
         tokenizer = target.tokenizer if target is not None else load_tokenizer(cfg.target)
         t0 = time.time()
@@ -257,8 +259,6 @@ class _CaptureJob:
     # -- the shards ----------------------------------------------------------------------------------
     def capture(self, stats: dict | None) -> None:
         """Capture every shard of this rank that is not committed yet (checked: size, sha256, plan)."""
-        from draftsmith.capture import AuxCapture
-
         mine = [si for si in range(len(self.shards)) if si % self.data_world == self.data_rank]
         todo = [si for si in mine if not _reuse_committed_shard(self.out, si, self.plan_sha, self.log)]
         if len(todo) < len(mine):
@@ -304,8 +304,6 @@ class _CaptureJob:
             )
 
     def _progress_bar(self, todo: list[int]):
-        from tqdm.auto import tqdm
-
         return tqdm(
             total=int(sum(self.shards[si][2] for si in todo)),
             unit="tok",
@@ -466,8 +464,6 @@ def _check_or_write_plan(out: Path, plan: dict, is_main: bool, world: int) -> No
 
 def shard_plan_sha256(path: Path) -> str | None:
     """The plan hash a shard was written with (its safetensors metadata), or None (unreadable, or no stamp)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get(SHARD_PLAN_KEY)
@@ -516,8 +512,6 @@ def _run_batch(target, cap, graphs, cfg, batch, shard_samples, slen, offsets, pa
     L = max(slen[j] for j in batch)
     B = len(batch)
     if cfg.cuda_graphs and device.type == "cuda":
-        from draftsmith.capture.graphs import GraphedCapture, bucket_seq_len
-
         Lb = bucket_seq_len(L, cfg.max_length or L)
         Bb = max(B, max(1, cfg.batch_tokens // Lb))
         key = (Bb, Lb)

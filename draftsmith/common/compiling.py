@@ -24,7 +24,7 @@ def compile_seconds() -> tuple[int, float, float]:
     dynamo's own timers — what a slow first step spent compiling (flex attention compiles even in "eager"
     training). Zeros where this torch's metric names differ."""
     try:
-        from torch._dynamo.utils import compilation_time_metrics as m
+        from torch._dynamo.utils import compilation_time_metrics as m  # in the try: not in every torch version
     except Exception:  # noqa: BLE001 - diagnostics only
         return 0, 0.0, 0.0
     fwd = m.get("_compile.compile_inner", [])

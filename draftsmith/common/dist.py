@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 
 def dist_info() -> tuple[int, int, int]:
@@ -15,23 +16,17 @@ def dist_info() -> tuple[int, int, int]:
 
 
 def init_dist(world: int, backend: str) -> None:
-    import torch.distributed as dist
-
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend)
 
 
 def barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
 def all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
     if world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(t)
     return t
 

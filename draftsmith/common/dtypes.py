@@ -48,7 +48,7 @@ SAFETENSORS_CODES: dict[str, str] = {
 @functools.lru_cache(maxsize=1)
 def torch_dtypes() -> dict[str, torch.dtype]:
     """Every accepted float name -> its torch dtype (bf16 and bfloat16 both map to torch.bfloat16, ...)."""
-    import torch
+    import torch  # torch-free --help (the stage schemas name dtypes)
 
     return {name: getattr(torch, attr) for name, attr in FLOAT_NAMES.items()}
 
@@ -56,7 +56,7 @@ def torch_dtypes() -> dict[str, torch.dtype]:
 def parse_dtype(name: Any, flag: str = "--dtype", *, allow_auto: bool = True) -> Any:
     """A dtype flag's value as a torch dtype; "auto" stays "auto" when allowed; a torch dtype passes through.
     Case-insensitive. An unknown name is one line naming the flag and the choices."""
-    import torch
+    import torch  # torch-free --help (the stage schemas name dtypes)
 
     if isinstance(name, torch.dtype):
         return name

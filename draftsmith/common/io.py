@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.common.dtypes import SAFETENSORS_CODES
+from draftsmith.common.errors import DraftsmithError
 
 LOCK_FILE_NAME = ".lock"  # what `dir_lock` leaves in a locked directory; emptiness checks should ignore it
 
@@ -34,8 +35,6 @@ def dir_lock(directory: str | os.PathLike, what: str = "job"):
     Not re-entrant: locking a directory the same process already holds fails like a second process would.
     On a filesystem without flock support the block runs unlocked.
     """
-    from draftsmith.common.errors import DraftsmithError
-
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise DraftsmithError(f"{directory}: exists and is not a directory")
@@ -97,8 +96,6 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def is_no_space(exc: BaseException) -> bool:
     """Whether `exc` is a full disk (or an exhausted quota): an OSError with that errno, or a library's own error
     (safetensors, torch.save, pyarrow) carrying the system's message for it."""
-    from draftsmith.common.errors import DraftsmithError
-
     if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
         return True
     if isinstance(exc, DraftsmithError):  # already a user-facing line
@@ -111,8 +108,6 @@ def is_no_space(exc: BaseException) -> bool:
 
 def no_space_error(path: str | os.PathLike):
     """The one-line user error for a full disk while writing `path` (a DraftsmithError)."""
-    from draftsmith.common.errors import DraftsmithError
-
     return DraftsmithError(f"no space left on device: {path}")
 
 
@@ -189,7 +184,7 @@ def atomic_save_file(tensors: dict, path: str | os.PathLike, metadata: dict[str,
     """
     if metadata and len(metadata) > 1:
         raise ValueError("atomic_save_file: give at most one metadata key (byte-reproducible output)")
-    from safetensors.torch import save
+    from safetensors.torch import save  # torch-free --help (the pipeline and stage CLIs import this module)
 
     data = save(tensors, metadata=metadata)
     atomic_write_bytes(path, data)
@@ -209,8 +204,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Read JSON with a one-line error naming the file on failure."""
-    from draftsmith.common.errors import DraftsmithError
-
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
@@ -232,7 +225,7 @@ def atomic_save_safetensors_streaming(
     raw little-endian tensor bytes in header order), readable by `safe_open`. Tensors are laid out by
     name, so the bytes are a deterministic function of the content. Returns (sha256, bytes written).
     """
-    import torch
+    import torch  # torch-free --help (the pipeline and stage CLIs import this module)
 
     path = Path(path)
     names = sorted(tensors)

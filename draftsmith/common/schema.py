@@ -37,6 +37,9 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import typer
+import yaml
+
 from draftsmith.common.errors import DraftsmithError
 
 
@@ -344,8 +347,6 @@ def _unknown(path: str, dotted: str, key: str, candidates: Sequence[str]) -> Dra
 
 def load_yaml(schema: type, path: str) -> dict[str, Any]:
     """The settings in a YAML file, converted and checked: {field name: value}."""
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise DraftsmithError(f"{path}: --config file not found")
@@ -434,8 +435,6 @@ def _panel(group: str) -> str:
 def cli_parameter(info: FieldInfo) -> inspect.Parameter:
     """The typer option of one setting (a value option takes text, converted and checked by `convert`); it
     defaults to None, meaning "not given", so YAML values and the dataclass defaults apply beneath the flag."""
-    import typer
-
     flags = list(info.spec.flags) or [info.flag]
     kw: dict[str, Any] = {"help": _help(info), "rich_help_panel": _panel(info.spec.group)}
     if info.kind is bool:
@@ -456,8 +455,6 @@ def cli_parameters(schema: type) -> list[inspect.Parameter]:
 
 
 def config_parameter(stage: str) -> inspect.Parameter:
-    import typer
-
     return inspect.Parameter(
         "config",
         inspect.Parameter.KEYWORD_ONLY,

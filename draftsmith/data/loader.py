@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,10 +143,6 @@ class _TextPool:
     __main__, so a user script without an `if __name__ == "__main__"` guard is safe; the workers only tokenize)."""
 
     def __init__(self, tokenizer, workers: int):
-        import multiprocessing as mp
-        import warnings
-        from concurrent.futures import ProcessPoolExecutor
-
         self.workers = workers
         with warnings.catch_warnings():  # Python 3.12 warns on fork() of a multi-threaded process
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -29,8 +29,27 @@ sampling.py (warp, acceptance rules), tuning.py (`tune`), certificate.py (bf16 g
 certificate), evaluate.py (`draftsmith eval`), cli.py, testing.py (test helpers).
 """
 
-from draftsmith.decode.engine import DecodeMode, GenerationResult, SpeculativeDecoder
-from draftsmith.decode.sampling import SamplingParams
-from draftsmith.decode.tuning import Tuning, tune
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.decode.engine import DecodeMode, GenerationResult, SpeculativeDecoder
+    from draftsmith.decode.sampling import SamplingParams
+    from draftsmith.decode.tuning import Tuning, tune
 
 __all__ = ["DecodeMode", "GenerationResult", "SamplingParams", "SpeculativeDecoder", "Tuning", "tune"]
+# torch-free --help: the generate/eval CLI imports this package (draftsmith/common/lazy.py)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "DecodeMode": "draftsmith.decode.engine",
+        "GenerationResult": "draftsmith.decode.engine",
+        "SpeculativeDecoder": "draftsmith.decode.engine",
+        "SamplingParams": "draftsmith.decode.sampling",
+        "Tuning": "draftsmith.decode.tuning",
+        "tune": "draftsmith.decode.tuning",
+    },
+)

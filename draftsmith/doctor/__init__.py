@@ -16,6 +16,15 @@ Modules: measure.py (target traces, the simulated chain rounds), checks.py (stat
 (variants and verdict), report.py (terminal table, PNG), prompts.py (built-in prompts), cli.py.
 """
 
-from draftsmith.doctor.diagnosis import FAULTS, diagnose
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.doctor.diagnosis import FAULTS, diagnose
 
 __all__ = ["FAULTS", "diagnose"]
+# torch-free --help: the doctor CLI imports this package (draftsmith/common/lazy.py)
+__getattr__, __dir__ = lazy_exports(__name__, {n: "draftsmith.doctor.diagnosis" for n in __all__})

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.common.io import read_json
-from draftsmith.target_model.layers import to_hidden_states_ids, to_layer_output_ids
+from draftsmith.target_model.facts import target_facts
+from draftsmith.target_model.layers import default_aux_layers, to_hidden_states_ids, to_layer_output_ids
+from draftsmith.target_model.load import config_hash, tokenizer_hash
 
 # which config field holds the aux ids in each layout, and its convention ("lo": layer-output, "hs": hidden_states)
 AUX_FIELDS = {
@@ -62,9 +65,6 @@ def d2t_readings(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor |
 def static_checks(
     target, path: str, fmt: str, cfg, sd: dict, notes: dict, load_error: str | None, store: str | None = None
 ) -> list[dict]:
-    from draftsmith.target_model.facts import target_facts
-    from draftsmith.target_model.layers import default_aux_layers
-
     facts = target_facts(target)
     raw = read_json(Path(path) / "config.json", "drafter config")
     N, H, V = facts["num_layers"], facts["hidden_size"], facts["vocab_size"]
@@ -278,8 +278,6 @@ def static_checks(
 
 def store_checks(target, store: str, cfg) -> list[dict]:
     """The store's target identity vs T, and its aux layers vs the drafter's."""
-    from draftsmith.target_model.load import config_hash, tokenizer_hash
-
     m = read_json(Path(store) / "manifest.json", "store manifest")
     ident = m.get("target") or {}
     out = []
@@ -327,8 +325,6 @@ def store_checks(target, store: str, cfg) -> list[dict]:
 
 def read_tau_sim(drafter_path: str) -> dict[str, Any] | None:
     """The last held-out τ_sim of the training run the drafter came from (RUN/final -> RUN/metrics.jsonl)."""
-    import json
-
     p = Path(drafter_path)
     for cand in (p / "metrics.jsonl", p.parent / "metrics.jsonl"):
         if cand.is_file():

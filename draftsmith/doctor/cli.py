@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.doctor.report import format_report, write_plot
 
 
 def doctor(
@@ -62,11 +63,10 @@ def doctor(
     """Static checks and measured acceptance of a drafter as configured and under each known mis-wiring (aux ids
     shifted or reordered, final norm, norm_before_residual, d2t as absolute ids, draft vocab, RoPE, chat template);
     names the likely fault and the config change that fixes it."""
-    import torch
+    import torch  # torch-free --help
 
-    from draftsmith.doctor.diagnosis import diagnose
-    from draftsmith.doctor.report import format_report, write_plot
-    from draftsmith.target_model import load_target
+    from draftsmith.doctor.diagnosis import diagnose  # torch-free --help
+    from draftsmith.target_model import load_target  # torch-free --help
 
     if min_ratio < 1.0:
         raise DraftsmithError(f"--min-ratio: must be >= 1.0, got {min_ratio}")

@@ -7,6 +7,7 @@ the noise between them (|gain on half A - gain on half B|; halves by `prompt_hal
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -19,8 +20,15 @@ from typing import Any
 import torch
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.data import load_prompts
+from draftsmith.decode.evaluate import load_prompt_ids
 from draftsmith.doctor import measure as M
 from draftsmith.doctor.checks import aux_fix, d2t_readings, read_tau_sim, static_checks
+from draftsmith.doctor.prompts import BUILTIN_PROMPTS
+from draftsmith.drafter import Drafter
+from draftsmith.drafter.formats import read_checkpoint
+from draftsmith.target_model.facts import target_facts
+from draftsmith.target_model.layers import default_aux_layers
 
 FAULTS = (
     "aux_layer_shift",
@@ -65,10 +73,6 @@ class Variant:
 def load_for_doctor(path: str, target) -> dict:
     """Read a drafter in any layout. If `Drafter.from_pretrained` refuses it (a d2t that is not valid offsets,
     say) the weights are still loaded so the fault can be measured; the refusal becomes a failed check."""
-    from draftsmith.drafter import Drafter
-    from draftsmith.drafter.formats import read_checkpoint
-    from draftsmith.target_model.layers import default_aux_layers
-
     fmt, cfg, sd, notes = read_checkpoint(path)
     load_error = None
     try:
@@ -111,8 +115,6 @@ def load_for_doctor(path: str, target) -> dict:
 
 def clone_drafter(drafter, **changes):
     """The same weights under a changed config (norm_before_residual, RoPE)."""
-    from draftsmith.drafter import Drafter
-
     new = Drafter(drafter.config.replace(**changes))
     new.load_state_dict(drafter.state_dict())
     new.to(next(drafter.parameters()).dtype)
@@ -130,12 +132,7 @@ def has_chat_template(tokenizer) -> bool:
 def prompt_token_ids(tokenizer, prompts_file: str | None, max_prompts: int | None, template: bool) -> list[list[int]]:
     """Token ids of the prompts (the built-in set without a file) through draftsmith's prompt loader, with or
     without the tokenizer's chat template."""
-    from draftsmith.data import load_prompts
-    from draftsmith.doctor.prompts import BUILTIN_PROMPTS
-
     if prompts_file is not None:
-        from draftsmith.decode.evaluate import load_prompt_ids
-
         ids = load_prompt_ids(prompts_file, tokenizer, raw=not template, limit=max_prompts)
     else:
         texts = BUILTIN_PROMPTS[:max_prompts] if max_prompts else BUILTIN_PROMPTS
@@ -174,10 +171,6 @@ def candidate_variants(
 ) -> list[Variant]:
     """Every candidate mis-wiring, each changing one thing of `base` (the configuration, or the configuration with
     the faults found so far fixed); families in `skip` are left out."""
-    import dataclasses
-
-    from draftsmith.target_model.facts import target_facts
-
     fmt = info["format"]
     drafter = base.drafter or info["drafter"]
     cfg = drafter.config

@@ -23,11 +23,15 @@ not), the drafter module (norm_before_residual, RoPE), the draft-id -> target-id
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+
+from draftsmith.capture.hooks import AuxCapture
 
 
 @dataclass
@@ -48,10 +52,6 @@ class Trace:
 @torch.no_grad()
 def greedy_continuation(model, prompt_ids: Sequence[int], new_tokens: int, device) -> list[int]:
     """Plain greedy decoding with the HF module and a DynamicCache (what the engine's greedy output equals)."""
-    import inspect
-
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     # the cache argument was renamed in transformers 5.2x
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -67,8 +67,6 @@ def greedy_continuation(model, prompt_ids: Sequence[int], new_tokens: int, devic
 @torch.no_grad()
 def trace_prompt(target, prompt_ids: Sequence[int], max_new_tokens: int, lookahead: int) -> Trace:
     """Greedy continuation of `max_new_tokens` + `lookahead` tokens and one hooked target pass over it all."""
-    from draftsmith.capture.hooks import AuxCapture
-
     model = target.model
     dev = target.device
     cont = greedy_continuation(model, prompt_ids, max_new_tokens + lookahead, dev)

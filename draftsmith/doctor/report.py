@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from draftsmith.common.io import atomic_file
+
 
 def format_report(report: dict) -> str:
     lines = ["Static checks"]
@@ -49,13 +51,12 @@ def format_report(report: dict) -> str:
 def write_plot(report: dict, path: str | Path) -> str | None:
     """acceptance by position (share of rounds accepting >= i drafts) as configured and for the best variant."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (the plot extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency (the plot extra)
     except ImportError:
         return None
-    from draftsmith.common.io import atomic_file
 
     K = report["draft_tokens"]
     xs = list(range(1, K + 1))

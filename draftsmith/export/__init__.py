@@ -46,20 +46,27 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.export.formats import EXPORT_FORMATS, export_files  # noqa: F401
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.export.formats import EXPORT_FORMATS, export_files
 
 __all__ = ["EXPORT_FORMATS", "convert_command", "export", "export_files", "serve_command"]
+# torch-free --help: the export CLI imports this package (draftsmith/common/lazy.py)
+__getattr__, __dir__ = lazy_exports(
+    __name__, {"EXPORT_FORMATS": "draftsmith.export.formats", "export_files": "draftsmith.export.formats"}
+)
 
 
 def _resolve_dtype(dtype: Any, target_dtype: str | None) -> tuple[Any, str | None]:
     """(torch dtype or None = keep, note) for `dtype` = a torch dtype, None/"keep", "auto" (the target's) or a
     name (fp32, bf16, fp16, ...)."""
-    import torch
+    import torch  # torch-free --help
 
-    from draftsmith.drafter.formats import _DTYPE_NAMES
+    from draftsmith.drafter.formats import _DTYPE_NAMES  # torch-free --help
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype, None
@@ -80,8 +87,8 @@ def _resolve_dtype(dtype: Any, target_dtype: str | None) -> tuple[Any, str | Non
 
 def _check_out(out: Path, format: str, overwrite: bool) -> list[str]:
     """Refuse an --out that would clobber something that is not an earlier export of this layout; returns notes."""
-    from draftsmith.drafter.formats import read_export_marker
-    from draftsmith.export.formats import EXPORT_FILES
+    from draftsmith.drafter.formats import read_export_marker  # torch-free --help
+    from draftsmith.export.formats import EXPORT_FILES  # torch-free --help
 
     if out.exists() and not out.is_dir():
         raise DraftsmithError(f"--out {out}: exists and is not a directory; choose a new or empty directory")
@@ -127,11 +134,11 @@ def export(
     "fp32"/"bf16"/"fp16" or a torch dtype. A non-empty `out` that is not an earlier export of this format is
     refused unless `overwrite`. Returns {"out", "format", "dtype", "serve_command", "speculators_convert_command"
     (sglang only), "aux_layer_ids", "aux_hidden_states_ids", "notes" (warnings to show)}."""
-    import torch
+    import torch  # torch-free --help
 
-    from draftsmith.drafter import Drafter
-    from draftsmith.export.formats import export_drafter
-    from draftsmith.target_model.facts import target_facts
+    from draftsmith.drafter import Drafter  # torch-free --help
+    from draftsmith.export.formats import EXPORT_FORMATS, export_drafter  # torch-free --help
+    from draftsmith.target_model.facts import target_facts  # torch-free --help
 
     if format not in EXPORT_FORMATS:
         raise DraftsmithError(f"--format: unknown format {format!r} (choose from {', '.join(EXPORT_FORMATS)})")
@@ -141,12 +148,14 @@ def export(
         drafter = Drafter.from_pretrained(drafter, target=target)
     elif target is not None:
         if drafter.config.aux_layer_ids is None and drafter.config.num_aux == 3:
-            from draftsmith.drafter.formats import assume_engine_default_aux
+            # torch-free --help
+            from draftsmith.drafter.formats import assume_engine_default_aux  # torch-free --help
 
             drafter.config.aux_layer_ids = assume_engine_default_aux("drafter", target_facts(target)["num_layers"])
         drafter.check_fits(target)
         if drafter.embed_tokens is None and drafter.config.hidden_size == drafter.config.target_hidden_size:
-            from draftsmith.target_model.facts import target_tensors
+            # torch-free --help
+            from draftsmith.target_model.facts import target_tensors  # torch-free --help
 
             drafter.set_embedding(target_tensors(target)[0])
     cfg = drafter.config
@@ -156,7 +165,8 @@ def export(
         else None
     )
     if drafter.embed_tokens is None and local_target and not drafter.fit_problems(local_target):
-        from draftsmith.target_model.facts import target_tensors
+        # torch-free --help
+        from draftsmith.target_model.facts import target_tensors  # torch-free --help
 
         drafter.set_embedding(target_tensors(local_target)[0])
     facts = None
@@ -237,4 +247,6 @@ def serve_command(
             {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(speculative_tokens)}
         )
         return f"vllm serve {t} --speculative-config {shlex.quote(spec)}"
+    from draftsmith.export.formats import EXPORT_FORMATS  # torch-free --help
+
     raise DraftsmithError(f"--format: unknown format {format!r} (choose from {', '.join(EXPORT_FORMATS)})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import typer
@@ -69,10 +70,8 @@ def export_cmd(
     de-duplicates). The token embedding is written only for speculators (as speculators itself does; its
     loader needs it); SGLang and vLLM take the target's.
     """
-    import warnings
-
-    from draftsmith.export import export
-    from draftsmith.target_model.load import trust_remote_code_scope
+    from draftsmith.export import export  # torch-free --help
+    from draftsmith.target_model.load import trust_remote_code_scope  # torch-free --help
 
     if speculative_tokens < 1:
         raise DraftsmithError(f"--speculative-tokens: must be >= 1, got {speculative_tokens}")

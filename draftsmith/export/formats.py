@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from draftsmith import __version__
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import atomic_save_file, atomic_write_json
 from draftsmith.drafter.config import DrafterConfig
@@ -214,8 +215,6 @@ def export_drafter(
     target) by which a later export recognises the directory as its own and `inspect` knows the target the
     engines' layouts do not record, then model.safetensors and config.json. The marker goes first so that a rerun
     after an interrupted export is still recognised as ours."""
-    from draftsmith import __version__
-
     d, tensors = export_files(model, fmt, dtype, speculative_tokens, verifier_architectures, target_num_layers)
     cfg: DrafterConfig = model.config
     root = Path(out)

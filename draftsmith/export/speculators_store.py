@@ -36,10 +36,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import save
+from tqdm.auto import tqdm
 
 from draftsmith.common.dtypes import torch_dtypes
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import fsync_dir, is_no_space, no_space_error
+from draftsmith.store.reader import HiddenStateStore
 from draftsmith.target_model.layers import to_hidden_states_ids
 
 logger = logging.getLogger(__name__)
@@ -65,14 +67,14 @@ def hs_file_name(index: int) -> str:
 
 def _require_datasets():
     try:
-        import datasets
+        import datasets  # optional dependency (the speculators extra)
         import pyarrow  # noqa: F401
     except ImportError as e:
         raise DraftsmithError(
             f"--format speculators needs the optional packages 'datasets' and 'pyarrow' ({e.name} is not "
             "installed): pip install 'draftsmith[speculators]'"
         ) from None
-    import datasets
+    import datasets  # optional dependency (the speculators extra)
 
     return datasets
 
@@ -186,15 +188,12 @@ def export_speculators(
     """
     datasets = _require_datasets()
     if isinstance(store, (str, os.PathLike)):
-        from draftsmith.store import HiddenStateStore
-
         store = HiddenStateStore.open(store)
     plan = _ExportPlan.of(store, dtype)
     out = Path(out_dir)
     tmp = _prepare_tmp(out)
     try:
         rows = _RowWriter(tmp, plan)
-        from tqdm.auto import tqdm
 
         with rows:
             for i in tqdm(range(plan.num_samples), desc="export speculators", unit="sample", disable=not progress):
@@ -259,7 +258,7 @@ class _RowWriter:
     """One hidden-state file per sample, its row into a staged Arrow stream, and the loss-masked token counts."""
 
     def __init__(self, tmp: Path, plan: _ExportPlan):
-        import pyarrow as pa
+        import pyarrow as pa  # optional dependency (the speculators extra)
 
         self.plan = plan
         self.hs_dir = tmp / HIDDEN_STATES_DIR
@@ -282,7 +281,7 @@ class _RowWriter:
         self.batch: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
 
     def __enter__(self) -> _RowWriter:
-        import pyarrow as pa
+        import pyarrow as pa  # optional dependency (the speculators extra)
 
         self._sink = pa.OSFile(str(self.rows_path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, self.schema)
@@ -299,7 +298,7 @@ class _RowWriter:
             fsync_dir(self.hs_dir)
 
     def _flush(self) -> None:
-        import pyarrow as pa
+        import pyarrow as pa  # optional dependency (the speculators extra)
 
         if self.batch["seq_len"]:
             self._writer.write_batch(pa.record_batch(self.batch, schema=self.schema))
@@ -376,6 +375,8 @@ def _save_dataset(datasets, rows_path: Path, tmp: Path, progress: bool) -> None:
     speculators' prepare-data writes (dataset.set_format("torch"); save_to_disk)."""
     ds = datasets.Dataset.from_file(str(rows_path), in_memory=False)
     ds = ds.with_format("torch")
+    # optional dependency (the speculators extra)
+    # optional dependency (the speculators extra)
     from datasets.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,

@@ -6,6 +6,9 @@ from typing import Optional
 
 import typer
 
+from draftsmith.pipeline.demo import run_demo
+from draftsmith.pipeline.runner import plan, run_pipeline
+
 
 def pipeline_command(
     config: str = typer.Argument(
@@ -23,8 +26,6 @@ def pipeline_command(
     Resumable: a stage whose settings and output are unchanged is skipped, a changed setting reruns that stage
     and every stage after it. Writes RUN/report.md (τ, acceptance, speedup, training curves, serve commands).
     """
-    from draftsmith.pipeline.runner import plan, run_pipeline
-
     p = plan(config, overrides={"out": out} if out else None)
     log = lambda s: typer.echo(s, err=True)  # noqa: E731
     if check:
@@ -51,8 +52,6 @@ def demo_command(
     Trains a drafter for a few minutes and evaluates it next to the bundled drafter (assets/pycode-tiny-drafter,
     trained on a GPU with examples/pycode-tiny-bundled.yaml), both against the engine's plain decoding.
     """
-    from draftsmith.pipeline.demo import run_demo
-
     run_demo(out=out, config=config, fresh=fresh, log=lambda s: typer.echo(s, err=True))
 
 

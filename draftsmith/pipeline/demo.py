@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.pipeline.runner import load_config, plan, run_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = REPO / "examples" / "pycode-tiny-demo.yaml"
@@ -39,8 +40,6 @@ def _cwd(path: Path):
 def run_demo(
     out: str = "runs/demo", config: Optional[str] = None, fresh: bool = False, log: Callable[[str], None] = print
 ) -> dict:
-    from draftsmith.pipeline.runner import load_config, plan, run_pipeline
-
     recipe = Path(config).resolve() if config else DEFAULT_RECIPE
     if not recipe.is_file():
         raise DraftsmithError(f"{recipe}: demo recipe not found (the demo runs from a checkout of the repository)")

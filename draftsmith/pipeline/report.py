@@ -7,6 +7,9 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith.common.io import atomic_write_bytes, atomic_write_json
+from draftsmith.export import serve_command
+
 
 def eval_summary(eval_json: Path) -> list[dict]:
     """One row per temperature of an eval.json: τ, acceptance rate, per-position acceptance, speedup."""
@@ -56,8 +59,6 @@ def _last_metrics(metrics: Path) -> dict:
 
 def write_report(p) -> dict:
     """Write p.run_dir/report.md from the stages' outputs; return its data (also RUN/report.json)."""
-    from draftsmith.common.io import atomic_write_bytes, atomic_write_json
-
     run = p.run_dir
     lines = [
         f"# draftsmith pipeline report: {run}",
@@ -139,8 +140,6 @@ def write_report(p) -> dict:
         lines.append("")
     exports = [s for s in p.stages if s.command == "export"]
     if exports:
-        from draftsmith.export import serve_command
-
         lines += ["## Serving", ""]
         spec = 3
         if "--speculative-tokens" in exports[0].argv:

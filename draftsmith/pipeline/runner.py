@@ -28,16 +28,27 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib
 import json
+import os
+import shlex
 import shutil
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import click
+import typer.main
+import yaml
+
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.io import atomic_write_json, read_json
+from draftsmith.common.schema import build, fields_of, values_from_flags
+from draftsmith.pipeline.report import write_report
 
 STAGES = ("regenerate", "capture", "train", "eval", "export")
 TOP_LEVEL = ("target", "out", "threads", "description") + STAGES
@@ -82,9 +93,7 @@ def _snake(key: str) -> str:
 
 
 def _command(name: str):
-    import typer.main
-
-    from draftsmith.cli import app
+    from draftsmith.cli import app  # circular at module level: draftsmith.cli imports pipeline.cli, which imports this
 
     group = typer.main.get_command(app)
     return group.commands[name]
@@ -152,8 +161,6 @@ def _argv_for(path: str, section: str, values: dict, command, skip: tuple = ()) 
 
 def _dry_parse(path: str, section: str, command_name: str, argv: list[str]) -> None:
     """Let the command's own parser convert every value now (types, choices), before any stage runs."""
-    import click
-
     cmd = _command(command_name)
     try:
         ctx = cmd.make_context(command_name, list(argv), resilient_parsing=False)
@@ -179,11 +186,7 @@ def _schema_check(command_name: str, params: dict) -> None:
     where = SCHEMA_CONFIGS.get(command_name)
     if where is None:
         return
-    import importlib
-
     try:
-        from draftsmith.common.schema import build, fields_of, values_from_flags
-
         schema = getattr(importlib.import_module(where[0]), where[1])
         names = fields_of(schema)
     except (ImportError, AttributeError):  # the command no longer uses a schema: its parser checked the values
@@ -192,8 +195,6 @@ def _schema_check(command_name: str, params: dict) -> None:
 
 
 def load_config(path: str) -> dict:
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise DraftsmithError(f"{path}: pipeline config not found")
@@ -212,9 +213,6 @@ def _expand(v):
     """${VAR} in string values from the environment; ${PYTHON_STDLIB} and ${PYTHON_SITE_PACKAGES} default to this
     Python's standard library and site-packages directories (the demo recipes train on their .py files: every
     machine with Python has them)."""
-    import os
-    import sysconfig
-
     if isinstance(v, dict):
         return {k: _expand(x) for k, x in v.items()}
     if isinstance(v, list):
@@ -397,10 +395,7 @@ def _record_path(run: Path, st: Stage) -> Path:
 
 def _invoke(command: str, argv: list[str]) -> None:
     """Run `draftsmith COMMAND ARGV` in this process; errors come back as DraftsmithError."""
-    import click
-    import typer.main
-
-    from draftsmith.cli import app
+    from draftsmith.cli import app  # circular at module level: draftsmith.cli imports pipeline.cli, which imports this
 
     group = typer.main.get_command(app)
     try:
@@ -441,8 +436,6 @@ def _remove_output(st: Stage) -> None:
 def decide(p: PipelinePlan) -> list[str]:
     """Each stage's fate from its record in RUN/.pipeline: 'up to date' (skip), 'resume' (interrupted with the same
     settings), 'changed' or 'new' (run from scratch). A rerun stage changes the fingerprints of those after it."""
-    from draftsmith.common.io import read_json
-
     for st in p.stages:
         rec_path = _record_path(p.run_dir, st)
         rec = read_json(rec_path, "pipeline stage record") if rec_path.is_file() else None
@@ -458,10 +451,8 @@ def decide(p: PipelinePlan) -> list[str]:
 
 def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table: bool = True) -> dict:
     """Run (or skip) every stage of the plan, then write RUN/report.md. Returns the report's data."""
-    from draftsmith.common.io import atomic_write_json
-
     if p.threads:
-        import torch
+        import torch  # torch-free --help (pipeline.cli imports this module)
 
         torch.set_num_threads(p.threads)
     p.run_dir.mkdir(parents=True, exist_ok=True)
@@ -508,7 +499,6 @@ def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table
         )
         st.status = "done"
         log(f"{head}: done in {st.seconds:.1f} s")
-    from draftsmith.pipeline.report import write_report
 
     data = write_report(p)
     data["wall_s"] = time.perf_counter() - t_all
@@ -517,8 +507,6 @@ def run_pipeline(p: PipelinePlan, log: Callable[[str], None] = print, echo_table
 
 
 def _quote(a: str) -> str:
-    import shlex
-
     return shlex.quote(a)
 
 

@@ -76,7 +76,7 @@ def regenerate_command(
     System, user and tool turns are kept exactly; earlier assistant turns are the target's own when a later one
     is generated. Rerun the same command after an interruption (even kill -9): it continues where it stopped.
     """
-    from draftsmith.regenerate.job import RegenerateConfig, run_regenerate
+    from draftsmith.regenerate.job import RegenerateConfig, run_regenerate  # torch-free --help
 
     cfg = RegenerateConfig(
         target=target,

@@ -30,14 +30,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from draftsmith import __version__
 from draftsmith.common.errors import BadRecordError, DraftsmithError
+from draftsmith.common.io import atomic_write_json, read_json
+from draftsmith.data import load_samples
 from draftsmith.data import records as R
+from draftsmith.data.chat import render_checked
+from draftsmith.target_model import load_target
 
 # Settings that must match for a resume (others, like batch size, only change speed).
 RESUME_KEYS = (
@@ -182,10 +190,6 @@ def _records(cfg: RegenerateConfig, report: dict, log, start: int = 0):
 
 def _text_records(cfg: RegenerateConfig, tok, report: dict, log, start: int):
     """Text mode: yield (index, _Item) per sample from `start` on, each with a seeded random prefix."""
-    import random
-
-    from draftsmith.data import load_samples
-
     samples, rep = load_samples(
         cfg.data,
         tok,
@@ -236,8 +240,6 @@ def _continue_batch(gen: _Generator, items: list[_Item]) -> int:
 
 
 def _settings(cfg: RegenerateConfig, target) -> dict:
-    from draftsmith import __version__
-
     return {
         "target": cfg.target,
         "target_config_hash": target.config_hash,
@@ -268,7 +270,6 @@ def _resume_point(cfg: RegenerateConfig, settings: dict) -> tuple[int, int, dict
                 f"{cfg.out}: exists without {pp.name} (not a regenerate output): remove it or choose another --out"
             )
         return 0, 0, {}
-    from draftsmith.common.io import read_json
 
     prog = read_json(pp, "regenerate progress file")
     old = prog.get("settings", {})
@@ -294,8 +295,6 @@ def _resume_point(cfg: RegenerateConfig, settings: dict) -> tuple[int, int, dict
 
 
 def _prompt_ids(tok, messages, tkw) -> list[int]:
-    from draftsmith.data.chat import render_checked
-
     text = render_checked(tok, messages, True, "prompt", tkw)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -304,8 +303,6 @@ class _Generator:
     """Batched generation through `transformers` `generate()` (left padding)."""
 
     def __init__(self, target, cfg: RegenerateConfig):
-        import torch
-
         self.torch = torch
         self.model = target.model
         self.tok = target.tokenizer
@@ -384,10 +381,6 @@ def _for_template(m: dict) -> dict:
 def run_regenerate(cfg: RegenerateConfig, log: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Regenerate cfg.data into cfg.out (resumable). Returns a report dict (records, tokens, tokens/s, skipped)."""
     cfg.validate()
-    import torch
-
-    from draftsmith.common.io import atomic_write_json
-    from draftsmith.target_model import load_target
 
     device = cfg.device
     if device == "auto":

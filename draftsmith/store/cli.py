@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -20,7 +21,7 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Check every shard's sha256 against the manifest; name any missing or corrupted shard."""
-    from draftsmith.store.verify import verify_store
+    from draftsmith.store.verify import verify_store  # torch-free --help
 
     problems = verify_store(path, progress=not quiet)
     if problems:
@@ -36,9 +37,7 @@ def info(
     json_out: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
 ) -> None:
     """Summarize a store: target, aux layers in both conventions, dtype, counts, bytes/token."""
-    import json
-
-    from draftsmith.store import HiddenStateStore
+    from draftsmith.store import HiddenStateStore  # torch-free --help
 
     s = HiddenStateStore.open(path)
     m = s.manifest
@@ -70,11 +69,11 @@ def export(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Write a store in another trainer's layout (for side-by-side comparisons on identical data)."""
-    from draftsmith.store import HiddenStateStore
+    from draftsmith.store import HiddenStateStore  # torch-free --help
 
     if format != "speculators":
         raise DraftsmithError(f"--format: {format!r} is not supported (choose: speculators)")
-    from draftsmith.export.speculators_store import export_speculators, summary_lines
+    from draftsmith.export.speculators_store import export_speculators, summary_lines  # torch-free --help
 
     summary = export_speculators(HiddenStateStore.open(path), out, progress=not quiet)
     for line in summary_lines(summary):

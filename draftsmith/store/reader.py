@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 from draftsmith.common.io import read_json, sha256_file
@@ -101,8 +103,6 @@ class HiddenStateStore:
         return out
 
     def token_counts(self) -> torch.Tensor:
-        from safetensors.torch import load_file
-
         entry = self.manifest.get("token_counts") or {}
         p = self.path / entry.get("file", fmt.TOKEN_COUNTS)
         if not p.is_file():
@@ -138,8 +138,6 @@ class HiddenStateStore:
         return h
 
     def _open_shard(self, si: int):
-        from safetensors import safe_open
-
         sh = self.shards[si]
         f = self.path / sh["file"]
         if not f.is_file():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.io import read_json, sha256_file
 from draftsmith.store import format as fmt
@@ -26,7 +28,6 @@ def verify_store(path: str | Path, progress: bool = True) -> list[str]:
     tc = m.get("token_counts")
     if tc:
         files.append((tc["file"], tc["sha256"], None))
-    from tqdm.auto import tqdm
 
     for name, digest, size in tqdm(files, desc="verify", unit="file", disable=not progress):
         f = p / name

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.target_model.load import hf_load_error, read_target_config, trust_remote_code
@@ -105,7 +106,6 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
         e = getattr(e, "weight", e)
         h = getattr(h, "weight", h) if h is not None else e
         return e.detach(), h.detach()
-    from safetensors import safe_open
 
     root = Path(target)
     files = sorted(root.glob("*.safetensors"))
@@ -140,7 +140,7 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _target_tensors_via_hf(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers takes ~1.8 s to import: only loading pays it
 
     try:
         m = AutoModelForCausalLM.from_pretrained(str(root), trust_remote_code=trust_remote_code())
@@ -159,7 +159,6 @@ def target_weight_problems(target: Any) -> list[str]:
     the files' headers only; [] when they agree or there is nothing to check (not a path, no safetensors)."""
     if not _is_path(target):
         return []
-    from safetensors import safe_open
 
     facts = target_facts(target)
     want = [facts["vocab_size"], facts["hidden_size"]]

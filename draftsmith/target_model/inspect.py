@@ -26,7 +26,7 @@ def inspect_target(path: str | Path, trust_remote_code_flag: bool | None = None)
     if not cfg_path.is_file():
         raise DraftsmithError(f"{cfg_path}: not found — is {p} a Hugging Face model directory?")
     try:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # transformers takes ~1.8 s to import: only reading a config pays it
 
         # never runs code from the directory (auto_map) unless opted in; transformers then never asks on stdin
         config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code(trust_remote_code_flag))

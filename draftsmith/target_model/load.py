@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,7 @@ class Target:
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool | None = None):
     """The target's tokenizer alone (cheap: lets a job validate its data before loading weights)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers takes ~1.8 s to import: only loading pays it
 
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=_trust(trust_remote_code))
@@ -270,6 +271,7 @@ def load_target(
 ) -> Target:
     """Load an HF causal LM directory. `tp_plan="auto"` (under torchrun) shards it with tensor parallelism.
     `trust_remote_code`: None = off unless opted in (see the module docstring)."""
+    # transformers takes ~1.8 s to import: only loading pays it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = str(path)
@@ -295,8 +297,6 @@ def load_target(
                 path, config=config, device_map=str(torch.device(device)), **kwargs
             )
         except Exception as e:  # noqa: BLE001 - any loader failure: say it once, then the host path decides
-            import warnings
-
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             warnings.warn(
                 f"{path}: loading straight to {device} failed ({type(e).__name__}: {first}); "

@@ -7,6 +7,15 @@ Pieces: `ttt` (attention pattern, teacher, loss), `data` (split, packing, batche
 DDP/FSDP2, checkpoints, resume), `checkpoint` (safetensors+JSON state), `cli` (`draftsmith train`).
 """
 
-from draftsmith.train.trainer import TrainConfig, Trainer, train
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.train.trainer import TrainConfig, Trainer, train
 
 __all__ = ["TrainConfig", "Trainer", "train"]
+# torch-free --help: the train CLI imports this package (draftsmith/common/lazy.py)
+__getattr__, __dir__ = lazy_exports(__name__, {n: "draftsmith.train.trainer" for n in __all__})
