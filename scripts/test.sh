@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the test suite on CPU. GPU-only tests skip themselves without CUDA.
+# --fast: the fast tier only (pytest -m fast: representative tests of every package, listed in tests/conftest.py
+# FAST; <= 3 minutes on 2 cores). Other arguments go to pytest.
 set -euo pipefail
+FAST=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    FAST=(-m fast)
+fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
@@ -15,4 +22,8 @@ ruff check --quiet draftsmith bench tests scripts dev
 # forwards, so two processes use 2 cores better than one process with two threads. A file's tests stay in one
 # worker (--dist loadfile): module fixtures (servers, trained drafters) are built once and run in file order.
 # PYTEST_WORKERS=0: one process.
-if [ "$WORKERS" = 0 ]; then python -m pytest -q "$@"; else python -m pytest -q -n "$WORKERS" --dist loadfile "$@"; fi
+if [ "$WORKERS" = 0 ]; then
+    python -m pytest -q "${FAST[@]}" "$@"
+else
+    python -m pytest -q -n "$WORKERS" --dist loadfile "${FAST[@]}" "$@"
+fi
