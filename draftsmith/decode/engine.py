@@ -331,6 +331,7 @@ class SpeculativeDecoder:
             if self.d_hd >= 16 and not self.d_hd & (self.d_hd - 1):
                 self._d_rows_attn = K.ROWS_ATTN_MAX
         self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
+        self.states = None  # `set_state_recording`: [max_len, (k+1)*H] aux + final pre-norm rows by cache slot
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
         self._resolve_attn_impl()
         self._d_rope = None  # (cos, sin) [max_len, head_dim] of a draftsmith Drafter: indexed, not recomputed
@@ -364,9 +365,9 @@ class SpeculativeDecoder:
         and every other width (verify, hand-off) runs compiled."""
         eager = self.runner.forward
 
-        def forward(input_ids, positions, slots, mask, logits_rows=None, want_aux=True):
+        def forward(input_ids, positions, slots, mask, logits_rows=None, want_aux=True, **kw):
             fwd = eager if self.runner.triton_step(input_ids.shape[0]) else compiled
-            return fwd(input_ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+            return fwd(input_ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux, **kw)
 
         return forward
 
@@ -434,12 +435,34 @@ class SpeculativeDecoder:
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
             self._alloc_drafter_cache(shape)
             self._set_drafter_rope()
+        if self.states is not None:
+            self.set_state_recording(True)
+        self._graphs.clear()
+
+    def set_state_recording(self, on: bool) -> None:
+        """Capture while serving (`draftsmith.serve.recorder`): with `on`, every target forward also writes its rows'
+        aux states and final pre-norm state into `states` [max_len, (k+1)*H] (target dtype; the 8B shape with 3 aux
+        layers: 32 KB a slot) at their cache slots, tree rounds compacting them with the K/V; after `generate`,
+        `states[:L]` holds the committed tokens' rows (prompt + response but the last token, never forwarded).
+        Plain steps then return their aux rows too. Drops captured graphs. ValueError on the generic HF path."""
+        if on and self.backend != "llama":
+            raise ValueError("state recording needs the compact Llama-family forward (this target runs the HF path)")
+        self.states = None
+        if on:
+            cols = (len(self.aux_layers) + 1) * int(self.config.hidden_size)
+            self.states = torch.zeros(self.max_len, cols, dtype=self.dtype, device=self.device)
         self._graphs.clear()
 
     # ------------------------------------------------------------------ primitives
     def _target(self, ids, positions, slots, mask, logits_rows=None, want_aux=True, eager=False):
         fwd = self.runner.forward if eager else self._t_fwd
-        return fwd(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+        if self.states is None:
+            return fwd(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
+        # recording: every forwarded row's aux + final state lands at its slot, like its K/V (a rejected row's
+        # slot is rewritten by the next round; index_copy_ is graph-safe and needs no sync)
+        logits, rows = fwd(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=True, want_final=True)
+        self.states.index_copy_(0, slots, rows)
+        return logits, (rows[:, : len(self.aux_layers) * int(self.config.hidden_size)] if want_aux else None)
 
     def _attn(self, q, k, v, layer_idx):
         from draftsmith.decode.llama import grouped_attention
@@ -700,6 +723,8 @@ class SpeculativeDecoder:
             self._record(logits.index_select(0, path_t))
         # compact the target cache to root + accepted path (entries past a are junk, never attended)
         self.runner.compact(L + path_t, L + c["ar_D1"])
+        if self.states is not None:  # the recorded states follow their K/V
+            self.states.index_copy_(0, L + c["ar_D1"], self.states.index_select(0, L + path_t))
         self._handoff(out, aux.index_select(0, path_t), a)
         self.out[: D + 1] = out
         a1 = a + 1

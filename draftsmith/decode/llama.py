@@ -401,12 +401,15 @@ class LlamaFamilyForward(torch.nn.Module):
         mask: torch.Tensor,
         logits_rows: torch.Tensor | None = None,
         want_aux: bool = True,
+        want_final: bool = False,
     ):
         """input_ids/positions/slots [T] long; mask [T, S] bool over cache slots 0..S-1 (S <= max_len).
 
         Writes the T tokens' K/V at `slots`, then attends with `mask`. Returns (logits [R, V] fp32 for
-        `logits_rows` (all T when None), aux [T, k*H] in the model dtype or None). With kernels="triton" the mask
-        must show no slot past the highest of `slots` (as in any causal use: `kernels.rows_attention` reads none).
+        `logits_rows` (all T when None), aux [T, k*H] in the model dtype or None). `want_final`: aux is [T, (k+1)*H],
+        the last H columns the final pre-norm state (the last layer's output; capture while serving records it).
+        With kernels="triton" the mask must show no slot past the highest of `slots` (as in any causal use:
+        `kernels.rows_attention` reads none).
         """
         T = input_ids.shape[0]
         S = mask.shape[1]
@@ -470,9 +473,11 @@ class LlamaFamilyForward(torch.nn.Module):
                     h = lin(self.act(g) * u, L.down, bias=L.down_bias, residual=h)
                 else:
                     h = h + F.linear(self.act(g) * u, L.down, L.down_bias)
-            if want_aux and i in self.aux_layers:
+            if (want_aux or want_final) and i in self.aux_layers:
                 aux[i] = h
-        aux_t = torch.cat([aux[i] for i in self.aux_layers], -1) if want_aux else None
+        aux_t = None
+        if want_aux or want_final:  # (h: the last layer's output, before the final norm)
+            aux_t = torch.cat([aux[i] for i in self.aux_layers] + ([h] if want_final else []), -1)
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
         if "lm_head" in ops and hs.shape[0] <= K.ROWS_MAX:
             return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t

@@ -76,9 +76,8 @@ def register(app: typer.Typer) -> None:
         capture_to: Optional[Path] = typer.Option(
             None,
             "--capture-to",
-            help="Record every served request (prompt "
-            "+ response tokens, the target's aux and final pre-norm states) "
-            "into this store. Prompts are stored: see README 'Serve'.",
+            help="Record every served request (prompt + response tokens but the last, with the target's aux and final "
+            "pre-norm states from the forwards that served it) into this store. Prompts are stored: see README 'Serve'.",
         ),
         capture_max_tokens: Optional[int] = typer.Option(
             None, "--capture-max-tokens", help="Stop recording once the store holds this many tokens."
@@ -141,6 +140,15 @@ def register(app: typer.Typer) -> None:
             if limit < 2:
                 raise DraftsmithError(f"--max-model-len {limit}: must be >= 2")
             eng = engine_from(t, d, limit + dm.cache_need + 2, engine)
+            if capture_to is not None:  # before the graphs are captured: the recording is part of every round
+                try:
+                    eng.set_state_recording(True)
+                    log.info(
+                        "capture: states from the served forwards (buffer %.1f MB)",
+                        eng.states.numel() * eng.states.element_size() / 1e6,
+                    )
+                except ValueError as e:
+                    log.warning("capture: %s; recording with one extra target forward per request instead", e)
             greedy = SamplingParams()
             eng.warmup(dm, greedy)
             if dm.kind != "plain":
@@ -161,6 +169,7 @@ def register(app: typer.Typer) -> None:
                     max_tokens=capture_max_tokens,
                     shard_tokens=capture_shard_tokens,
                     flush_s=capture_flush_s,
+                    engine=eng,
                 )
 
         worker = EngineWorker(build, max_queue=max_queue, recorder_factory=recorder_factory)
@@ -213,9 +222,10 @@ def register(app: typer.Typer) -> None:
             if worker.recorder is not None:
                 r = worker.recorder
                 # (print: uvicorn's logging setup has replaced the handlers by now)
+                how = "states from the served forwards" if r.served_states else "one extra target forward each"
                 print(
-                    f"draftsmith serve: capture: {r.recorded} requests recorded into {capture_to} (states forward "
-                    f"{r.forward_s:.3f} s in all)",
+                    f"draftsmith serve: capture: {r.recorded} requests recorded into {capture_to} ({how}; engine "
+                    f"thread {r.engine_s:.3f} s in all)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -3,13 +3,22 @@ with the target's aux and final pre-norm hidden states, written as a hidden-stat
 (`draftsmith.store.format`: shards, progress records, token counts, manifest with sha256s), so
 `HiddenStateStore.open`, `draftsmith store verify` and `draftsmith train --store` read it like any capture.
 
-How the states are obtained: after a response is complete (its last event already sent to the client), the engine
-thread runs ONE target forward over prompt + response through the same forward hooks as `draftsmith capture`
-(`AuxCapture` on the HF decoder, eager). The served rounds' own forwards are not reused: they run from CUDA
-graphs over the compact forward, which returns the aux layers but not the final pre-norm state, the last emitted
-token is never forwarded, and tree rounds verify rejected nodes in the same rows; taking the states from them
-would mean changing every round of the engine. The extra forward is one prefill-shaped pass per request
-(cheap next to the response's sequential rounds) and delays only the next queued request, never this one.
+How the states are obtained (`engine` given, the default): from the target forwards the server runs anyway. The
+engine records (`SpeculativeDecoder.set_state_recording`): every prefill, verify and plain-step forward also returns
+its rows' aux states and the last layer's output before the final norm, and writes them into a buffer indexed like
+the KV cache by slot (inside the CUDA graphs: one index_copy_ a forward). A chain round's rejected rows sit at slots
+the next round rewrites, a tree round compacts the accepted path's rows with its K/V, so after a response the buffer
+holds the states of prompt + response but the last token (the last emitted token is never forwarded: it is not
+recorded). `record` slices that, converts (bf16, or fp8 with its scales) on the device and starts one
+asynchronous device-to-host copy; the writer thread waits for it. No second target forward, and the next request's
+prefill follows the copy on the same stream. The states are those of the served forwards (K+1-row verifies, tree
+verifies, one-row steps), equal to an offline capture's prefill up to matmul blocking (fp32: ~1e-6 relative;
+tested), so the recorded store equals `draftsmith capture` of the same tokens within bf16 rounding.
+
+Without an engine that records (the generic HF path has no compact forward to return the final state), `record`
+falls back to ONE extra target forward over prompt + response through the same forward hooks as `draftsmith
+capture` (`AuxCapture` on the HF decoder, eager), after the response's last event was sent: it delays only the
+next queued request, and records the last token too.
 
 Disk writes are off the engine thread: a writer thread packs samples into shards, writes each atomically, then
 rewrites token_counts and the manifest, so the store is complete and verifiable after every flush (a shard is
@@ -45,10 +54,14 @@ SOURCE = "draftsmith serve"
 
 
 class ServeRecorder:
-    """`record(prompt_ids, response_ids)` on the engine thread; a writer thread does the disk work.
+    """`record(prompt_ids, response_ids)` on the engine thread, right after the engine's `generate` of that request;
+    a writer thread does the disk work.
 
     The loss mask covers the response tokens (what the target produced, the drafter's targets); the prompt is
-    context. `max_tokens`: stop recording once the store holds this many tokens (None: no limit)."""
+    context. `max_tokens`: stop recording once the store holds this many tokens (None: no limit). `engine`: a
+    `SpeculativeDecoder` with state recording on (`set_state_recording(True)`, before its graphs are captured):
+    the states come from its served forwards; None, or an engine that does not record: one extra target forward
+    per request."""
 
     def __init__(
         self,
@@ -59,6 +72,7 @@ class ServeRecorder:
         max_tokens: int | None = None,
         shard_tokens: int = 65536,
         flush_s: float = 60.0,
+        engine=None,
     ):
         from draftsmith.capture import AuxCapture
 
@@ -72,14 +86,18 @@ class ServeRecorder:
         self.shard_tokens = max(1, int(shard_tokens))
         self.flush_s = float(flush_s)
         self.H = int(target.hidden_size)
-        self._cap = AuxCapture(target, self.aux_layers, capture_final=True)
+        self.engine = engine if getattr(engine, "states", None) is not None else None
+        if self.engine is not None and list(self.engine.aux_layers) != self.aux_layers:
+            raise DraftsmithError(f"capture: the engine records aux layers {self.engine.aux_layers}, not {aux_layers}")
+        self.served_states = self.engine is not None  # False: the extra target forward per request
+        self._cap = None if self.served_states else AuxCapture(target, self.aux_layers, capture_final=True)
         self._shards: list[dict] = []
         self._num_samples = 0
         self._counts = torch.zeros(int(target.vocab_size), dtype=torch.int64)
         self._open_store()
         self._queued_tokens = self._stored_tokens()
         self._full_logged = False
-        self.forward_s = 0.0  # engine-thread seconds spent in the states forward (for the logs / benchmarks)
+        self.engine_s = 0.0  # engine-thread seconds spent recording (for the logs / benchmarks)
         self.recorded = 0
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -127,18 +145,49 @@ class ServeRecorder:
     # -- the engine thread ---------------------------------------------------------------------------
     @torch.no_grad()
     def record(self, prompt_ids, response_ids) -> bool:
-        """One target forward over prompt + response; the rows go to the writer. False when not recorded."""
+        """Queue prompt + response for the store (their states from the engine's buffer, else from one target
+        forward); the writer does the rest. False when not recorded."""
         if self._error is not None:
             raise DraftsmithError(f"capture writer failed: {self._error}")
-        ids = [int(x) for x in prompt_ids] + [int(x) for x in response_ids]
         if not response_ids:
             return False
+        ids = [int(x) for x in prompt_ids] + [int(x) for x in response_ids]
+        if self.served_states:
+            ids = ids[:-1]  # the last emitted token never went through the target
         if self.max_tokens is not None and self._queued_tokens + len(ids) > self.max_tokens:
             if not self._full_logged:
                 log.warning("capture: --capture-max-tokens %d reached; not recording further requests", self.max_tokens)
                 self._full_logged = True
             return False
         t0 = time.perf_counter()
+        rows = self._served_rows(len(ids)) if self.served_states else self._forward_rows(ids)
+        self.engine_s += time.perf_counter() - t0
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[len(prompt_ids) :] = True
+        self._queued_tokens += len(ids)
+        self.recorded += 1
+        self._q.put((np.asarray(ids, dtype=np.int32), mask, rows, time.monotonic()))
+        return True
+
+    def _served_rows(self, n: int):
+        """The engine buffer's first n rows ([n, (k+1)*H], slot == position), converted on the device and copied to
+        the host without waiting: (host tensors, the copy's CUDA event or None). The writer splits and waits."""
+        eng = self.engine
+        if n > int(eng.L):  # (generate has synchronized: reading L costs no wait)
+            raise DraftsmithError(f"capture: {n} tokens to record but the engine holds {int(eng.L)}")
+        x = eng.states[:n]
+        if self.dtype == "fp8":
+            parts = fmt.quantize_fp8_rows(x, self.H)  # new tensors: the buffer is free for the next request
+        else:
+            parts = (x.to(torch.bfloat16, copy=x.device.type != "cuda"),)  # CUDA: the async copy below copies
+        if x.device.type != "cuda":
+            return parts, None
+        host = tuple(p.to("cpu", non_blocking=True) for p in parts)  # pinned; in stream order before the next prefill
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _forward_rows(self, ids) -> dict:
         x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
         with self._cap:
             self.target.decoder(input_ids=x, use_cache=False)
@@ -146,21 +195,26 @@ class ServeRecorder:
         if self.dtype == "fp8":
             aux_q, aux_s = fmt.quantize_fp8_rows(aux, self.H)
             fq, fs = fmt.quantize_fp8_rows(final, self.H)
-            rows = {
+            return {
                 "aux": aux_q.cpu(),
                 "aux_scale": aux_s.cpu(),
                 "final": fq.cpu(),
                 "final_scale": fs.reshape(-1).cpu(),
             }
-        else:
-            rows = {"aux": aux.to(torch.bfloat16).cpu(), "final": final.to(torch.bfloat16).cpu()}
-        self.forward_s += time.perf_counter() - t0
-        mask = np.zeros(len(ids), dtype=bool)
-        mask[len(prompt_ids) :] = True
-        self._queued_tokens += len(ids)
-        self.recorded += 1
-        self._q.put((np.asarray(ids, dtype=np.int32), mask, rows, time.monotonic()))
-        return True
+        return {"aux": aux.to(torch.bfloat16).cpu(), "final": final.to(torch.bfloat16).cpu()}
+
+    def _split(self, rows) -> dict:
+        """The writer's view of a sample's states: aux [n, k*H] and final [n, H] (+ fp8 scales [n, k] and [n])."""
+        if isinstance(rows, dict):
+            return rows
+        parts, ev = rows
+        if ev is not None:
+            ev.synchronize()
+        kH, k = len(self.aux_layers) * self.H, len(self.aux_layers)
+        out = {"aux": parts[0][:, :kH].contiguous(), "final": parts[0][:, kH:].contiguous()}
+        if self.dtype == "fp8":
+            out["aux_scale"], out["final_scale"] = parts[1][:, :k].contiguous(), parts[1][:, k].contiguous()
+        return out
 
     def close(self, timeout: float = 120.0) -> None:
         """Flush what is pending and stop the writer (the manifest then lists every recorded request)."""
@@ -203,6 +257,7 @@ class ServeRecorder:
         si = len(self._shards)
         first = self._num_samples
         n = len(samples)
+        samples = [(s[0], s[1], self._split(s[2]), s[3]) for s in samples]
         states = {
             "aux_hidden_states": torch.cat([s[2]["aux"] for s in samples]),
             "final_hidden_states": torch.cat([s[2]["final"] for s in samples]),
