@@ -173,7 +173,8 @@ def options(schema: type, skip: Sequence[str] = ()) -> list[inspect.Parameter]:
 def settings(**groups: type | tuple[type, Sequence[str]]) -> Callable[[Callable[..., Any]], Callable[..., None]]:
     """Give a typer command the options of each schema in `groups` (name=Schema or name=(Schema, fields to skip));
     the command receives name=<the built config>, its values checked as they are parsed (one line naming the
-    flag). The command's own options stay in its signature."""
+    flag). The command's own options stay in its signature. `command.check_settings(params)` converts and checks
+    the values without running the command."""
     specs = {name: (g, ()) if isinstance(g, type) else (g[0], tuple(g[1])) for name, g in groups.items()}
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., None]:
@@ -184,12 +185,20 @@ def settings(**groups: type | tuple[type, Sequence[str]]) -> Callable[[Callable[
         if clash:
             raise TypeError(f"{fn.__name__}: options declared twice: {sorted(clash)}")
 
-        def command(**kw: Any) -> None:
+        def check_settings(kw: dict[str, Any]) -> dict[str, Any]:
+            """Pop the settings' values (None = not given) out of `kw`; {group name: built config}."""
             built = {}
             for name, (schema, skip) in specs.items():
-                given = {f: kw.pop(f) for f in fields_of(schema) if f not in skip}
+                given = {f: kw.pop(f, None) for f in fields_of(schema) if f not in skip}
                 built[name] = build(schema, values_from_flags(schema, given))
+            return built
+
+        def command(**kw: Any) -> None:
+            built = check_settings(kw)
             fn(**kw, **built)
+
+        # the pipeline checks a section's values before any stage runs (draftsmith/pipeline/runner.py)
+        command.check_settings = lambda params: check_settings(dict(params))
 
         command.__signature__ = inspect.Signature(
             [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + generated

@@ -165,6 +165,9 @@ def _dry_parse(path: str, section: str, command_name: str, argv: list[str]) -> N
     try:
         ctx = cmd.make_context(command_name, list(argv), resilient_parsing=False)
         _schema_check(command_name, ctx.params)
+        check_settings = getattr(cmd.callback, "check_settings", None)  # generate/eval/serve (decode/config.py)
+        if check_settings is not None:
+            check_settings(ctx.params)
     except click.exceptions.Exit:
         pass
     except click.UsageError as e:  # BadParameter, NoSuchOption, MissingParameter

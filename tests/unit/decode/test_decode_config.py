@@ -141,3 +141,16 @@ def test_help_groups_the_engine_flags():
     for panel in ("Engine", "Decode mode", "Sampling"):
         assert panel in r.output
     assert "(default: 128; >= 1)" in r.output  # --max-new-tokens: the default and the bound from the schema
+
+
+def test_pipeline_checks_eval_settings_before_any_stage_runs():
+    from draftsmith.pipeline.runner import _dry_parse
+
+    base = ["--target", "t", "--drafter", "d", "--prompts", "p"]
+    _dry_parse("p.yaml", "eval", "eval", [*base, "--max-new-tokens", "8", "--tree"])
+    with pytest.raises(
+        DraftsmithError, match=r"^p.yaml: section 'eval': --max-new-tokens: expected an integer, got 'x'$"
+    ):
+        _dry_parse("p.yaml", "eval", "eval", [*base, "--max-new-tokens", "x"])
+    with pytest.raises(DraftsmithError, match=r"section 'eval': --attn-impl: must be one of"):
+        _dry_parse("p.yaml", "eval", "eval", [*base, "--attn-impl", "flash"])
