@@ -66,7 +66,7 @@ def _capture(t, aux_layers, seq) -> torch.Tensor:
 
     cap = AuxCapture(t, aux_layers, capture_final=True)
     with cap:
-        t.decoder(input_ids=torch.tensor([seq]), use_cache=False)
+        t.decoder(input_ids=torch.tensor([seq], device=t.device), use_cache=False)
     return torch.cat([cap.aux[0], cap.final[0]], -1).float()
 
 
@@ -189,8 +189,9 @@ def test_triton_step_records_the_final_state(served):
 
 def test_recording_rounds_stay_sync_free(served):
     """The recording (the states scatter, the tree compaction of the states) keeps every round free of host syncs
-    and host->device copies, so rounds still replay from CUDA graphs: tests/unit/decode/test_decode_syncfree.py's
-    guard around rounds of an engine that records."""
+        and host->device copies, so rounds still replay from CUDA graphs: tests/unit/decode/test_decode_syncfree.py's
+        guard around rounds of an engine that records. Sampled rounds (T=0.8): the CPU engine runs greedy chain rounds
+    with host bookkeeping (`_chain_round_cpu`, never on a GPU); the recording is the same in every round."""
     import importlib.util
 
     from draftsmith.decode.sampling import SamplingParams
@@ -200,7 +201,7 @@ def test_recording_rounds_stay_sync_free(served):
     guard = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(guard)
     _, eng, prompts, _ = served
-    sp = SamplingParams()
+    sp = SamplingParams(0.8)
     with torch.no_grad():
         for kind, mode in MODES.items():
             eng.prefill(prompts[0], sp, draft=kind != "plain")
@@ -208,3 +209,43 @@ def test_recording_rounds_stay_sync_free(served):
             with guard.no_host_sync():
                 for _ in range(2):
                     fn()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_rounds_record_and_the_async_copy_keeps_them(tmp_path):
+    """On the GPU (bf16, CUDA graphs, a random drafter: every draft rejected): the buffer rows recorded by graph
+    replays match a prefill capture row by row (bf16: per-row cosine > 0.999, each row nearest its own token's),
+    and the store holds exactly those rows although the next request's prefill overwrites the buffer right after
+    `record` (its device-to-host copy is stream-ordered before it; the writer waits for the copy's event)."""
+    from draftsmith.drafter import Drafter
+    from draftsmith.serve.recorder import ServeRecorder
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.target_model import load_target
+
+    t = load_target(str(TINY), dtype="bf16", device="cuda")
+    prompts = [t.tokenizer(p)["input_ids"] for p in PROMPTS]
+    torch.manual_seed(0)
+    d = Drafter.from_target(t, draft_vocab_size=2048).to(device="cuda", dtype=torch.bfloat16).eval()
+    eng = SpeculativeDecoder(t, d, max_len=256)
+    assert eng.cuda_graphs
+    eng.set_state_recording(True)
+    rec = ServeRecorder(tmp_path / "store", t, eng.aux_layers, flush_s=60, engine=eng)
+    kept = []
+    for kind in MODES:
+        for p in prompts:
+            r = eng.generate(p, NEW, mode=MODES[kind], eos_ids=[])
+            n = len(p) + len(r.token_ids) - 1
+            kept.append(eng.states[:n].clone())
+            assert rec.record(p, r.token_ids)
+            got, want = kept[-1].float(), _capture(t, eng.aux_layers, p + r.token_ids)[:n]
+            assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999, kind
+            assert torch.equal(torch.cdist(got, want).argmin(1).cpu(), torch.arange(n)), kind
+    rec.close()
+    s = HiddenStateStore.open(tmp_path / "store")
+    kH = len(eng.aux_layers) * t.hidden_size
+    assert len(s) == len(kept)
+    for i, x in enumerate(kept):
+        x = x.float().cpu()
+        assert torch.equal(s[i]["aux_hidden_states"].float(), x[:, :kH])
+        assert torch.equal(s[i]["final_hidden_states"].float(), x[:, kH:])
