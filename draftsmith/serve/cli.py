@@ -91,6 +91,13 @@ def register(app: typer.Typer) -> None:
             "request is this old, even if not full (the store is complete after "
             "every write).",
         ),
+        stream_interval_ms: float = typer.Option(
+            10.0,
+            "--stream-interval-ms",
+            help="Streaming: tokens of rounds ending within this many ms of the last SSE chunk wait for the next "
+            "one (the first token goes at once). 0 = a chunk per engine round: more event-loop wake-ups, which "
+            "compete with the engine thread for Python (BENCHMARKS.md 'serve').",
+        ),
         log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
         *,
         engine: EngineConfig,
@@ -109,6 +116,8 @@ def register(app: typer.Typer) -> None:
             raise DraftsmithError("--max-queue must be >= 1")
         if queue_timeout <= 0:
             raise DraftsmithError("--queue-timeout must be > 0")
+        if stream_interval_ms < 0:
+            raise DraftsmithError(f"--stream-interval-ms: must be >= 0, got {stream_interval_ms}")
         from draftsmith.decode.setup import mode_from
 
         mode_from(mode)  # the mode's shape, before the models load
@@ -172,7 +181,12 @@ def register(app: typer.Typer) -> None:
                     engine=eng,
                 )
 
-        worker = EngineWorker(build, max_queue=max_queue, recorder_factory=recorder_factory)
+        worker = EngineWorker(
+            build,
+            max_queue=max_queue,
+            recorder_factory=recorder_factory,
+            stream_interval_s=stream_interval_ms / 1000.0,
+        )
         log.info("loading %s%s", target, f" + drafter {drafter}" if drafter else "")
         worker.start()
         from draftsmith.target_model.load import load_tokenizer

@@ -48,8 +48,18 @@ class EngineWorker:
     """`build()` runs on the worker thread and returns (engine, mode); `recorder` (optional) gets every finished,
     not-cancelled generation on the same thread, after its "done" event was sent."""
 
-    def __init__(self, build: Callable[[], tuple[object, object]], max_queue: int, recorder_factory=None):
+    def __init__(
+        self,
+        build: Callable[[], tuple[object, object]],
+        max_queue: int,
+        recorder_factory=None,
+        stream_interval_s: float = 0.0,
+    ):
         self._build = build
+        # tokens of rounds that end within this long of the last hand-off wait and go with the next one: every
+        # hand-off wakes the event loop, whose JSON/SSE work then holds the GIL the engine thread's launches need
+        # (on an H200 a chain round per hand-off cost 0.25 ms a round, HTTP 0.77x the engine: BENCHMARKS.md "serve")
+        self.stream_interval_s = float(stream_interval_s)
         self._recorder_factory = recorder_factory
         self.max_queue = max_queue
         self.engine = None
@@ -141,10 +151,20 @@ class EngineWorker:
 
     def _serve(self, job: Job) -> None:
         job.push("start", time.perf_counter())
+        pending: list[int] = []
+        last_push = [None]  # the first tokens go at once (time to first token)
+
+        def flush() -> None:
+            if pending:
+                job.push("tokens", list(pending))
+                pending.clear()
+                last_push[0] = time.perf_counter()
 
         def on_tokens(new_ids: list[int]) -> bool:
             if new_ids:
-                job.push("tokens", list(new_ids))
+                pending.extend(new_ids)
+                if last_push[0] is None or time.perf_counter() - last_push[0] >= self.stream_interval_s:
+                    flush()
             return not job.cancelled.is_set()
 
         try:
@@ -159,9 +179,11 @@ class EngineWorker:
             )
         except Exception as e:  # the HTTP side answers 500 with one line; the traceback goes to the log
             log.error("generation failed:\n%s", traceback.format_exc())
+            flush()
             job.state = "finished"
             job.push("error", f"{type(e).__name__}: {e}")
             return
+        flush()
         job.state = "finished"
         self.served += 1
         job.push("done", res)
