@@ -293,6 +293,20 @@ class SpeculativeDecoder:
         # record_margins (greedy certificate, `draftsmith.decode.certificate`): per emitted token, the top-1 minus
         # top-2 logit of the row that chose it (a plain step's, or the verify row's) and the top-1 logit itself
         self.record_margins = False
+        # torch threads for `generate` on the CPU (None: the process's). A small model's decode step is ~200 ops of a
+        # few microseconds: a second thread only adds OpenMP hand-offs to them, and on a core shared with other
+        # work it stalls the step (BENCHMARKS.md "Demo target on CPU": 2 threads up to 3x slower, never faster
+        # beyond noise), so one; plain and speculative decoding run under the same setting.
+        # the CPU's greedy chain round (`_chain_round_cpu`: host-side bookkeeping, syncs and all); off, the CPU runs
+        # the device-agnostic round every GPU runs (tests check that one is sync-free)
+        self.host_rounds = dev.type == "cpu"
+        self.cpu_threads = (
+            1
+            if dev.type == "cpu"
+            and hasattr(self.runner, "weight_bytes")
+            and self.runner.weight_bytes() <= getattr(self.runner, "CPU_TRANSPOSED_MAX_BYTES", 0)
+            else None
+        )
         self.out_gap = torch.zeros(256, dtype=torch.float32, device=dev)
         self.out_top = torch.zeros(256, dtype=torch.float32, device=dev)
         self.prefill_margin: tuple[float, float] | None = None
@@ -303,6 +317,7 @@ class SpeculativeDecoder:
             self.d_nkv = int(getattr(dc, "num_key_value_heads", None) or nh)
             self.d_hd = int(getattr(dc, "head_dim", None) or int(dc.hidden_size) // nh)
             self.d_scale = self.d_hd**-0.5
+            self._d_groups = nh // self.d_nkv
             p = next(drafter.parameters())
             self.d_dtype = p.dtype
             shape = (self.d_layers, 1, self.d_nkv, self.max_len, self.d_hd)
@@ -333,6 +348,7 @@ class SpeculativeDecoder:
         self._tree_cache: dict = {}  # mode key -> constants of its tree rounds (`_tree_consts`)
         self.states = None  # `set_state_recording`: [max_len, (k+1)*H] aux + final pre-norm rows by cache slot
         self._ar = torch.arange(self.max_len, device=dev)  # slot indices for the masks (built once)
+        self._causal = self._causal_add = None  # `_causal_rows`'s and `_causal_add_rows`'s tables
         self._resolve_attn_impl()
         self._d_rope = None  # (cos, sin) [max_len, head_dim] of a draftsmith Drafter: indexed, not recomputed
         self._set_drafter_rope()
@@ -344,7 +360,7 @@ class SpeculativeDecoder:
         # stay ours, hence the no-cudagraphs variant)
         self._compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
         self._t_fwd = self.runner.forward
-        self._d_module = self._d_call = None
+        self._d_module = self._d_call = self._d_cpu = None
         self._d_topk = self._draft_topk
         if compile and self.backend == "llama":
             from draftsmith.common.compiling import raise_recompile_limit
@@ -381,6 +397,17 @@ class SpeculativeDecoder:
         self._d_module = fused_for_decoding(self.drafter)
         self._d_call = self._d_module
         self._d_topk = self._draft_topk
+        self._d_cpu = None
+        if (
+            self.device.type == "cpu"
+            and not self._compiled
+            and not self._d_rows_attn  # kernels="triton" (interpreted on the CPU: tests) keeps the module path
+            and self._d_rope is not None
+            and getattr(self._d_module, "embed_tokens", None) is not None
+        ):
+            from draftsmith.decode.fused_drafter import CpuDraftStep
+
+            self._d_cpu = CpuDraftStep(self._d_module)  # the CPU's draft step: no module calls, fewer ops
         if self._compiled and self.backend == "llama":
             self._d_call = torch.compile(self._d_module, dynamic=False, mode=self._compile_mode)
             # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;
@@ -468,9 +495,9 @@ class SpeculativeDecoder:
         from draftsmith.decode.llama import grouped_attention
 
         kc, vc = self._dk_layers[layer_idx], self._dv_layers[layer_idx]
-        kc.index_copy_(2, self._d_slots, k.to(kc.dtype))
-        vc.index_copy_(2, self._d_slots, v.to(vc.dtype))
-        S = self._d_mask.shape[1]
+        kc.index_copy_(2, self._d_slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        vc.index_copy_(2, self._d_slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        S = self._d_mask.shape[-1]  # a [T, S] bool mask, or prepare_mask's [1, 1, g*T, S] (the CPU draft step)
         T = q.shape[2]
         if self._d_rows_attn and T <= self._d_rows_attn:  # kernels="triton": the target verify's attention kernel
             from draftsmith.decode import kernels as K
@@ -481,6 +508,20 @@ class SpeculativeDecoder:
 
     def _draft_fwd(self, ids, hidden, positions, slots, mask, eager=False):
         """Drafter forward over T tokens (cache write at slots, attention under mask) -> out [T, H]."""
+        if self._d_cpu is not None:  # one additive mask for every layer; the rotary rows by index
+            from draftsmith.decode.llama import prepare_mask
+
+            g = self._d_groups
+            if mask.dtype == torch.bool:
+                amask = prepare_mask(mask, g, self.d_dtype)
+            else:  # additive rows (`_chain_round_cpu`'s table): one per query head of a KV group
+                amask = (mask if g == 1 else mask.expand(g, -1) if mask.shape[0] == 1 else mask.repeat(g, 1))[
+                    None, None
+                ]
+            self._d_slots, self._d_mask = slots, amask
+            cos, sin = self._d_rope[0].index_select(0, positions), self._d_rope[1].index_select(0, positions)
+            hidden = hidden if hidden.dtype == self.d_dtype else hidden.to(self.d_dtype)
+            return self._d_cpu(ids, hidden, cos, sin, self._attn)
         self._d_slots, self._d_mask = slots, mask
         call = self._d_module if eager else self._d_call
         kw = {}
@@ -490,9 +531,13 @@ class SpeculativeDecoder:
         return out[0]
 
     def _fuse(self, aux):
+        if self._d_cpu is not None:
+            return self._d_cpu.fuse(aux.to(self.d_dtype))
         return self.drafter.fuse(aux.to(self.d_dtype))
 
     def _draft_logits(self, h):
+        if self._d_cpu is not None:
+            return self._d_cpu.logits(h)
         return self.drafter.compute_logits(h).float()
 
     def _draft_topk(self, h, k: int):
@@ -595,6 +640,67 @@ class SpeculativeDecoder:
         self.root.copy_(bonus)
         self.L.add_(a + 1)
         self._last_draft = ids
+
+    def _chain_round_cpu(self, mode: DecodeMode) -> None:
+        """The greedy chain round on the CPU (`_step_fn` picks it): the same draft, verify, accept and hand-off as
+        `_chain_round`, with the bookkeeping on the host, where a sync costs nothing. A round of the demo target is
+        ~200 small ops at ~5 us each (BENCHMARKS.md "Demo target on CPU"), so: positions and masks are slices of
+        tables built once (no arange / compare / index per forward), the acceptance is a Python loop over K+1
+        ints, and the hand-off forwards the a+1 accepted rows only (the drafter slots past them hold draft-step
+        entries that the next round overwrites before it attends to them, as after a padded hand-off)."""
+        K = mode.draft_tokens
+        L = int(self.L)
+        ar, d_ids = self._ar, self.d_ids
+        rows, add = self._causal_rows, self._causal_add_rows
+        h = self.h_last
+        drafts = []
+        for i in range(K):
+            ti = d_ids.index_select(0, torch.argmax(self._draft_logits(h), -1).view(1))
+            drafts.append(ti)
+            if i < K - 1:
+                p = ar[L + i : L + i + 1]
+                h = self._draft_fwd(ti, h.view(1, -1), p, p, add(L + i, 1))[0]
+        ids = torch.cat([self.root.view(1), *drafts])
+        pos = ar[L : L + K + 1]
+        logits, aux = self._target(ids, pos, pos, rows(L, K + 1))
+        choice = torch.argmax(logits, -1).tolist()
+        draft = ids.tolist()[1:]
+        a = 0
+        while a < K and draft[a] == choice[a]:
+            a += 1
+        out = ids.new_tensor(draft[:a] + [choice[a]])
+        p = pos[: a + 1]
+        h = self._draft_fwd(out, self._fuse(aux[: a + 1]), p, p, add(L, a + 1))
+        self.h_last.copy_(h[a])
+        self.out[: a + 1] = out
+        self.n_emit.fill_(a + 1)
+        self.root.fill_(choice[a])
+        self.L.fill_(L + a + 1)
+        self._last_draft = ids
+
+    def _causal_rows(self, start: int, n: int) -> torch.Tensor:
+        """`_mask` of rows at positions start..start+n-1: a slice of the [max_len, max_len] causal table (built on
+        first use; past CAUSAL_TABLE_MAX slots it would not pay for its memory, and the masks are computed)."""
+        if self.max_len > self.CAUSAL_TABLE_MAX:
+            return self._mask(self._ar[start : start + n])
+        if self._causal is None or self._causal.shape[0] != self.max_len:
+            self._causal = self._ar[None, :] <= self._ar[:, None]
+        return self._causal[start : start + n]
+
+    def _causal_add_rows(self, start: int, n: int) -> torch.Tensor:
+        """`_causal_rows` as an additive mask in the drafter's dtype (0 visible, dtype min hidden): what its
+        attention adds, without the four ops of `prepare_mask` per draft forward."""
+        if self.max_len > self.CAUSAL_TABLE_MAX:
+            return self._causal_rows(start, n)
+        t = self._causal_add
+        if t is None or t.shape[0] != self.max_len:
+            vis = self._causal_rows(0, self.max_len)
+            t = self._causal_add = torch.zeros(vis.shape, dtype=self.d_dtype, device=self.device).masked_fill_(
+                ~vis, torch.finfo(self.d_dtype).min
+            )
+        return t[start : start + n]
+
+    CAUSAL_TABLE_MAX = 2048  # slots: tables of 4 MB (bool) and 16 MB (fp32)
 
     def _tree_consts(self, mode: DecodeMode) -> dict:
         """Index and mask constants of a tree round, built once per setting outside any graph: inside a captured
@@ -738,6 +844,8 @@ class SpeculativeDecoder:
         if mode.kind == "plain":
             return lambda: self._plain_step(sp)
         if mode.kind == "chain":
+            if self.host_rounds and self._d_cpu is not None and sp.greedy and not self.record_margins:
+                return lambda: self._chain_round_cpu(mode)
             return lambda: self._chain_round(mode, sp)
         self._tree_consts(mode)  # built here, outside the round (and outside any graph capture)
         return lambda: self._tree_round(mode, sp)
@@ -878,7 +986,27 @@ class SpeculativeDecoder:
 
         `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
         checks), for streaming; returning False ends the generation there with finish_reason "cancelled" (a
-        disconnected client frees the engine within one round)."""
+        disconnected client frees the engine within one round). On the CPU it runs under `cpu_threads` torch threads
+        (the process's setting is restored after)."""
+        threads = self.cpu_threads if self.device.type == "cpu" else None
+        if threads and threads != torch.get_num_threads():
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                return self.generate(
+                    prompt_ids,
+                    max_new_tokens,
+                    sampling,
+                    mode,
+                    seed,
+                    stop_strings,
+                    eos_ids,
+                    trace,
+                    sync_every,
+                    on_tokens,
+                )
+            finally:
+                torch.set_num_threads(prev)
         sp = sampling or SamplingParams()
         mode = mode or (DecodeMode("chain") if self.drafter is not None else DecodeMode("plain"))
         mode.validate()

@@ -80,11 +80,128 @@ def _source_versions(drafter: nn.Module) -> list[tuple[torch.Tensor, int, int]]:
     out = []
     for layer in drafter.layers:
         a, m = layer.self_attn, layer.mlp
-        for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+        # o and down too: the CPU step (`CpuDraftStep`) holds transposed copies of them
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             for t in (lin.weight, lin.bias):
                 if t is not None:
                     out.append((t, t._version, t.data_ptr()))
+    norms = [drafter.norm.weight] + [
+        n.weight for layer in drafter.layers for n in layer.modules() if n is not layer and hasattr(n, "eps")
+    ]
+    out += [(t, t._version, t.data_ptr()) for t in (drafter.fc.weight, drafter.lm_head.weight, *norms)]
     return out
+
+
+class CpuDraftStep:
+    """A draftsmith `Drafter`'s forward for decoding on the CPU, as one flat function over pre-transposed weights.
+
+    On the CPU a bs=1 draft step of the demo drafter (one layer, H=192) costs ~0.45 ms, almost all of it per-op
+    overhead (~150 aten ops through 10 module calls; its matmuls take ~25 us): BENCHMARKS.md "Demo target on CPU".
+    This is the same computation as `Drafter.forward` over `fused_for_decoding`'s view (RMSNorms as
+    `hf_rms_norm`, RoPE on q and k together, the engine's cache-writing attention), with each matmul as x @ W^T
+    from a contiguous [in, out] copy (MKL runs that ~2x faster for these shapes than F.linear's x @ W.t()), the
+    rotary rows given by the caller and no module dispatch. The copies are made once; `is_stale` covers them.
+    `fuse` is the drafter's fc the same way; `logits` its norm + lm_head. Each norm's weight is folded into the
+    matmul after it (drafts may differ from the module's in the last bits; what is accepted never does)."""
+
+    def __init__(self, view: nn.Module):
+        from draftsmith.drafter.model import DecoderLayer, Eagle3MidLayer
+
+        t = lambda w: None if w is None else w.detach().t().contiguous()  # noqa: E731
+        self.embed = view.embed_tokens.weight
+        self.fc_t = t(view.fc.weight)
+        # each RMSNorm's weight folded into the matmul after it (rms(x) * w @ W^T == rms(x) @ (w * W)^T up to
+        # rounding: only the drafts can move, never what is accepted), one multiply fewer per norm
+        self.norm_eps = view.norm.eps
+        w = view.norm.weight.detach()
+        self.lm_head = (view.lm_head.weight.detach() * w[None, :]).contiguous()
+        self.lm_head_t = self.lm_head.t().contiguous()
+        self.layers = []
+        for i, layer in enumerate(view.layers):
+            a, m = layer.self_attn, layer.mlp
+            if not isinstance(a, _FusedAttention) or not isinstance(m, _FusedMLP):
+                raise TypeError("CpuDraftStep needs fused_for_decoding's view")
+            if not isinstance(layer, Eagle3MidLayer if i == 0 else DecoderLayer):
+                raise TypeError(f"layer {i}: {type(layer).__name__} is not a draftsmith drafter layer")
+            nbr = bool(getattr(layer, "norm_before_residual", False))
+            in_w = layer.input_layernorm.weight.detach()
+            if i == 0:  # x = cat(input_layernorm(embeds), hidden_norm(hidden)); with nbr the normed hidden is the
+                # residual too, so that norm keeps its weight
+                hid_w = layer.hidden_norm.weight.detach()
+                in_w = torch.cat([in_w, torch.ones_like(hid_w) if nbr else hid_w])
+            self.layers.append(
+                dict(
+                    mid=i == 0,
+                    nbr=nbr,
+                    in_eps=layer.input_layernorm.eps,
+                    hid_w=layer.hidden_norm.weight if i == 0 and nbr else None,
+                    hid_eps=layer.hidden_norm.eps if i == 0 else None,
+                    post_eps=layer.post_attention_layernorm.eps,
+                    qkv_t=(in_w[:, None] * t(a.qkv_weight)).contiguous(),
+                    qkv_b=a.qkv_bias,
+                    o_t=t(a.o_proj.weight),
+                    o_b=a.o_proj.bias,
+                    gu_t=(layer.post_attention_layernorm.weight.detach()[:, None] * t(m.gate_up_weight)).contiguous(),
+                    gu_b=m.gate_up_bias,
+                    down_t=t(m.down_proj.weight),
+                    down_b=m.down_proj.bias,
+                    act=m.act,
+                    idx=a.layer_idx,
+                    heads=(a.n_heads, a.n_kv, a.head_dim),
+                )
+            )
+
+    @staticmethod
+    def _mm(x, wt, b):
+        return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return torch.mm(aux, self.fc_t)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`Drafter.compute_logits` (fp32) for h [H] or [T, H]: one row by MKL's gemv over W [V_d, H] (as fast as
+        the transposed copy there), several by the transposed copy."""
+        x = F.rms_norm(h, (h.shape[-1],), eps=self.norm_eps)  # (the weight is in lm_head)
+        if x.dim() == 1 or x.shape[0] == 1:
+            return F.linear(x, self.lm_head).float()
+        return torch.mm(x.reshape(-1, x.shape[-1]), self.lm_head_t).view(*x.shape[:-1], -1).float()
+
+    def __call__(self, ids, hidden, cos, sin, attn_fn) -> torch.Tensor:
+        """ids [T], hidden [T, H], cos/sin [T, d] -> the pre-norm output [T, H]. attn_fn(q, k, v, layer_idx) as
+        `Drafter.forward` takes it (q [1, nh, T, d], k/v [1, nkv, T, d])."""
+        from draftsmith.drafter.model import hf_rms_norm
+
+        def rms(x, eps):  # hf_rms_norm's, the weight folded into the next matmul
+            return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+        T = ids.shape[0]
+        mm = self._mm
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]: over the heads
+        h = hidden
+        for L in self.layers:
+            nh, nkv, d = L["heads"]
+            if L["mid"]:
+                if L["nbr"]:
+                    normed = residual = hf_rms_norm(hidden, L["hid_w"], L["hid_eps"])
+                else:
+                    normed, residual = rms(hidden, L["hid_eps"]), hidden
+                e = F.embedding(ids, self.embed)
+                e = e if e.dtype == hidden.dtype else e.to(hidden.dtype)
+                x = torch.cat((rms(e, L["in_eps"]), normed), -1)
+            else:
+                residual, x = h, rms(h, L["in_eps"])
+            qkv = mm(x, L["qkv_t"], L["qkv_b"]).view(T, nh + 2 * nkv, d)
+            qk = qkv[:, : nh + nkv]
+            half = d // 2
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+            q = qk[:, :nh].transpose(0, 1)[None]
+            k = qk[:, nh:].transpose(0, 1)[None]
+            v = qkv[:, nh + nkv :].transpose(0, 1)[None]
+            o = attn_fn(q, k, v, L["idx"])  # [1, nh, T, d]
+            h = residual + mm(o[0].transpose(0, 1).reshape(T, nh * d), L["o_t"], L["o_b"])
+            g, u = mm(rms(h, L["post_eps"]), L["gu_t"], L["gu_b"]).chunk(2, -1)
+            h = h + mm(L["act"](g) * u, L["down_t"], L["down_b"])
+        return h
 
 
 def is_stale(view: nn.Module) -> bool:
@@ -94,4 +211,4 @@ def is_stale(view: nn.Module) -> bool:
     return src is not None and any(t._version != v or t.data_ptr() != ptr for t, v, ptr in src)
 
 
-__all__ = ["fused_for_decoding", "is_stale"]
+__all__ = ["CpuDraftStep", "fused_for_decoding", "is_stale"]

@@ -213,6 +213,28 @@ class LlamaFamilyForward(torch.nn.Module):
         self.cos = cos.to(self.device, self.dtype).contiguous()  # [max_len, d] (rows indexed by the kernels)
         self.sin = sin.to(self.device, self.dtype).contiguous()
         self._alloc_cache()
+        self._build_cpu_transposed()
+
+    # A small model on the CPU: every matmul of the forward as x @ W^T from a contiguous [in, out] copy. MKL's
+    # x @ W.t() (what F.linear runs) takes ~2x as long for these shapes, and 2.4x for a multi-row lm_head
+    # ([4, 192] x [192, 16384]: 1.33 vs 0.54 ms, one thread; BENCHMARKS.md "Demo target on CPU"). The copies cost
+    # the weights' size once more, so only up to CPU_TRANSPOSED_MAX_BYTES of weights (a GPU never takes them).
+    CPU_TRANSPOSED_MAX_BYTES = 256 << 20
+
+    def _build_cpu_transposed(self) -> None:
+        self._wt = None
+        if self.device.type != "cpu" or self.weight_bytes() > self.CPU_TRANSPOSED_MAX_BYTES:
+            return
+        if len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
+            return
+        t = lambda w: w.t().contiguous()  # noqa: E731
+        self._wt = [(t(L.qkv[0]), t(L.o), t(L.gate_up[0]), t(L.down)) for L in self.layers]
+        self._lm_head_t = t(self.lm_head)
+
+    @staticmethod
+    def _mm(x, wt, b):
+        """x [T, in] @ wt [in, out] (+ b): F.linear with a pre-transposed weight."""
+        return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
 
     def _alloc_cache(self) -> None:
         self.k_cache = self.v_cache = self.k_layers = self.v_layers = None
@@ -283,6 +305,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 w.pop(f"layers.{i}.self_attn.{n}_proj.weight")
             w.pop(f"layers.{i}.mlp.gate_proj.weight")
             w.pop(f"layers.{i}.mlp.up_proj.weight")
+        obj._build_cpu_transposed()  # now that qkv and gate/up are fused
         return obj
 
     def set_max_len(self, max_len: int) -> None:
@@ -425,6 +448,8 @@ class LlamaFamilyForward(torch.nn.Module):
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
         glu, fold_act = self._mlp_folds(ops, T)
         lin = (K.gemv if T == 1 else K.gemm_rows) if ops else None
+        if self._wt is not None and not ops:
+            return self._forward_cpu(h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final)
         aux = {}
         for i, L in enumerate(self.layers):
             if "qkv" in ops:
@@ -483,6 +508,38 @@ class LlamaFamilyForward(torch.nn.Module):
             return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
         return logits, aux_t
+
+    def _forward_cpu(self, h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final=False):
+        """`forward`'s torch path with the pre-transposed weights (`_build_cpu_transposed`): the same ops in the same
+        order, each matmul as `_mm`."""
+        T, S = h.shape[0], mask.shape[1]
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        mm = self._mm
+        aux = {}
+        for i, (L, (qkv_t, o_t, gu_t, down_t)) in enumerate(zip(self.layers, self._wt)):
+            qkv = mm(_rms(h, L.input_norm, self.eps), qkv_t, L.qkv_bias[0]).view(1, T, nh + 2 * nkv, d)
+            kc, vc = self.k_layers[i], self.v_layers[i]
+            qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
+            if L.qk_norm is not None:
+                qk = _rms(qk, L.qk_norm, self.eps)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, :, :nh], qk[:, :, nh:]
+            kc.index_copy_(2, slots, k.transpose(1, 2))
+            vc.index_copy_(2, slots, v.transpose(1, 2))
+            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
+            h = h + mm(o.transpose(1, 2).reshape(T, nh * d), o_t, L.o_bias)
+            g, u = mm(_rms(h, L.post_norm, self.eps), gu_t, L.gate_up_bias[0]).chunk(2, -1)
+            h = h + mm(self.act(g) * u, down_t, L.down_bias)
+            if (want_aux or want_final) and i in self.aux_layers:
+                aux[i] = h
+        aux_t = None
+        if want_aux or want_final:  # (as forward's)
+            aux_t = torch.cat([aux[i] for i in self.aux_layers] + ([h] if want_final else []), -1)
+        hs = h if logits_rows is None else h.index_select(0, logits_rows)
+        x = _rms(hs, self.norm, self.eps)
+        # one row: MKL's gemv over W [V, H] is as fast as the transposed copy (0.44 vs 0.46 ms at V=16384)
+        logits = F.linear(x, self.lm_head) if x.shape[0] == 1 else torch.mm(x, self._lm_head_t)
+        return logits.float(), aux_t
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move cache entries: slot dst[j] <- slot src[j] (gathered first, so overlaps are safe)."""

@@ -457,3 +457,51 @@ def test_compiled_engine_stays_compiled_across_many_settings(pycode):
         lg.removeHandler(h)
         torch._dynamo.reset()
     assert not hits, hits[0]
+
+
+def test_cpu_chain_round_equals_generic_round(trained):
+    """The CPU's greedy chain round (host-side acceptance, a+1-row hand-off, the flat drafter step) makes the same
+    drafts and accepts the same tokens, round for round, as the device-agnostic round a GPU runs."""
+    eng, _, prompts, _ = trained
+    assert eng.host_rounds and eng._d_cpu is not None
+    for K in (1, 3):
+        m = DecodeMode("chain", draft_tokens=K)
+        for p in prompts[:6]:
+            a = eng.generate(p, NEW, mode=m, trace=True)
+            eng.host_rounds = False
+            try:
+                b = eng.generate(p, NEW, mode=m, trace=True)
+            finally:
+                eng.host_rounds = True
+            assert a.token_ids == b.token_ids and a.accepted == b.accepted
+            assert [r["draft"] for r in a.trace] == [r["draft"] for r in b.trace]
+
+
+def test_cpu_draft_step_matches_the_drafter_module(trained):
+    """`CpuDraftStep` (transposed weights, no module calls) against the Drafter's own forward, fc and logits on the
+    same inputs and cache."""
+    eng, d, _, _ = trained
+    g = torch.Generator().manual_seed(0)
+    T, H = 4, int(d.config.hidden_size)
+    ids = torch.randint(0, eng.vocab_size, (T,), generator=g)
+    aux = torch.randn(T, d.fc.in_features, generator=g)
+    pos = torch.arange(10, 10 + T)
+    mask = eng._mask(pos)
+    with torch.no_grad():
+        fast = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, mask)
+        fast_logits = eng._draft_logits(fast)
+        cpu, eng._d_cpu = eng._d_cpu, None
+        try:
+            ref = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, mask)
+            ref_logits = eng._draft_logits(ref)
+        finally:
+            eng._d_cpu = cpu
+        ref_direct = d(ids[None], d.fuse(aux)[None], pos[None])[0]  # causal SDPA over these T tokens alone
+    assert fast.shape == (T, H)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # rows see only themselves and earlier rows of this call when the mask hides the cache before slot 10
+    only = mask & (torch.arange(mask.shape[1]) >= 10)[None]
+    with torch.no_grad():
+        own = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, only)
+    torch.testing.assert_close(own, ref_direct, atol=1e-5, rtol=1e-5)
