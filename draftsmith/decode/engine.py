@@ -293,13 +293,13 @@ class SpeculativeDecoder:
         # record_margins (greedy certificate, `draftsmith.decode.certificate`): per emitted token, the top-1 minus
         # top-2 logit of the row that chose it (a plain step's, or the verify row's) and the top-1 logit itself
         self.record_margins = False
+        # the CPU's greedy chain round (`_chain_round_cpu`: host-side bookkeeping, syncs and all); off, the CPU runs
+        # the device-agnostic round every GPU runs (tests check that one is sync-free)
+        self.host_rounds = dev.type == "cpu"
         # torch threads for `generate` on the CPU (None: the process's). A small model's decode step is ~250 ops of a
         # few microseconds: on an idle pair of cores two threads measured even with one (BENCHMARKS.md "Demo target
         # on CPU", 19:42: eval speedup 1.20-1.24x either way), and on cores shared with other work they stall each
         # other (up to 3x slower steps, 16:44), so one; plain and speculative decoding run under the same setting.
-        # the CPU's greedy chain round (`_chain_round_cpu`: host-side bookkeeping, syncs and all); off, the CPU runs
-        # the device-agnostic round every GPU runs (tests check that one is sync-free)
-        self.host_rounds = dev.type == "cpu"
         self.cpu_threads = (
             1
             if dev.type == "cpu"

@@ -500,9 +500,7 @@ class LlamaFamilyForward(torch.nn.Module):
                     h = h + F.linear(self.act(g) * u, L.down, L.down_bias)
             if (want_aux or want_final) and i in self.aux_layers:
                 aux[i] = h
-        aux_t = None
-        if want_aux or want_final:  # (h: the last layer's output, before the final norm)
-            aux_t = torch.cat([aux[i] for i in self.aux_layers] + ([h] if want_final else []), -1)
+        aux_t = self._aux_out(aux, h, want_aux, want_final)
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
         if "lm_head" in ops and hs.shape[0] <= K.ROWS_MAX:
             return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
@@ -532,14 +530,19 @@ class LlamaFamilyForward(torch.nn.Module):
             h = h + mm(self.act(g) * u, down_t, L.down_bias)
             if (want_aux or want_final) and i in self.aux_layers:
                 aux[i] = h
-        aux_t = None
-        if want_aux or want_final:  # (as forward's)
-            aux_t = torch.cat([aux[i] for i in self.aux_layers] + ([h] if want_final else []), -1)
+        aux_t = self._aux_out(aux, h, want_aux, want_final)
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
         x = _rms(hs, self.norm, self.eps)
         # one row: MKL's gemv over W [V, H] is as fast as the transposed copy (0.44 vs 0.46 ms at V=16384)
         logits = F.linear(x, self.lm_head) if x.shape[0] == 1 else torch.mm(x, self._lm_head_t)
         return logits.float(), aux_t
+
+    def _aux_out(self, aux: dict, h: torch.Tensor, want_aux: bool, want_final: bool):
+        """The forward's second output: the aux layers' rows [T, k*H], + h (the last layer's output, before the final
+        norm) with want_final; None when neither is asked for."""
+        if not (want_aux or want_final):
+            return None
+        return torch.cat([aux[i] for i in self.aux_layers] + ([h] if want_final else []), -1)
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move cache entries: slot dst[j] <- slot src[j] (gathered first, so overlaps are safe)."""
