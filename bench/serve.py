@@ -62,7 +62,7 @@ def load_prompts(path: str | None, limit: int) -> list[str]:
 class EngineDirect:
     """The engine in this process, built as `draftsmith serve` builds it (same cache size and settings)."""
 
-    def __init__(self, target, drafter, args, max_model_len):
+    def __init__(self, target, drafter, args, max_model_len, record_to=None):
         from draftsmith.decode.engine import DecodeMode
         from draftsmith.decode.sampling import SamplingParams
         from draftsmith.decode.setup import build_engine, decode_mode, load_models
@@ -70,6 +70,12 @@ class EngineDirect:
         self.t, d = load_models(target, drafter, args.device, "auto")
         self.mode = decode_mode(drafter is None, False, args.draft_tokens, 8, 5, 32, d)
         self.eng = build_engine(self.t, d, max_model_len + self.mode.cache_need + 2, "auto", True)
+        self.recorder = None
+        if record_to is not None:  # as `serve --capture-to` records: the served forwards' states, a writer thread
+            from draftsmith.serve.recorder import ServeRecorder
+
+            self.eng.set_state_recording(True)
+            self.recorder = ServeRecorder(record_to, self.t, self.eng.aux_layers, engine=self.eng)
         self.sp = SamplingParams()
         self.eng.warmup(self.mode, self.sp)
         if self.mode.kind != "plain":
@@ -80,7 +86,13 @@ class EngineDirect:
         """(token_ids, prefill + decode seconds, tau)"""
         ids = self.t.tokenizer(prompt)["input_ids"]
         r = self.eng.generate(ids, new_tokens or self.new_tokens, sampling=self.sp, mode=self.mode)
+        if self.recorder is not None:
+            self.recorder.record(ids, r.token_ids)
         return r.token_ids, r.prefill_s + r.decode_s, r.tau
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 class Served:
@@ -154,36 +166,56 @@ class Served:
         return Path(self.log.name).read_text()
 
 
-def measure(target, drafter, prompts, args, max_model_len, capture_to=None):
-    """Engine and server on the same prompts, interleaved prompt by prompt (a drift in the machine's load hits both
-    alike); with capture_to, a second server that records, timed in back-to-back blocks alternating with the first
-    (what recording adds to the rounds and between requests shows only in back-to-back timing)."""
+def measure(target, drafter, prompts, args, max_model_len, capture_to=None, rounds=4):
+    """Engine and server on the same prompts. Per prompt, interleaved (TTFT, equal lengths, τ); and back to back:
+    each contender sends all prompts in sequence as one block, blocks alternating (engine, [recording engine],
+    server, [capturing server]; the order rotating by one every round) for `rounds` rounds, so each runs alone on the GPU with its graphs warm, and a drift
+    in the machine's load hits all alike. The ratios come from the blocks: interleaving one prompt at a time
+    switches the GPU between processes' contexts on every request, which slowed engine and server alike (2026-12-01:
+    1,436 tok/s interleaved vs 1,846 back to back for the same server). With capture_to: a second server with
+    --capture-to and an engine in this process that records the same way (what recording costs without HTTP)."""
     import torch
 
     servers = [Served(target, drafter, args, max_model_len)]
     if capture_to:
         servers.append(Served(target, drafter, args, max_model_len, capture_to))
+    engines = []
     try:
-        eng = EngineDirect(target, drafter, args, max_model_len)
+        engines.append(EngineDirect(target, drafter, args, max_model_len))
+        if capture_to:
+            engines.append(EngineDirect(target, drafter, args, max_model_len, Path(str(capture_to) + "_engine")))
         for srv in servers:
             srv.wait_ready()
         for p in prompts[:2]:  # warm-up (first-request costs: allocator, tokenizer caches)
-            eng.run(p, min(32, args.new_tokens))
+            for eng in engines:
+                eng.run(p, min(32, args.new_tokens))
             for srv in servers:
                 srv.request(p, min(32, args.new_tokens))
-        pairs = [(eng.run(p), servers[0].request(p)) for p in prompts]
-        blocks = {i: [0, 0.0] for i in range(len(servers))}  # server -> [tokens, seconds] back to back
-        for _ in range(2):
-            for i, srv in enumerate(servers):
+        pairs = [(engines[0].run(p), servers[0].request(p)) for p in prompts]
+        contenders = [("engine", e.run, lambda r: len(r[0])) for e in engines]
+        contenders += [("server", s.request, lambda r: r["tokens"]) for s in servers]
+        blocks = {i: [0, 0.0] for i in range(len(contenders))}  # contender -> [tokens, seconds] back to back
+        for r in range(rounds):
+            # the order rotates every round: the block right after another server's ran 7-10 % slower, whatever it
+            # was (two identical servers without capture measured 0.90-0.93 of each other in a fixed order, 2026-12-01)
+            n = len(contenders)
+            for i in [(j + r) % n for j in range(n)]:
+                _, fn, ntok = contenders[i]
                 t0 = time.perf_counter()
-                blocks[i][0] += sum(srv.request(p)["tokens"] for p in prompts)
+                blocks[i][0] += sum(ntok(fn(p)) for p in prompts)
                 blocks[i][1] += time.perf_counter() - t0
-        del eng
+        for eng in engines:
+            eng.close()
+        del engines
     finally:
         logs = [srv.stop() for srv in servers]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return pairs, {i: b[0] / b[1] for i, b in blocks.items()}, logs
+    tok_s = [b[0] / b[1] for b in blocks.values()]
+    b2b = {"engine": tok_s[0], "server": tok_s[len(tok_s) // 2] if capture_to else tok_s[1]}
+    if capture_to:
+        b2b.update(engine_rec=tok_s[1], server_capture=tok_s[3])
+    return pairs, b2b, logs
 
 
 def main() -> None:
@@ -238,7 +270,7 @@ def main() -> None:
             "--steps",
             str(args.train_steps),
             "--lr",
-            "3e-4",
+            "1e-3",
             "--max-time",
             str(args.train_drafter_s),
             "--compile",
@@ -284,12 +316,20 @@ def main() -> None:
             "engine_tok_s": eng_mean,
             "http_tok_s": http_mean,
             "ratio": http_mean / eng_mean,
-            "b2b_tok_s": b2b[0],
+            "b2b_engine_tok_s": b2b["engine"],
+            "b2b_tok_s": b2b["server"],
+            "b2b_ratio": b2b["server"] / b2b["engine"],
             "http_ttft_ms": 1e3 * _mean([r["ttft"] for _, r in pairs if r["ttft"] is not None]),
             "http_extra_ms_per_req": 1e3 * sum(r["elapsed"] - sec for (_, sec, _), r in pairs) / len(pairs),
             "tau": sum(e[2] for e, _ in pairs) / len(pairs),
             "same_len": f"{sum(len(e[0]) == r['tokens'] for e, r in pairs)}/{len(pairs)}",
         }
+        # the servers' engine threads: generate tok/s over all their requests (warm-up and interleaved included)
+        for i, key in enumerate(["server_engine_tok_s", "capture_server_engine_tok_s"][: len(logs)]):
+            m = re.search(
+                r"engine thread: \d+ requests, \d+ tokens in [0-9.]+ s of generate \(([0-9.]+) tok/s\)", logs[i]
+            )
+            row[key] = float(m.group(1)) if m else None
         if cap is not None:
             # the server's last line: "... (states from the served forwards; engine thread 0.012 s in all)"
             capture_s, how = None, None
@@ -300,8 +340,9 @@ def main() -> None:
                     capture_s = float(m.group(2))
             row.update(
                 {
-                    "b2b_capture_tok_s": b2b[1],
-                    "capture_vs_no_capture": b2b[1] / b2b[0],
+                    "b2b_capture_tok_s": b2b["server_capture"],
+                    "capture_vs_no_capture": b2b["server_capture"] / b2b["server"],
+                    "engine_rec_vs_engine": b2b["engine_rec"] / b2b["engine"],
                     "capture_states": how,
                     "capture_engine_s": capture_s,
                 }
@@ -318,17 +359,26 @@ def main() -> None:
         "http_extra_ms_per_req",
         "tau",
         "same_len",
+        "b2b_engine_tok_s",
         "b2b_tok_s",
+        "b2b_ratio",
         "b2b_capture_tok_s",
         "capture_vs_no_capture",
+        "engine_rec_vs_engine",
+        "server_engine_tok_s",
+        "capture_server_engine_tok_s",
         "capture_states",
         "capture_engine_s",
     ]
     body = (
         f"{Path(args.target).name}, {len(prompts)} prompts x {args.new_tokens} new tokens, greedy, drafter: "
         f"{drafter_note}. ratio = streamed HTTP tok/s / engine generate tok/s (all tokens / all seconds; "
-        "engine and HTTP interleaved prompt by prompt); b2b = back-to-back throughput of the prompts sent in sequence (2 "
-        "blocks per server, alternating), without and with --capture-to; capture_states = where the recorded states "
+        "engine and HTTP interleaved prompt by prompt: every request switches the GPU between two processes); "
+        "b2b = back-to-back throughput of the prompts sent in sequence (4 blocks each, alternating engine, "
+        "recording engine, server, capturing server, the order rotating every round); b2b_ratio = server / engine back to back (the overhead figure); "
+        "capture_vs_no_capture = capturing server / server; server_engine_tok_s / capture_server_engine_tok_s = the "
+        "servers' engine threads' own generate tok/s (all their requests); engine_rec_vs_engine = the same recording in this "
+        "process without HTTP / the engine; capture_states = where the recorded states "
         "came from (served: the engine's own forwards; extra forward: one more target pass per request); "
         "capture_engine_s = the server's total engine-thread time in the recorder (the buffer slice, conversion and "
         "the copy's launch, or the extra forward).\n\n"

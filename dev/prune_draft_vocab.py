@@ -1,4 +1,6 @@
-"""Experiment (issue 18): cut a drafter's draft vocab to its N most frequent tokens (counted on this Python's stdlib
+"""Superseded by `draftsmith prune-vocab` (the same selection, counts from any --data).
+
+Experiment (issue 18): cut a drafter's draft vocab to its N most frequent tokens (counted on this Python's stdlib
 sources with the target's tokenizer) — the lm_head rows, d2t and t2d — to see what a smaller draft head buys on CPU.
 
     python dev/prune_draft_vocab.py N OUT_DIR [SOURCE_DIR]     (reads assets/pycode-tiny-drafter)

@@ -36,6 +36,7 @@ STAGE_CLIS = [
     "draftsmith.regenerate.cli",
     "draftsmith.capture.cli",
     "draftsmith.store.cli",
+    "draftsmith.drafter.cli",
     "draftsmith.train.cli",
     "draftsmith.decode.cli",
     "draftsmith.export.cli",

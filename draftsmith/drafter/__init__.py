@@ -43,11 +43,28 @@ Notes: the embedding is never saved, with one exception: a drafter narrower than
 Layer ids: `d.config.aux_layer_ids` are layer-output ids; `d.config.aux_hidden_states_ids` the same + 1.
 """
 
-from draftsmith.drafter.config import DrafterConfig
-from draftsmith.drafter.model import Drafter, causal_attention
-from draftsmith.drafter.vocab import build_draft_vocab
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftsmith.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from draftsmith.drafter.config import DrafterConfig
+    from draftsmith.drafter.model import Drafter, causal_attention
+    from draftsmith.drafter.vocab import build_draft_vocab
 
 __all__ = ["Drafter", "DrafterConfig", "build_draft_vocab", "causal_attention", "inspect_drafter"]
+# torch-free --help: the drafter CLI (prune-vocab) imports this package (draftsmith/common/lazy.py)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Drafter": "draftsmith.drafter.model",
+        "causal_attention": "draftsmith.drafter.model",
+        "DrafterConfig": "draftsmith.drafter.config",
+        "build_draft_vocab": "draftsmith.drafter.vocab",
+    },
+)
 
 
 def inspect_drafter(path, target=None) -> dict:

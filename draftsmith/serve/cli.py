@@ -233,6 +233,14 @@ def register(app: typer.Typer) -> None:
             server.run()
         finally:
             worker.stop()
+            w = worker.timing
+            print(
+                f"draftsmith serve: engine thread: {w['requests']} requests, {w['tokens']} tokens in "
+                f"{w['generate_s']:.3f} s of generate ({w['tokens'] / max(w['generate_s'], 1e-9):.1f} tok/s), "
+                f"{w['record_s']:.3f} s recording",
+                file=sys.stderr,
+                flush=True,
+            )
             if worker.recorder is not None:
                 r = worker.recorder
                 # (print: uvicorn's logging setup has replaced the handlers by now)
