@@ -203,6 +203,12 @@ def eval_cmd(
     ),
     out: Path = typer.Option(Path("eval_out"), "--out", help="Directory for eval.json and PNG plots."),
     json_out: bool = typer.Option(False, "--json", help="Also print the report JSON to stdout."),
+    passes: int = typer.Option(
+        1,
+        "--passes",
+        help="Time the prompts N times (plain and speculative back to back per prompt each time); the speedup is "
+        "the median of the passes (eval.json 'speedup_passes' lists them). Worth 3-5 on a shared or noisy machine.",
+    ),
     *,
     engine: EngineConfig,
     mode: ModeConfig,
@@ -223,6 +229,7 @@ def eval_cmd(
     temps = sampling.temps
     dm = mode_from(mode)
     check_value("--limit", limit, (AT_LEAST_ONE,))
+    check_value("--passes", passes, (AT_LEAST_ONE,))
     _check_tune_flags(tune, tuning, tune_prompts, save_tuning)
     if out.exists() and not out.is_dir():
         raise DraftsmithError(f"--out {out}: is a file, not a directory")
@@ -250,7 +257,7 @@ def eval_cmd(
         raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
     cal = [p for p in cal if len(p) + need <= cap] or kept
     eng = engine_from(t, d, min(cap, max(len(p) for p in kept + cal) + need), engine)
-    report = run_eval(eng, kept, dm, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k)
+    report = run_eval(eng, kept, dm, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k, passes=passes)
     if tune or saved is not None:
         if tune:
             res = _run_tune(eng, cal, max_new_tokens, save_tuning, _tuning_context(target, drafter, eng))

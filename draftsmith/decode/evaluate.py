@@ -17,6 +17,7 @@ Definitions (also written into the JSON):
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,9 +144,17 @@ def run_eval(
     top_k: int = 0,
     progress=None,
     certificate: bool = True,
+    passes: int = 1,
 ) -> dict:
-    """Speculative vs plain decoding over prompts, per temperature. Returns a JSON-able dict."""
+    """Speculative vs plain decoding over prompts, per temperature. Returns a JSON-able dict.
+
+    `passes` > 1: the prompts are timed that many times (plain and speculative back to back per prompt each time)
+    and "speedup" is the median of the passes' ratios, "speedup_passes" lists them; τ, acceptance and the outputs
+    are the first pass's (the others decode the same tokens). On a shared machine one pass's ratio moves by ±0.1
+    (docs/LOG.md, 2026-12-01 sixth session): the median of a few is the figure to report."""
     mode.validate()
+    if int(passes) < 1:
+        raise DraftsmithError(f"--passes: must be >= 1, got {passes}")
     out = {
         "mode": mode.__dict__ | {"proposed_per_round": mode.max_accept},
         "max_new_tokens": max_new_tokens,
@@ -189,12 +198,25 @@ def run_eval(
                 progress(i + 1, len(prompts))
         s = _summary(spec, mode.max_accept)
         pl = _summary(plain, 0)
+        ratio = (s["tokens_per_s"] / pl["tokens_per_s"]) if s["tokens_per_s"] and pl["tokens_per_s"] else None
+        ratios = [ratio]
+        for _ in range(int(passes) - 1):
+            tok = {"plain": [0, 0.0], "spec": [0, 0.0]}  # [new tokens, seconds]
+            for i, p in enumerate(prompts):
+                for key, m in (("plain", DecodeMode("plain")), ("spec", mode)):
+                    r = engine.generate(p, max_new_tokens, sampling=sp, mode=m, seed=seed + i)
+                    tok[key][0] += len(r.token_ids)
+                    tok[key][1] += r.prefill_s + r.decode_s
+            (n_p, w_p), (n_s, w_s) = tok["plain"], tok["spec"]
+            ratios.append((n_s / w_s) / (n_p / w_p) if ratio is not None and w_s and w_p and n_p else None)
         entry = {
             "speculative": s,
             "plain": {k: pl[k] for k in ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s")},
-            "speedup": (s["tokens_per_s"] / pl["tokens_per_s"]) if s["tokens_per_s"] and pl["tokens_per_s"] else None,
+            "speedup": statistics.median(ratios) if None not in ratios else ratio,
             "eval_wall_s": time.perf_counter() - t0,
         }
+        if int(passes) > 1:
+            entry["speedup_passes"] = ratios
         if sp.greedy:
             entry["greedy_mismatches"] = mismatches
         if sp.greedy and certificate:
@@ -297,10 +319,17 @@ def print_table(report: dict, console=None) -> None:
             per,
             f(s["tokens_per_s"], 1),
             f(e["plain"]["tokens_per_s"], 1),
-            f(e["speedup"]) + "×",
+            f(e["speedup"]) + "×" + _spread(e.get("speedup_passes")),
             ok,
         )
     console.print(t)
+
+
+def _spread(passes) -> str:
+    """' (median of N passes, min-max)' for a speedup timed over several passes, else ''."""
+    if not passes or None in passes:
+        return ""
+    return f" (median of {len(passes)}: {min(passes):.2f}-{max(passes):.2f})"
 
 
 def _save(plt, fig, path: Path, paths: list[str]) -> None:

@@ -79,6 +79,9 @@ def _print_summary(data: dict, log) -> None:
         eq = "output identical to plain decoding" if same == 0 else (f"{same} prompts differ" if same else "")
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "–"
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "–"
+        ps = r.get("speedup_passes")
+        if ps and None not in ps:  # the median of several timed passes: say so, with the spread
+            sp += f" (median of {len(ps)} passes, {min(ps):.2f}-{max(ps):.2f})"
         log(f"  {label:<8} tau {tau:>5}   speedup {sp:>6}   {eq}")
         log(f"           {LABELS.get(label, label)}")
     log(f"full report: {Path(data['run']) / 'report.md'}")

@@ -11,6 +11,11 @@ from draftsmith.common.io import atomic_write_bytes, atomic_write_json
 from draftsmith.export import serve_command
 
 
+def _passes(ps) -> str:
+    """A speedup timed over several passes is their median: ' (median of N, min-max)'."""
+    return f" (median of {len(ps)}, {min(ps):.2f}-{max(ps):.2f})" if ps and None not in ps else ""
+
+
 def eval_summary(eval_json: Path) -> list[dict]:
     """One row per temperature of an eval.json: τ, acceptance rate, per-position acceptance, speedup."""
     rep = json.loads(Path(eval_json).read_text())
@@ -25,6 +30,7 @@ def eval_summary(eval_json: Path) -> list[dict]:
                 "p_at_least": s.get("p_at_least") or [],
                 "conditional": s.get("conditional") or [],
                 "speedup": e.get("speedup"),
+                "speedup_passes": e.get("speedup_passes"),
                 "spec_tok_s": s.get("tokens_per_s"),
                 "plain_tok_s": (e.get("plain") or {}).get("tokens_per_s"),
                 "greedy_mismatches": e.get("greedy_mismatches"),
@@ -101,7 +107,7 @@ def write_report(p) -> dict:
             for r in rows:
                 lines.append(
                     f"| {label} | {r['temperature']} | {_f(r['tau'])} | {_f(r['acceptance_rate'])} | "
-                    f"{_f(r['speedup'], '{:.2f}×')} | {_f(r['spec_tok_s'], '{:.1f}')} | "
+                    f"{_f(r['speedup'], '{:.2f}×')}{_passes(r.get('speedup_passes'))} | {_f(r['spec_tok_s'], '{:.1f}')} | "
                     f"{_f(r['plain_tok_s'], '{:.1f}')} | {r['greedy_mismatches'] if r['greedy_mismatches'] is not None else '–'} |"
                 )
                 pos_lines.append(
