@@ -84,3 +84,26 @@ def test_prune_vocab_cli_round_trip(tmp_path: Path):
     assert Drafter.from_pretrained(out).config.draft_vocab_size == 32 and (out / "README.md").read_text() == "kept"
     both = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "x"), "--data", str(data), "--store", str(tmp_path)])
     assert both.exit_code != 0 and "exactly one of --data or --store" in str(both.exception or both.output)
+
+
+@needs_tiny
+def test_prune_vocab_counts_from_a_store(tmp_path: Path):
+    """--store: the store's token_counts (its loss tokens) rank the draft vocab."""
+    from store_helpers import capture, make_corpus
+
+    from draftsmith.store import HiddenStateStore
+
+    store = tmp_path / "store"
+    capture(TINY, make_corpus(tmp_path, n_files=4), store)
+    counts = HiddenStateStore.open(store).token_counts()
+    src = tmp_path / "d"
+    Drafter.from_target(str(TINY), draft_vocab_size=256).save_pretrained(src)
+    out = tmp_path / "pruned"
+    r = CliRunner().invoke(
+        app,
+        ["prune-vocab", str(src), "--draft-vocab-size", "16", "--target", str(TINY), "--store", str(store)]
+        + ["--out", str(out)],
+    )
+    assert r.exit_code == 0, r.output
+    want = Drafter.from_pretrained(src).prune_draft_vocab(counts, 16).draft_target_ids
+    assert Drafter.from_pretrained(out).draft_target_ids.tolist() == want.tolist()
