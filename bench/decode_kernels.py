@@ -150,7 +150,7 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
     try:
         for plan in K.attention_plans(S):
             K._TUNED_ATTN[key] = plan
-            eng._graphs.clear()
+            eng.drop_graphs()
             plain = eng.step_fn(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
             t = time_steps(eng, plain, reps, dev)
@@ -174,7 +174,7 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
             K._TUNED_ATTN[key] = kept
         else:
             K._TUNED_ATTN.pop(key, None)
-        eng._graphs.clear()
+        eng.drop_graphs()
     return out
 
 

@@ -43,15 +43,10 @@ def _time(fn, reps: int) -> float:
     return best
 
 
-def _generic(eng, on: bool, saved: dict) -> None:
+def _generic(eng, on: bool) -> None:
     """Switch the engine between its CPU paths (transposed target weights, flat drafter step, host-side chain
     round) and the device-agnostic ones (what it ran before the CPU paths, and what a GPU runs)."""
-    if on:
-        saved.setdefault("wt", eng.runner._wt)
-        saved.setdefault("d_cpu", eng._d_cpu)
-        eng.runner._wt, eng._d_cpu = None, None
-    elif saved:
-        eng.runner._wt, eng._d_cpu = saved["wt"], saved["d_cpu"]
+    eng.set_cpu_paths(not on)
 
 
 def _eval_path(eng, prompts, modes, max_new: int, passes: int):
@@ -125,9 +120,8 @@ def main() -> None:
     for threads in [int(x) for x in args.threads.split(",")]:
         eng = SpeculativeDecoder(t, d, max_len=max_len)
         eng.cpu_threads = threads  # the engine's own choice is what this table informs; time each setting
-        saved: dict = {}
         for path in paths:
-            _generic(eng, path == "generic", saved)
+            _generic(eng, path == "generic")
             torch.set_num_threads(threads)
 
             def row(what, ms, **kw):
@@ -139,19 +133,21 @@ def main() -> None:
                 L0_t = eng.L.clone()
                 H = eng.h_last.clone()
 
+                plain_step = eng.eager_step_fn(DecodeMode("plain"), sp)
+
                 def plain():
                     eng.L.copy_(L0_t)
-                    eng._plain_step(sp)
+                    plain_step()
 
                 t_plain = _time(plain, args.reps)
-                p1 = eng._ar[L0 : L0 + 1]
-                m1 = eng._mask(p1)
+                p1 = torch.arange(L0, L0 + 1)
+                m1 = eng.mask(p1)
 
                 def draft_step():
-                    eng._draft_fwd(eng.root.view(1), H.view(1, -1), p1, p1, m1)
+                    eng.draft_forward(eng.root.view(1), H.view(1, -1), p1, p1, m1)
 
                 def draft_logits():
-                    torch.argmax(eng._draft_logits(H), -1)
+                    torch.argmax(eng.draft_logits(H), -1)
 
                 row("plain step (1 token)", 1e3 * t_plain, plain_steps=1.0)
                 row("drafter step (1 token, no logits)", 1e3 * _time(draft_step, args.reps))
@@ -159,15 +155,15 @@ def main() -> None:
                 for K in Ks:
                     mode = DecodeMode("chain", draft_tokens=K)
                     ids = torch.arange(2, 3 + K)
-                    pos = eng._ar[L0 : L0 + K + 1]
-                    mk = eng._mask(pos)
+                    pos = torch.arange(L0, L0 + K + 1)
+                    mk = eng.mask(pos)
                     aux = torch.zeros(K + 1, len(eng.aux_layers) * int(t.config.hidden_size))
 
                     def verify():
-                        torch.argmax(eng._target(ids, pos, pos, mk)[0], -1)
+                        torch.argmax(eng.target_forward(ids, pos, pos, mk)[0], -1)
 
                     def handoff():  # all K+1 rows: every draft accepted (the CPU round forwards a+1)
-                        eng._draft_fwd(ids, eng._fuse(aux), pos, pos, mk)
+                        eng.draft_forward(ids, eng.fuse(aux), pos, pos, mk)
 
                     step = eng.eager_step_fn(mode, sp)
 
@@ -202,7 +198,7 @@ def main() -> None:
                             spread=f"{min(ratios):.3f}-{max(ratios):.3f}",
                             greedy_equal=equal,
                         )
-        _generic(eng, False, saved)
+        _generic(eng, False)
     cols = ["threads", "path", "what", "ms", "plain_steps", "tau", "speedup", "spread", "greedy_equal"]
     body = markdown_table(rows, cols) + (
         "\n\nms: the part rows are the fastest of 10-call blocks at "

@@ -30,6 +30,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -144,9 +145,6 @@ def causal_mask(S: int, limit: torch.Tensor, device) -> torch.Tensor:
     """mask [T, S] over S cache slots: slot s visible to row t iff s <= limit[t] (a causal forward: limit = the
     rows' own slots)."""
     return torch.arange(S, device=device)[None, :] <= limit[:, None]
-
-
-_lower_bound_mask = causal_mask  # the former private name (kept for callers outside the package)
 
 
 def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +356,7 @@ class SpeculativeDecoder:
         # "max-autotune": inductor also benchmarks its own Triton GEMM templates against cuBLAS for every matmul
         # shape and can fuse the neighbouring pointwise work into them (minutes of compile; our CUDA graphs
         # stay ours, hence the no-cudagraphs variant)
-        self._compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
+        self.compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
         self._t_fwd = self.runner.forward
         self._d_module = self._d_call = self._d_cpu = None
         self._d_topk = self._draft_topk
@@ -368,7 +366,7 @@ class SpeculativeDecoder:
             # one graph per forward width (plain 1, chain K+1, tree k / N+1, hand-offs): several settings on one
             # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly
             raise_recompile_limit()
-            self._t_fwd = torch.compile(self.runner.forward, dynamic=False, mode=self._compile_mode)
+            self._t_fwd = torch.compile(self.runner.forward, dynamic=False, mode=self.compile_mode)
             if self.runner.kernels == "triton":
                 self._t_fwd = self._triton_or_compiled(self._t_fwd)
             if drafter is not None and hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing
@@ -397,9 +395,20 @@ class SpeculativeDecoder:
         self._d_module = fused_for_decoding(self.drafter)
         self._d_call = self._d_module
         self._d_topk = self._draft_topk
+        self._build_cpu_draft_step()
+        if self._compiled and self.backend == "llama":
+            self._d_call = torch.compile(self._d_module, dynamic=False, mode=self.compile_mode)
+            # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;
+            # with kernels="triton" the log-softmax and top-k are topk_logprobs's two)
+            self._d_topk = torch.compile(self._draft_topk, dynamic=False, mode=self.compile_mode)
+        self._graphs.clear()
+
+    def _build_cpu_draft_step(self) -> None:
+        """The CPU's draft step (`fused_drafter.CpuDraftStep`: no module calls, fewer ops) where it applies."""
         self._d_cpu = None
         if (
-            self.device.type == "cpu"
+            self._d_module is not None
+            and self.device.type == "cpu"
             and not self._compiled
             and not self._d_rows_attn  # kernels="triton" (interpreted on the CPU: tests) keeps the module path
             and self._d_rope is not None
@@ -407,13 +416,7 @@ class SpeculativeDecoder:
         ):
             from draftsmith.decode.fused_drafter import CpuDraftStep
 
-            self._d_cpu = CpuDraftStep(self._d_module)  # the CPU's draft step: no module calls, fewer ops
-        if self._compiled and self.backend == "llama":
-            self._d_call = torch.compile(self._d_module, dynamic=False, mode=self._compile_mode)
-            # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;
-            # with kernels="triton" the log-softmax and top-k are topk_logprobs's two)
-            self._d_topk = torch.compile(self._draft_topk, dynamic=False, mode=self._compile_mode)
-        self._graphs.clear()
+            self._d_cpu = CpuDraftStep(self._d_module)
 
     def _refresh_drafter_view(self) -> None:
         from draftsmith.decode.fused_drafter import is_stale
@@ -446,7 +449,7 @@ class SpeculativeDecoder:
             self.runner.attn_impl = impl
 
     def _mask(self, limit: torch.Tensor) -> torch.Tensor:
-        """`_lower_bound_mask` over the cached slot indices."""
+        """`causal_mask` over the cached slot indices (`mask`, the public name)."""
         return self._ar[None, :] <= limit[:, None]
 
     def set_max_len(self, max_len: int) -> None:
@@ -918,54 +921,98 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ public step API
     # gpt-fast's prefill / decode_one_token / speculative_decode, for benchmarks, tests and servers that drive the
-    # engine one step at a time. State (committed length, pending root token, drafter state) lives on the device;
-    # call prefill first.
+    # engine one step at a time. State (committed length `L`, pending token `root`, the drafter's `h_last`) lives on
+    # the device; call `prefill` first. "Graph-safe": the call issues no host sync and keeps static shapes, so it can
+    # run inside a CUDA graph capture (the rounds are captured from exactly these calls).
     def mask(self, limit: torch.Tensor) -> torch.Tensor:
-        """`causal_mask` over this engine's cache: [T, max_len] with slot s visible to row t iff s <= limit[t]."""
+        """`causal_mask` over this engine's cache: [T, max_len] bool, slot s visible to row t iff s <= limit[t].
+        No sync; graph-safe."""
         return self._mask(limit)
 
     def step_fn(self, mode: DecodeMode, sp: SamplingParams | None = None):
-        """A callable that runs one round of `mode` (a plain step for "plain") in place, without a host sync: the
-        CUDA-graph replay when graphs are on (captured on first use: call it between generations), else eager."""
+        """A callable that runs one round of `mode` (a plain step for "plain") in place on the device state, without
+        a host sync: the CUDA-graph replay when graphs are on (captured here on first use, which runs a round at
+        L = 0 and overwrites cache slots: call it between generations), else the eager round. Read the round's
+        tokens from `out[:n_emit]` (one sync)."""
         with torch.no_grad():
             return self._runner_for(mode, sp or SamplingParams())
 
     def eager_step_fn(self, mode: DecodeMode, sp: SamplingParams | None = None):
-        """The same round as `step_fn`, never from a CUDA graph (profilers, op censuses)."""
+        """The same round as `step_fn`, never from a CUDA graph (profilers, op censuses, timing the eager path). The
+        greedy chain round of the CPU path (`host_rounds`) syncs; every other round is sync-free and graph-safe."""
         self._refresh_drafter_view()
         return self._step_fn(mode, sp or SamplingParams())
 
     @torch.no_grad()
     def plain_step(self, sp: SamplingParams | None = None) -> int:
-        """One plain decoding step after `prefill`: commits the pending token, returns the next one."""
+        """One plain decoding step after `prefill` (through `step_fn`: graphed when graphs are on): commits the
+        pending token and returns the next one. Syncs once (the returned int)."""
         self._runner_for(DecodeMode("plain"), sp or SamplingParams())()
         return int(self.out[0])
 
     @torch.no_grad()
     def speculative_round(self, mode: DecodeMode, sp: SamplingParams | None = None) -> list[int]:
-        """One speculative round after `prefill` (draft, verify, accept, hand-off): the tokens it emits (accepted
-        drafts + the bonus token). The caller checks the cache has room (`mode.cache_need` slots past the
-        committed length)."""
+        """One speculative round after `prefill` (draft, verify, accept, hand-off; through `step_fn`): the tokens it
+        emits (accepted drafts + the bonus token). Syncs once (the returned list). The caller checks the cache has
+        room (`mode.cache_need` slots past the committed length)."""
         self._runner_for(mode, sp or SamplingParams())()
         n = int(self.n_emit)
         return self.out[:n].tolist()
 
     def target_forward(self, ids, positions, slots, mask, logits_rows=None, want_aux: bool = True):
         """The target forward a round uses (compiled / kernel-routed as configured): writes K/V at `slots`, attends
-        under `mask` [T, S]; returns (logits [R, V] fp32, aux [T, k*H] or None)."""
+        under `mask` [T, S]; returns (logits [R, V] fp32, aux [T, k*H] or None). No sync; graph-safe (with state
+        recording on it also writes `states` rows)."""
         return self._target(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
 
     def draft_forward(self, ids, hidden, positions, slots, mask) -> torch.Tensor:
-        """The drafter forward a round uses over T tokens with their (fused) hidden inputs -> [T, H]."""
+        """The drafter forward a round uses over T tokens with their (fused) hidden inputs -> [T, H]; writes the
+        drafter cache at `slots`. No sync; graph-safe. `mask`: bool [T, S] (e.g. `mask(positions)`)."""
         return self._draft_fwd(ids, hidden, positions, slots, mask)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Drafter logits (over the draft vocab, fp32) after hidden state(s) h."""
+        """Drafter logits (over the draft vocab, fp32) after hidden state(s) h. No sync; graph-safe."""
         return self._draft_logits(h)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """The drafter's fc over target aux states [T, k*H] -> its hidden input [T, H]."""
+        """The drafter's fc over target aux states [T, k*H] -> its hidden input [T, H]. No sync; graph-safe."""
         return self._fuse(aux)
+
+    @property
+    def cpu_paths(self) -> dict:
+        """Which CPU-specific paths are on: "target", the runner's forward from transposed weight copies; "drafter",
+        the flat drafter step (`fused_drafter.CpuDraftStep`), and with it the host-side greedy chain round
+        (`host_rounds`)."""
+        return {"target": bool(getattr(self.runner, "cpu_transposed", False)), "drafter": self._d_cpu is not None}
+
+    def set_cpu_paths(self, on: bool) -> None:
+        """Turn the CPU-specific paths off (the device-agnostic ops a GPU runs: benchmarks and tests compare the two)
+        or back on where they apply (a CPU engine, not compiled, a small model). Drops captured graphs."""
+        if hasattr(self.runner, "set_cpu_transposed"):
+            self.runner.set_cpu_transposed(on)
+        if on:
+            self._build_cpu_draft_step()
+        else:
+            self._d_cpu = None
+        self._graphs.clear()
+
+    @property
+    def drafter_kernel_limits(self) -> dict:
+        """With kernels="triton": the most tokens of a drafter forward whose attention runs `kernels.rows_attention`
+        ("rows_attention") and the largest k a tree level's top-k runs through `kernels.topk_logprobs`
+        ("topk_logprobs"); 0 = torch's op."""
+        return {"rows_attention": self._d_rows_attn, "topk_logprobs": self._topk_max}
+
+    @property
+    def graphs(self):
+        """The rounds captured so far, read-only: (mode key, sampling, record_margins) -> replay callable (or the
+        eager round where capture failed)."""
+        return MappingProxyType(self._graphs)
+
+    def drop_graphs(self) -> None:
+        """Forget every captured round (after changing kernel settings under the engine: the next `step_fn`
+        captures anew)."""
+        self._graphs.clear()
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()

@@ -231,6 +231,18 @@ class LlamaFamilyForward(torch.nn.Module):
         self._wt = [(t(L.qkv[0]), t(L.o), t(L.gate_up[0]), t(L.down)) for L in self.layers]
         self._lm_head_t = t(self.lm_head)
 
+    @property
+    def cpu_transposed(self) -> bool:
+        """Whether the forward's torch path runs from the CPU's transposed weight copies (`_forward_cpu`)."""
+        return self._wt is not None
+
+    def set_cpu_transposed(self, on: bool) -> None:
+        """Drop the transposed copies (the generic torch path, what a GPU runs) or rebuild them where they apply."""
+        if on:
+            self._build_cpu_transposed()
+        else:
+            self._wt = None
+
     @staticmethod
     def _mm(x, wt, b):
         """x [T, in] @ wt [in, out] (+ b): F.linear with a pre-transposed weight."""

@@ -110,7 +110,7 @@ def test_graph_sampling_reproducible_with_seed(setup, mode):
         warnings.simplefilter("error")  # sampling rounds (and the plain fallback step) must capture, not fall back
         g.warmup(mode, sp)
         g.warmup(DecodeMode("plain"), sp)
-    assert all(hasattr(r, "__self__") and isinstance(r.__self__, torch.cuda.CUDAGraph) for r in g._graphs.values())
+    assert all(hasattr(r, "__self__") and isinstance(r.__self__, torch.cuda.CUDAGraph) for r in g.graphs.values())
     p = _prompts(t.tokenizer, 1)[0]
     a = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
     b = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
@@ -172,7 +172,7 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
     for kn in ("torch", "triton"):
         eng.runner.kernels = kn
         with torch.no_grad():
-            outs.append(eng.runner(eng.root.view(1), L, L, eng._mask(L), want_aux=False)[0])
+            outs.append(eng.runner(eng.root.view(1), L, L, eng.mask(L), want_aux=False)[0])
     rel = float((outs[0] - outs[1]).abs().max() / outs[0].abs().max())
     assert rel < 2e-2, rel
     assert int(outs[0].argmax()) == int(outs[1].argmax())

@@ -154,7 +154,7 @@ def test_greedy_equal_max_autotune_rounds_pycode(pycode):
     torch._dynamo.reset()
     torch.manual_seed(0)
     eng = SpeculativeDecoder(t, Drafter.from_target(t, draft_vocab_size=4096), max_len=64, compile="max-autotune")
-    assert eng._compile_mode == "max-autotune-no-cudagraphs"
+    assert eng.compile_mode == "max-autotune-no-cudagraphs"
     for mode in (CHAIN, DecodeMode("plain")):
         _check_equal(eng, prompts[:2], refs[:2], mode)
     torch._dynamo.reset()
@@ -463,7 +463,7 @@ def test_cpu_chain_round_equals_generic_round(trained):
     """The CPU's greedy chain round (host-side acceptance, a+1-row hand-off, the flat drafter step) makes the same
     drafts and accepts the same tokens, round for round, as the device-agnostic round a GPU runs."""
     eng, _, prompts, _ = trained
-    assert eng.host_rounds and eng._d_cpu is not None
+    assert eng.host_rounds and eng.cpu_paths == {"target": True, "drafter": True}
     for K in (1, 3):
         m = DecodeMode("chain", draft_tokens=K)
         for p in prompts[:6]:
@@ -486,16 +486,18 @@ def test_cpu_draft_step_matches_the_drafter_module(trained):
     ids = torch.randint(0, eng.vocab_size, (T,), generator=g)
     aux = torch.randn(T, d.fc.in_features, generator=g)
     pos = torch.arange(10, 10 + T)
-    mask = eng._mask(pos)
+    mask = eng.mask(pos)
     with torch.no_grad():
-        fast = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, mask)
-        fast_logits = eng._draft_logits(fast)
-        cpu, eng._d_cpu = eng._d_cpu, None
+        fast = eng.draft_forward(ids, eng.fuse(aux), pos, pos, mask)
+        fast_logits = eng.draft_logits(fast)
+        eng.set_cpu_paths(False)
         try:
-            ref = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, mask)
-            ref_logits = eng._draft_logits(ref)
+            assert eng.cpu_paths == {"target": False, "drafter": False}
+            ref = eng.draft_forward(ids, eng.fuse(aux), pos, pos, mask)
+            ref_logits = eng.draft_logits(ref)
         finally:
-            eng._d_cpu = cpu
+            eng.set_cpu_paths(True)
+        assert eng.cpu_paths == {"target": True, "drafter": True}
         ref_direct = d(ids[None], d.fuse(aux)[None], pos[None])[0]  # causal SDPA over these T tokens alone
     assert fast.shape == (T, H)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
@@ -503,5 +505,5 @@ def test_cpu_draft_step_matches_the_drafter_module(trained):
     # rows see only themselves and earlier rows of this call when the mask hides the cache before slot 10
     only = mask & (torch.arange(mask.shape[1]) >= 10)[None]
     with torch.no_grad():
-        own = eng._draft_fwd(ids, eng._fuse(aux), pos, pos, only)
+        own = eng.draft_forward(ids, eng.fuse(aux), pos, pos, only)
     torch.testing.assert_close(own, ref_direct, atol=1e-5, rtol=1e-5)

@@ -541,7 +541,7 @@ def test_greedy_equal_with_triton_kernels(setup):
     ref = SpeculativeDecoder(m, d, max_len=64)
     if setup == "built":
         eng = SpeculativeDecoder(m, d, max_len=64, kernels="triton")
-        assert eng._d_rows_attn > 0 and eng._topk_max > 0
+        assert all(v > 0 for v in eng.drafter_kernel_limits.values())
         modes = (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=3, depth=3, tree_tokens=6))
     else:
         eng = SpeculativeDecoder(m, d, max_len=64)

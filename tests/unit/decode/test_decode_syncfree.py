@@ -186,7 +186,7 @@ SP_IDS = ["greedy", "temp", "top_p", "top_k", "top_p_k"]
 def test_round_has_no_host_sync(eng, mode, sp):
     with torch.no_grad():
         eng.prefill([1, 2, 3, 4, 5], sp)
-        fn = eng._step_fn(mode, sp)
+        fn = eng.eager_step_fn(mode, sp)
         with no_host_sync():
             for _ in range(3):
                 fn()
