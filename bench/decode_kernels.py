@@ -19,6 +19,7 @@ CPU smoke (tiny shape, no graphs, aten ops instead of kernels):  python bench/de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from bench.common import markdown_table, record  # noqa: E402
 from bench.decode import copy_bandwidth, kernel_census, llama8b_config, sync, time_steps  # noqa: E402
 from draftsmith.decode import kernels as K  # noqa: E402  (imports without triton; kernels need it)
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 
@@ -89,6 +91,7 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
                             residual=res,
                             act_mul=kw.get("act_mul", False),
                             glu=kw.get("glu", False),
+                            config=runner.kernel_config,
                         )
             else:
 
@@ -104,8 +107,9 @@ def per_matrix(runner, dev, reps: int, gemvs: list[str], bw: float) -> list[dict
     return rows
 
 
-def tuning_summary(rows: list[dict]) -> list[dict]:
-    """Per weight kind: the fastest and the slowest tile of the sweep, and the default tile's time."""
+def tuning_summary(rows: list[dict], default: tuple[int, int, int, int]) -> list[dict]:
+    """Per weight kind: the fastest and the slowest tile of the sweep, and the default tile's time (`default`: the
+    (BLOCK_N, BLOCK_K, warps, prefetch) of an untuned gemv)."""
     out = []
     for kind in dict.fromkeys(r["matrix"] for r in rows):
         ok = [r for r in rows if r["matrix"] == kind and r["us"] is not None]
@@ -113,11 +117,7 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
             continue
         best, worst = min(ok, key=lambda r: r["us"]), max(ok, key=lambda r: r["us"])
         dflt = next(
-            (
-                r["us"]
-                for r in ok
-                if (r["BLOCK_N"], r["BLOCK_K"], r["warps"], r["prefetch"]) == (K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)
-            ),
+            (r["us"] for r in ok if (r["BLOCK_N"], r["BLOCK_K"], r["warps"], r["prefetch"]) == default),
             None,
         )
         nopf = [r["us"] for r in ok if not r["prefetch"]]
@@ -136,20 +136,26 @@ def tuning_summary(rows: list[dict]) -> list[dict]:
 
 
 def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl) -> list[dict]:
-    """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured)."""
+    """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured): the
+    runner runs under a copy of its kernel config with that plan kept for this shape, then gets its own back."""
     key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
-    kept = K._TUNED_ATTN.get(key)
-    default = (
-        K._attn_plan(
-            S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype, dev, None, None, None
-        )
-        if kept is None
-        else kept
+    base = runner.kernel_config
+    default = K._attn_plan(
+        S,
+        runner.n_kv,
+        runner.n_heads // runner.n_kv,
+        runner.head_dim,
+        runner.dtype,
+        dev,
+        None,
+        None,
+        None,
+        base.attn_plans,
     )
     out = []
     try:
         for plan in K.attention_plans(S):
-            K._TUNED_ATTN[key] = plan
+            runner.kernel_config = dataclasses.replace(base, attn_plans={**base.attn_plans, key: plan})
             eng.drop_graphs()
             plain = eng.step_fn(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
@@ -170,10 +176,7 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
             )
             print(out[-1], flush=True)
     finally:
-        if kept is not None:
-            K._TUNED_ATTN[key] = kept
-        else:
-            K._TUNED_ATTN.pop(key, None)
+        runner.kernel_config = base
         eng.drop_graphs()
     return out
 
@@ -286,7 +289,7 @@ def main(argv=None) -> int:
         "--rows-blocks",
         default="",
         help="with --verify and --gemv triton: gemm_rows tiles to sweep, "
-        "BLOCK_N/BLOCK_K/warps comma-separated (default: kernels.ROWS_BLOCK_N/K/NUM_WARPS)",
+        "BLOCK_N/BLOCK_K/warps comma-separated (default: KernelConfig.rows_block_n/k/num_warps)",
     )
     ap.add_argument("--cache", default="208,2128", help="cache lengths S the step attends over (context + slack)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
@@ -310,9 +313,9 @@ def main(argv=None) -> int:
     )
     gemvs = args.gemv.split(",")
     tuning = []
-    if args.gemv_blocks:
-        K.BLOCK_N, K.BLOCK_K = (int(v) for v in args.gemv_blocks.split("/"))
-        K.GEMV_CONFIGS[:] = [(K.BLOCK_N, K.BLOCK_K, K.NUM_WARPS, 0)]
+    if args.gemv_blocks:  # one tile for every matrix: the default and the whole sweep
+        bn, bk = (int(v) for v in args.gemv_blocks.split("/"))
+        runner.kernel_config = KernelConfig(block_n=bn, block_k=bk, gemv_sweep=((bn, bk, KernelConfig.num_warps, 0),))
     if "triton" in gemvs:
         t0 = time.perf_counter()
         tuning = runner.tune_kernels()
@@ -338,7 +341,8 @@ def main(argv=None) -> int:
         label = f"{kn}{'' if kn == 'torch' else '[' + ops + ']'}/{impl}/{comp}/pdl={pdl}/S={S}"
         row = {"gemv": kn, "triton ops": ops, "pdl": pdl, "attention": impl, "compile": comp, "cache S": S}
         try:
-            K.USE_PDL = pdl == "on"
+            # the tuned tables are shared with the copy (dataclasses.replace keeps the same dicts)
+            runner.kernel_config = dataclasses.replace(runner.kernel_config, pdl=pdl == "on")
             runner.triton_ops = set(ops.split(",")) if kn == "triton" else set(TRITON_OPS)
             eng = SpeculativeDecoder(
                 runner,
@@ -349,7 +353,9 @@ def main(argv=None) -> int:
                 compile={"off": False, "on": True, "autotune": "max-autotune"}[comp],
             )
             if kn == "triton" and not any(r["S"] == S for r in attn_tuning):  # attention alone, each plan
-                attn_tuning += K.tune_attention(runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale)
+                attn_tuning += K.tune_attention(
+                    runner.k_layers, runner.v_layers, runner.n_heads, S, runner.scale, config=runner.kernel_config
+                )
             ctx = max(1, S - reps - 24) if not args.smoke else 8  # smoke: a short prefill (the interpreter is slow)
             prompt = torch.randint(0, cfg.vocab_size, (ctx,)).tolist()
             plain = eng.step_fn(DecodeMode("plain"), sp)
@@ -394,19 +400,19 @@ def main(argv=None) -> int:
         for kn in gemvs
         for tile in (tiles if kn == "triton" else [None])
     ]
+    base = runner.kernel_config
     for T, impl, kn, tile in vcombos:
         # kernels="triton" with triton_max_rows: the verify's matmuls through kernels.gemm_rows (attention torch's)
         runner.kernels, runner.triton_max_rows = kn, (64 if kn == "triton" else 1)
-        K.USE_PDL = "on" in args.pdl.split(",")
-        if tile:
-            K.ROWS_BLOCK_N, K.ROWS_BLOCK_K, K.ROWS_NUM_WARPS = tile
+        rows_tile = dict(zip(("rows_block_n", "rows_block_k", "rows_num_warps"), tile)) if tile else {}
+        runner.kernel_config = dataclasses.replace(base, pdl="on" in args.pdl.split(","), **rows_tile)
         try:
             row = verify_census(runner, T, max(caches), impl, dev, reps, bw, wbytes, args.top)
         except Exception as e:  # noqa: BLE001 - a failing row must not cost the rest of a budgeted run
             row = {"T": T, "attention": impl, "error": f"{type(e).__name__}: {str(e)[:120]}"}
         verify_rows.append({"path": kn, "rows tile": "/".join(map(str, tile)) if tile else "-", **row})
         print(verify_rows[-1], flush=True)
-    runner.kernels, runner.triton_max_rows = "torch", 1
+    runner.kernels, runner.triton_max_rows, runner.kernel_config = "torch", 1, base
     columns = list(dict.fromkeys(k for r in rows for k in r))
     body = [
         markdown_table(rows, columns),
@@ -420,7 +426,7 @@ def main(argv=None) -> int:
         markdown_table(mats, list(mats[0])),
         "",
     ]
-    summ = tuning_summary(tuning)
+    summ = tuning_summary(tuning, runner.kernel_config.gemv_default)
     if summ:
         body += [
             "Triton gemv tiles (the sweep of draftsmith.decode.kernels.GEMV_CONFIGS, per weight kind):",

@@ -154,22 +154,23 @@ def variants(shape: str, dtype: str = "bf16"):
         "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, GLU=True),
         "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
     }
+    rows_tile = K.KernelConfig()  # gemm_rows's default tile (the runner's unless a benchmark passes another)
     for kind, flags in rows_kinds.items():
         for bm, pdl in ((16, False), (64, False), (64, True)):
             yield (
-                f"gemm_rows {kind} M={bm} {K.ROWS_BLOCK_N}/{K.ROWS_BLOCK_K}/{K.ROWS_NUM_WARPS}{' pdl' if pdl else ''}",
+                f"gemm_rows {kind} M={bm} {rows_tile.rows_block_n}/{rows_tile.rows_block_k}/{rows_tile.rows_num_warps}{' pdl' if pdl else ''}",
                 K._rows_kernel,
                 rows_sig,
                 dict(
                     flags,
                     HAS_BIAS=False,
                     BLOCK_M=bm,
-                    BLOCK_N=K.ROWS_BLOCK_N,
-                    BLOCK_K=K.ROWS_BLOCK_K,
+                    BLOCK_N=rows_tile.rows_block_n,
+                    BLOCK_K=rows_tile.rows_block_k,
                     IEEE=dtype == "fp32",
                     USE_PDL=pdl,
                 ),
-                K.ROWS_NUM_WARPS,
+                rows_tile.rows_num_warps,
                 ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],
             )
     rope_sig = {

@@ -174,7 +174,8 @@ class SpeculativeDecoder:
     also tries its Triton GEMM templates). `attn_impl`: attention of the compact forward and the drafter, "auto" (below),
     "sdpa", "bmm" or "split" (`draftsmith.decode.llama.grouped_attention`). `kernels`: "torch", or "triton" (the
     compact forward's one-token steps through `draftsmith.decode.kernels`, tiles tuned on the GPU at construction;
-    experimental).
+    experimental). `kernel_config`: those kernels' launch settings (a `draftsmith.decode.kernel_config.KernelConfig`,
+    given to the runner, whose tuned tables construction fills where empty); default: the runner's own.
     """
 
     # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
@@ -197,6 +198,7 @@ class SpeculativeDecoder:
         compile: bool | str = False,
         attn_impl: str = "auto",
         kernels: str = "torch",
+        kernel_config=None,
     ):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
@@ -257,6 +259,8 @@ class SpeculativeDecoder:
         self.kernel_tuning: list[dict] = []  # the Triton gemv sweep of kernels="triton" on CUDA (tune_kernels)
         if self.backend == "llama":
             self.runner.kernels = "torch"
+            if kernel_config is not None:
+                self.runner.kernel_config = kernel_config
         if kernels == "triton":
             from draftsmith.decode import kernels as K
 
@@ -505,7 +509,15 @@ class SpeculativeDecoder:
         if self._d_rows_attn and T <= self._d_rows_attn:  # kernels="triton": the target verify's attention kernel
             from draftsmith.decode import kernels as K
 
-            o = K.rows_attention(q[0].transpose(0, 1), kc, vc, self._d_mask, self.d_scale, self._d_slots)
+            o = K.rows_attention(
+                q[0].transpose(0, 1),
+                kc,
+                vc,
+                self._d_mask,
+                self.d_scale,
+                self._d_slots,
+                config=self.runner.kernel_config,
+            )
             return o.view(T, q.shape[1], q.shape[3]).transpose(0, 1)[None]
         return grouped_attention(q, kc[:, :, :S], vc[:, :, :S], self._d_mask, self.d_scale, self.attn_impl)
 
@@ -549,7 +561,7 @@ class SpeculativeDecoder:
         if k <= self._topk_max:
             from draftsmith.decode import kernels as K
 
-            return K.topk_logprobs(self.drafter.compute_logits(h), k)
+            return K.topk_logprobs(self.drafter.compute_logits(h), k, config=self.runner.kernel_config)
         return torch.topk(torch.log_softmax(self._draft_logits(h), -1), k, dim=-1)
 
     # ------------------------------------------------------------------ prefill

@@ -16,7 +16,7 @@ how close that comes to the copy bandwidth, against the torch and compiled steps
 
 One program computes BLOCK_N outputs over all of K (no split-K reduce kernel); each program recomputes the
 norm's sum of squares of x (K values, L2-resident). The tile is picked per matrix shape by `tune_gemv` (a timed
-sweep of `GEMV_CONFIGS` on the GPU, before any graph capture) or is `BLOCK_N`/`BLOCK_K`.
+sweep of `GEMV_CONFIGS` on the GPU, before any graph capture) or is `KernelConfig.block_n`/`block_k`.
 
 `rope_and_cache`: q/k RMSNorm (Qwen3), RoPE on q and k, and the K/V cache writes at the token's slot, one
 program per (token, head). `decode_attention`: flash-decoding for one query token — the query heads that share a
@@ -43,6 +43,8 @@ import os
 
 import torch
 
+from draftsmith.decode.kernel_config import GEMV_CONFIGS, KernelConfig
+
 try:  # an optional dependency: the CUDA wheels of torch bring it, the CPU wheel does not
     import triton
     import triton.language as tl
@@ -54,43 +56,8 @@ except Exception:  # noqa: BLE001
     gdc_launch_dependents = gdc_wait = None
 
 
-# Default tile of one gemv program: BLOCK_N outputs, K walked BLOCK_K at a time. Module-level so that a benchmark
-# can override them (bench/decode_kernels.py --gemv-blocks); `tune_gemv` picks per shape instead.
-BLOCK_N = 16
-BLOCK_K = 512
-NUM_WARPS = 4
-# The sweep of `tune_gemv`: (BLOCK_N, BLOCK_K, num_warps, prefetch). From 2 to 32 rows per program (the 8B q/k/v
-# has 6,144 rows: 192..3,072 programs over 132 SMs), 4-32 KB of weights in flight per program and iteration.
-# prefetch=1 loads the next K block before the current one is summed: triton does not pipeline a loop without
-# tl.dot, so without it every iteration waits one full memory latency (a 4096-wide matrix in 512-wide blocks is
-# 8 such waits per program, ~6 us — the whole budget of a 33 MB o projection at 4 TB/s is 8 us).
-GEMV_CONFIGS = [
-    (2, 2048, 8, 0),
-    (4, 512, 4, 0),
-    (4, 1024, 4, 0),
-    (8, 256, 4, 0),
-    (8, 512, 4, 0),
-    (8, 1024, 8, 0),
-    (16, 256, 4, 0),
-    (16, 512, 4, 0),
-    (16, 512, 8, 0),
-    (32, 128, 4, 0),
-    (32, 256, 4, 0),
-    (32, 256, 8, 0),
-    (4, 512, 4, 1),
-    (8, 256, 4, 1),
-    (8, 512, 4, 1),
-    (8, 512, 8, 1),
-    (16, 256, 4, 1),
-    (16, 256, 8, 1),
-    (16, 512, 8, 1),
-    (32, 128, 4, 1),
-    (4, 1024, 4, 1),
-    (8, 1024, 8, 1),
-    (4, 2048, 8, 1),
-]
-# (N, K, dtype, flags) -> (BLOCK_N, BLOCK_K, num_warps, prefetch), filled by `tune_gemv`
-_TUNED: dict = {}
+# Launch settings (gemv tiles, the tuned tables, PDL) arrive as a `KernelConfig` (`kernel_config.py`: the runner
+# owns one, benchmarks pass their own); no module state here changes how a kernel is launched.
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
 NORM_BLOCK_MAX = 8192
 
@@ -103,7 +70,7 @@ ATTN_TARGET_CHUNKS = 64
 # The sweep of `tune_attention`: (BLOCK_S, key blocks per program, num_warps); 0 blocks = one program per KV head.
 # One query token's attention is latency-bound (a few kB per KV head per block): short chains of loads over many
 # programs beat long ones, down to the extra combine kernel's cost.
-ATTN_CONFIGS = [
+ATTN_CONFIGS = (
     (64, 0, 4),
     (16, 2, 4),
     (16, 4, 4),
@@ -120,17 +87,14 @@ ATTN_CONFIGS = [
     (64, 2, 8),
     (128, 1, 8),
     (128, 2, 8),
-]
+)
 ATTN_MAX_SPLIT = 128  # chunks per KV head the combine kernel takes (its tile is [chunks, head_dim] fp32)
-# (S, n_kv, G, head_dim, dtype) -> (split_len, BLOCK_S, num_warps), filled by `tune_attention`
-_TUNED_ATTN: dict = {}
 
 # Programmatic dependent launch: each kernel lets the next one launch as soon as all its own programs have started,
 # and waits (griddepcontrol.wait) for the previous kernel to finish only before it reads what that kernel wrote or
 # writes anything — so a gemv's first weight block is in flight while the previous kernel drains, and the launch
 # latency and ramp of ~230 kernels a step overlap their predecessors. Used on CUDA when the GPU (sm_90+) and triton
-# support it; `USE_PDL = False` turns it off (bench/decode_kernels.py --pdl off,on measures both).
-USE_PDL = True
+# support it; `KernelConfig.pdl = False` turns it off (bench/decode_kernels.py --pdl off,on measures both).
 
 # triton's interpreter (3.9) computes tl.dot of bf16 tiles wrongly; there the tiles are upcast first, which gives
 # the same products (bf16 x bf16 is exact in fp32) and the same fp32 accumulation
@@ -584,11 +548,12 @@ def pdl_supported(device) -> bool:
 _PDL_CACHE: dict = {}
 
 
-def _pdl(t: torch.Tensor) -> dict:
-    """The launch arguments that turn programmatic dependent launch on or off for a kernel on t's device."""
+def _pdl(t: torch.Tensor, want: bool) -> dict:
+    """The launch arguments that turn programmatic dependent launch on (if `want` and the device supports it) or
+    off for a kernel on t's device."""
     if t.device not in _PDL_CACHE:
         _PDL_CACHE[t.device] = pdl_supported(t.device)
-    on = USE_PDL and _PDL_CACHE[t.device]
+    on = want and _PDL_CACHE[t.device]
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
@@ -616,10 +581,13 @@ def gemv(
     num_warps: int | None = None,
     prefetch: int | None = None,
     glu: bool = False,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
-    dtype. See the module docstring."""
+    dtype. The tile: the arguments, else `config`'s tuned one for this shape, else its default. See the module
+    docstring."""
     _need()
+    cfg = config if config is not None else KernelConfig()
     K = w.shape[1]
     N = w.shape[0] // 2 if glu else w.shape[0]
     if act_mul and (norm_weight is not None or glu):
@@ -632,7 +600,7 @@ def gemv(
             f"features{' (act_mul: 2K)' if act_mul else ''}"
         )
     key = _gemv_key(N, K, x.dtype, norm_weight is not None, bias is not None, residual is not None, act_mul, glu)
-    bn, bk, nw, pf = _TUNED.get(key, (BLOCK_N, BLOCK_K, NUM_WARPS, 0))
+    bn, bk, nw, pf = cfg.gemv_tuned.get(key, cfg.gemv_default)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     pf = pf if prefetch is None else prefetch
     xf = x.reshape(-1).contiguous()
@@ -660,16 +628,13 @@ def gemv(
         PREFETCH=bool(pf),
         num_warps=nw,
         GLU=bool(glu),
-        **_pdl(x),
+        **_pdl(x, cfg.pdl),
     )
     return y[None]
 
 
-# gemm_rows: the tile over (T rows padded to BLOCK_M, ROWS_BLOCK_N outputs, ROWS_BLOCK_K inputs); module-level so
-# a benchmark can sweep them. ROWS_MAX: the most rows one tile takes (a tree verify of 64 nodes).
-ROWS_BLOCK_N = 32
-ROWS_BLOCK_K = 128
-ROWS_NUM_WARPS = 4
+# gemm_rows: the tile over (T rows padded to BLOCK_M, BLOCK_N outputs, BLOCK_K inputs) is `KernelConfig.rows_block_n`
+# / `rows_block_k` / `rows_num_warps`. ROWS_MAX: the most rows one tile takes (a tree verify of 64 nodes).
 ROWS_MAX = 64
 
 
@@ -684,10 +649,13 @@ def gemm_rows(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
-    `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul)."""
+    `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
+    `config`'s rows tile."""
     _need()
+    cfg = config if config is not None else KernelConfig()
     x = x.reshape(-1, x.shape[-1])
     T, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -698,7 +666,7 @@ def gemm_rows(
         )
     if x.stride(1) != 1:
         x = x.contiguous()
-    bn, bk, nw = block_n or ROWS_BLOCK_N, block_k or ROWS_BLOCK_K, num_warps or ROWS_NUM_WARPS
+    bn, bk, nw = block_n or cfg.rows_block_n, block_k or cfg.rows_block_k, num_warps or cfg.rows_num_warps
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
     _rows_kernel[(triton.cdiv(N, bn),)](
@@ -723,7 +691,7 @@ def gemm_rows(
         BLOCK_K=bk,
         IEEE=x.dtype == torch.float32 or _INTERPRET,
         num_warps=nw,
-        **_pdl(x),
+        **_pdl(x, cfg.pdl),
     )
     return y
 
@@ -738,12 +706,15 @@ def tune_gemv(
     reps: int = 5,
     configs: list[tuple[int, int, int, int]] | None = None,
     force: bool = False,
+    config: KernelConfig | None = None,
 ) -> list[dict]:
-    """Time every config of `GEMV_CONFIGS` on `mats` (same shape; one pass over all of them per timing, so with a
-    model's 32 layers the weights stream from memory, not L2) and keep the fastest for their key. Returns one row
-    per config (`us` per matrix), [] when the key was tuned before (unless `force`). On CPU (the interpreter)
-    nothing is timed and nothing is kept: returns []."""
+    """Time every tile of `configs` (default: `config.gemv_sweep`, `GEMV_CONFIGS` unless set) on `mats` (same shape;
+    one pass over all of them per timing, so with a model's 32 layers the weights stream from memory, not L2) and
+    keep the fastest for their key in `config.gemv_tuned` (the runner's config: `LlamaFamilyForward.tune_kernels`).
+    Returns one row per tile (`us` per matrix), [] when the key was tuned before (unless `force`). On CPU (the
+    interpreter) nothing is timed and nothing is kept: returns []."""
     _need()
+    cfg = config if config is not None else KernelConfig()
     w0 = mats[0]
     if w0.device.type != "cuda":
         return []
@@ -751,12 +722,12 @@ def tune_gemv(
     N = N // 2 if glu else N
     dt = w0.dtype
     key = _gemv_key(N, K, dt, norm_weight is not None, bias is not None, residual, act_mul, glu)
-    if key in _TUNED and not force:
+    if key in cfg.gemv_tuned and not force:
         return []
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
     rows = []
-    for bn, bk, nw, pf in configs or GEMV_CONFIGS:
+    for bn, bk, nw, pf in configs or cfg.gemv_sweep:
 
         def run():
             for w in mats:
@@ -772,6 +743,7 @@ def tune_gemv(
                     num_warps=nw,
                     prefetch=pf,
                     glu=glu,
+                    config=cfg,
                 )
 
         us, err = _time_graph(run, len(mats), reps)
@@ -779,7 +751,7 @@ def tune_gemv(
     ok = [row for row in rows if row["us"] is not None]
     if ok:
         top = min(ok, key=lambda row: row["us"])
-        _TUNED[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"], top["prefetch"])
+        cfg.gemv_tuned[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"], top["prefetch"])
     return rows
 
 
@@ -821,6 +793,7 @@ def rope_and_cache(
     n_kv: int,
     qk_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) d] (the fused projection); positions/slots [T]; cos/sin [max_len, d] in the model
     dtype; caches [1, nkv, max_len, d] (one layer); qk_norm [(nh + nkv), d] per-head RMSNorm weights or None.
@@ -852,7 +825,7 @@ def rope_and_cache(
         D=d,
         HAS_QKN=qk_norm is not None,
         num_warps=1 if d <= 128 else 2,
-        **_pdl(qkv),
+        **_pdl(qkv, True if config is None else config.pdl),
     )
     return q
 
@@ -862,12 +835,22 @@ def _attn_key(S: int, nkv: int, G: int, d: int, dtype) -> tuple:
 
 
 def _attn_plan(
-    S: int, nkv: int, G: int, d: int, dtype, device, split_len: int | None, block_s: int | None, num_warps: int | None
+    S: int,
+    nkv: int,
+    G: int,
+    d: int,
+    dtype,
+    device,
+    split_len: int | None,
+    block_s: int | None,
+    num_warps: int | None,
+    plans: dict | None = None,
 ) -> tuple[int, int, int]:
-    """(split_len, BLOCK_S, num_warps): the arguments, else a plan kept for this shape (`tune_attention(keep=True)`
-    or a benchmark forcing one), else the default: ATTN_BLOCK_S-key blocks, the smallest power-of-two number of
-    them per chunk that keeps the chunks per KV head within ATTN_TARGET_CHUNKS."""
-    tuned = _TUNED_ATTN.get(_attn_key(S, nkv, G, d, dtype))
+    """(split_len, BLOCK_S, num_warps): the arguments, else a plan kept for this shape in `plans`
+    (`KernelConfig.attn_plans`: `tune_attention(keep=True)` or a benchmark forcing one), else the default:
+    ATTN_BLOCK_S-key blocks, the smallest power-of-two number of them per chunk that keeps the chunks per KV head
+    within ATTN_TARGET_CHUNKS."""
+    tuned = plans.get(_attn_key(S, nkv, G, d, dtype)) if plans else None
     if tuned and split_len is None and block_s is None:
         sl, bs, nw = tuned
         return sl, bs, num_warps or nw
@@ -888,11 +871,13 @@ def decode_attention(
     split_len: int | None = None,
     block_s: int | None = None,
     num_warps: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
     used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of `block_s`):
-    keys per program; by default what `tune_attention` picked for this shape, else the rule of `_attn_plan`."""
+    keys per program; by default the plan `config.attn_plans` keeps for this shape, else the rule of `_attn_plan`."""
     _need()
+    cfg = config if config is not None else KernelConfig()
     nkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q = q.reshape(-1, d)
     nh = q.shape[0]
@@ -903,7 +888,7 @@ def decode_attention(
             f"heads, {S} mask slots of {max_len}"
         )
     G = nh // nkv
-    split_len, bs, nw = _attn_plan(S, nkv, G, d, q.dtype, q.device, split_len, block_s, num_warps)
+    split_len, bs, nw = _attn_plan(S, nkv, G, d, q.dtype, q.device, split_len, block_s, num_warps, cfg.attn_plans)
     if split_len % bs:
         raise ValueError(f"decode_attention: split_len {split_len} is not a multiple of the key block {bs}")
     n_split = triton.cdiv(S, split_len)
@@ -937,12 +922,12 @@ def decode_attention(
         SINGLE=single,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         num_warps=nw,
-        **_pdl(q),
+        **_pdl(q, cfg.pdl),
     )
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
         _attn_combine_kernel[(nh,)](
-            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q)
+            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q, cfg.pdl)
         )
     return o.reshape(1, nh * d)
 
@@ -978,6 +963,7 @@ def _rows_attention(
     block_s: int | None = None,
     block_r: int | None = None,
     num_warps: int | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     _need()
     T, nh, d = q.shape
@@ -1047,12 +1033,12 @@ def _rows_attention(
         SINGLE=single,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         num_warps=num_warps or ROWS_ATTN_WARPS,
-        **_pdl(q),
+        **_pdl(q, pdl),
     )
     if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
         _attn_combine_kernel[(T * nh,)](
-            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q)
+            o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q, pdl)
         )
     return o.reshape(T, nh * d)
 
@@ -1068,11 +1054,12 @@ if triton is not None:
         mask: torch.Tensor,
         slots: torch.Tensor | None,
         scale: float,
+        pdl: bool,
     ) -> torch.Tensor:
-        return _rows_attention(q, k_cache, v_cache, mask, scale, slots)
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, pdl=pdl)
 
     @_rows_attention_op.register_fake
-    def _(q, k_cache, v_cache, mask, slots, scale):
+    def _(q, k_cache, v_cache, mask, slots, scale, pdl):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -1087,6 +1074,7 @@ def rows_attention(
     block_s: int | None = None,
     block_r: int | None = None,
     num_warps: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """T query tokens, each with its own mask row: q [T, nh, d] (any strides, head_dim contiguous); caches
     [1, nkv, max_len, d] (one layer); mask [T, S] bool (True = attend) -> [T, nh * d] in q's dtype. Flash-decoding
@@ -1096,11 +1084,12 @@ def rows_attention(
     masked — true of every causal use (a token sees what was written before it or with it), and it lets the K/V
     loads run ahead of the mask; masked keys below the bound are read and weigh 0 (a cache holds finite values).
     Without `slots` a key block is read only where the tile's mask rows see it. The plan
-    arguments (benchmarks) bypass the torch operator that torch.compile sees."""
+    arguments (benchmarks) bypass the torch operator that torch.compile sees. `config`: its `pdl`."""
+    pdl = True if config is None else bool(config.pdl)
     if split_len or block_s or block_r or num_warps:
-        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps)
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl)
     _need()
-    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale))
+    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl)
 
 
 # topk_logprobs: columns per program of the first pass (each keeps its k best), and the largest k it takes
@@ -1179,7 +1168,7 @@ if triton is not None:
             cv = tl.where(ci == j, float("-inf"), cv)
 
 
-def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_logprobs(logits: torch.Tensor, k: int, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     _need()
     R, V = logits.shape
     if not 1 <= k <= min(TOPK_MAX, V) or logits.stride(1) != 1:
@@ -1205,7 +1194,7 @@ def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         K=k,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
-        **_pdl(logits),
+        **_pdl(logits, pdl),
     )
     _topk_merge_kernel[(R,)](
         cv,
@@ -1220,7 +1209,7 @@ def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         BLOCK_C=max(16, triton.next_power_of_2(nb * k)),
         BLOCK_B=max(2, triton.next_power_of_2(nb)),
         num_warps=1,
-        **_pdl(logits),
+        **_pdl(logits, pdl),
     )
     return ov, oi
 
@@ -1228,23 +1217,25 @@ def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 if triton is not None:
 
     @torch.library.custom_op("draftsmith::topk_logprobs", mutates_args=())
-    def _topk_logprobs_op(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _topk_logprobs(logits, k)
+    def _topk_logprobs_op(logits: torch.Tensor, k: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return _topk_logprobs(logits, k, pdl)
 
     @_topk_logprobs_op.register_fake
-    def _(logits, k):
+    def _(logits, k, pdl):
         R = logits.shape[0]
         return (logits.new_empty(R, k, dtype=torch.float32), logits.new_empty(R, k, dtype=torch.int64))
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(
+    logits: torch.Tensor, k: int, config: KernelConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(torch.log_softmax(logits.float(), -1), k)` in two kernels: logits [..., V] (any float dtype) ->
     (log-probs fp32 [..., k] in descending order, column indices int64 [..., k]; among equal values the lower
     column first). What a tree level of the drafter needs; torch's top-k over a 32k-wide row is a chain of radix-
-    select kernels after a separate log-softmax. A torch custom op (compiled callers)."""
+    select kernels after a separate log-softmax. A torch custom op (compiled callers). `config`: its `pdl`."""
     _need()
     shape = logits.shape
-    v, i = _topk_logprobs_op(logits.reshape(-1, shape[-1]), int(k))
+    v, i = _topk_logprobs_op(logits.reshape(-1, shape[-1]), int(k), True if config is None else bool(config.pdl))
     return v.reshape(*shape[:-1], k), i.reshape(*shape[:-1], k)
 
 
@@ -1275,21 +1266,23 @@ def tune_attention(
     configs: list[tuple[int, int, int]] | None = None,
     force: bool = False,
     keep: bool = False,
+    config: KernelConfig | None = None,
 ) -> list[dict]:
     """Time every plan of `ATTN_CONFIGS` for one query token over the first S slots of each layer's cache (every
     key visible: the longest the step gets); with `keep`, the fastest becomes this shape's plan. One row per plan
-    (`us` per layer); [] on CPU or when this shape was kept before (unless `force`).
+    (`us` per layer); [] on CPU or when this shape was kept before in `config.attn_plans` (unless `force`).
 
     Attention timed alone is not the step: its favourite plans cost the whole step more than the default rule's (other kernels' weight streams share the memory system), so the engine does not keep
     these timings; bench/decode_kernels.py prints them next to whole-step timings of every plan."""
     _need()
+    cfg = config if config is not None else KernelConfig()
     kc0 = k_layers[0]
     if kc0.device.type != "cuda":
         return []
     nkv, d = kc0.shape[1], kc0.shape[3]
     G = n_heads // nkv
     key = _attn_key(S, nkv, G, d, kc0.dtype)
-    if key in _TUNED_ATTN and not force:
+    if key in cfg.attn_plans and not force:
         return []
     q = torch.randn(n_heads, d, device=kc0.device, dtype=kc0.dtype)
     mask = torch.ones(S, dtype=torch.bool, device=kc0.device)
@@ -1298,7 +1291,7 @@ def tune_attention(
 
         def run(split_len=split_len, bs=bs, nw=nw):
             for kc, vc in zip(k_layers, v_layers):
-                decode_attention(q, kc, vc, mask, scale, split_len=split_len, block_s=bs, num_warps=nw)
+                decode_attention(q, kc, vc, mask, scale, split_len=split_len, block_s=bs, num_warps=nw, config=cfg)
 
         us, err = _time_graph(run, len(k_layers), reps)
         rows.append(
@@ -1315,11 +1308,12 @@ def tune_attention(
     ok = [row for row in rows if row["us"] is not None]
     if ok and keep:
         top = min(ok, key=lambda row: row["us"])
-        _TUNED_ATTN[key] = (top["split_len"], top["BLOCK_S"], top["warps"])
+        cfg.attn_plans[key] = (top["split_len"], top["BLOCK_S"], top["warps"])
     return rows
 
 
 __all__ = [
+    "KernelConfig",
     "available",
     "gemv",
     "gemm_rows",

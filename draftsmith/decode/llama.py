@@ -16,12 +16,14 @@ sliding windows shorter than the cache, dynamic NTK RoPE, MoE, other architectur
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from draftsmith.common.hf import text_config
+from draftsmith.decode.kernel_config import KernelConfig
 from draftsmith.drafter.model import hf_rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -167,6 +169,9 @@ class LlamaFamilyForward(torch.nn.Module):
         # up to that many tokens through the T-row matmul kernels (`kernels.gemm_rows`): experimental and off by
         # default — correct but slower than cuBLAS so far (docs/LOG.md).
         self.kernels = "torch"
+        # the kernels' launch settings (tiles, tuned tables, PDL): filled by `tune_kernels`; a benchmark assigns
+        # its own (before the engine captures graphs)
+        self.kernel_config = KernelConfig()
         self.triton_ops = set(TRITON_OPS)
         self.triton_max_rows = 1
         self.w = weights
@@ -416,13 +421,16 @@ class LlamaFamilyForward(torch.nn.Module):
         return glu, silu and not glu and "down" in ops and T == 1
 
     def tune_kernels(self) -> list[dict]:
-        """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`); call it
-        before capturing graphs. One row per (kind, tile); [] on CPU. (The attention plan follows a rule:
+        """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`, the tiles of
+        `kernel_config.gemv_sweep`), kept in `kernel_config.gemv_tuned`; call it before capturing graphs. One row per (kind, tile); [] on CPU. (The attention plan follows a rule:
         `kernels.tune_attention` says why.)"""
         from draftsmith.decode import kernels as K
 
+        cfg = self.kernel_config
         return [
-            {"matrix": kind, **r} for kind, (mats, kw) in self.gemv_kinds().items() for r in K.tune_gemv(mats, **kw)
+            {"matrix": kind, **r}
+            for kind, (mats, kw) in self.gemv_kinds().items()
+            for r in K.tune_gemv(mats, **kw, config=cfg)
         ]
 
     def _silu(self) -> bool:
@@ -451,6 +459,7 @@ class LlamaFamilyForward(torch.nn.Module):
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         ops = self.triton_ops_for(T)
         K = None
+        kconf = self.kernel_config
         if ops:
             from draftsmith.decode import kernels as K
         h = F.embedding(input_ids, self.embed)  # [T, H]
@@ -459,7 +468,9 @@ class LlamaFamilyForward(torch.nn.Module):
             sin = self.sin.index_select(0, positions)[None, :, None, :]
         amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
         glu, fold_act = self._mlp_folds(ops, T)
-        lin = (K.gemv if T == 1 else K.gemm_rows) if ops else None
+        # the matmul launcher with the runner's kernel settings (only where a matmul takes it: a wider forward's
+        # ops are the attention alone, and a compiled one should trace nothing more than before)
+        lin = functools.partial(K.gemv if T == 1 else K.gemm_rows, config=kconf) if ops - {"attn", "rope"} else None
         if self._wt is not None and not ops:
             return self._forward_cpu(h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final)
         aux = {}
@@ -470,9 +481,9 @@ class LlamaFamilyForward(torch.nn.Module):
                 qkv = self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
             kc, vc = self.k_layers[i], self.v_layers[i]
             if "rope" in ops:  # q/k norm, RoPE and both cache writes in one kernel
-                q = K.rope_and_cache(qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm, self.eps)[
-                    None
-                ]  # [1, T, nh, d]
+                q = K.rope_and_cache(
+                    qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm, self.eps, config=kconf
+                )[None]  # [1, T, nh, d]
             else:
                 qkv = qkv.view(1, T, nh + 2 * nkv, d)
                 qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
@@ -483,9 +494,9 @@ class LlamaFamilyForward(torch.nn.Module):
                 kc.index_copy_(2, slots, k.transpose(1, 2))
                 vc.index_copy_(2, slots, v.transpose(1, 2))
             if "attn" in ops and T == 1:
-                o = K.decode_attention(q, kc, vc, mask[0], self.scale)  # [1, nh * d]
+                o = K.decode_attention(q, kc, vc, mask[0], self.scale, config=kconf)  # [1, nh * d]
             elif "attn" in ops:
-                o = K.rows_attention(q[0], kc, vc, mask, self.scale, slots)  # [T, nh * d]
+                o = K.rows_attention(q[0], kc, vc, mask, self.scale, slots, config=kconf)  # [T, nh * d]
             else:
                 o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
                 o = o.transpose(1, 2).reshape(T, nh * d)
@@ -503,7 +514,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 else:
                     h = h + F.linear(gu, L.down, L.down_bias)
             elif fold_act:  # silu(gate) * up folded into the down projection
-                h = K.gemv(gu, L.down, bias=L.down_bias, residual=h, act_mul=True)
+                h = K.gemv(gu, L.down, bias=L.down_bias, residual=h, act_mul=True, config=kconf)
             else:
                 g, u = gu.chunk(2, -1)
                 if "down" in ops:

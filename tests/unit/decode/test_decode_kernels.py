@@ -176,10 +176,10 @@ def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
     torch.testing.assert_close(o.float(), ref, **tol)
 
 
-def test_decode_attention_uses_the_tuned_plan(monkeypatch):
-    """A plan kept for this shape is what decode_attention launches (split_len not a multiple of the default key
-    block: the call fails if the plan is ignored); without one, the default rule's chunks stay within
-    ATTN_TARGET_CHUNKS."""
+def test_decode_attention_uses_the_tuned_plan():
+    """A plan kept for this shape in the KernelConfig is what decode_attention launches (split_len not a multiple
+    of the default key block: the call fails if the plan is ignored), and only under that config; without one, the
+    default rule's chunks stay within ATTN_TARGET_CHUNKS."""
     from draftsmith.decode import kernels as K
 
     g = torch.Generator().manual_seed(5)
@@ -190,9 +190,14 @@ def test_decode_attention_uses_the_tuned_plan(monkeypatch):
     ref = decode_attention(q, kc, vc, mask, 0.25)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention(q, kc, vc, mask, 0.25, split_len=80)
-    monkeypatch.setitem(K._TUNED_ATTN, K._attn_key(S, nkv, nh // nkv, d, q.dtype), (80, 16, 2))
-    assert K._attn_plan(S, nkv, nh // nkv, d, q.dtype, q.device, None, None, None) == (80, 16, 2)
-    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25), ref, atol=2e-6, rtol=2e-6)
+    cfg = K.KernelConfig(attn_plans={K._attn_key(S, nkv, nh // nkv, d, q.dtype): (80, 16, 2)})
+    assert K._attn_plan(S, nkv, nh // nkv, d, q.dtype, q.device, None, None, None, cfg.attn_plans) == (80, 16, 2)
+    assert K._attn_plan(S, nkv, nh // nkv, d, q.dtype, q.device, None, None, None) != (80, 16, 2)
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, 0.25, config=cfg), ref, atol=2e-6, rtol=2e-6)
+    # decode_attention launches what the config keeps: a plan of 80 keys in 32-key blocks is refused
+    bad = K.KernelConfig(attn_plans={K._attn_key(S, nkv, nh // nkv, d, q.dtype): (80, 32, 2)})
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, kc, vc, mask, 0.25, config=bad)
     for S_ in (208, 2128, 8192):
         sl, bs, _ = K._attn_plan(S_, 8, 4, 128, torch.bfloat16, q.device, None, None, None)
         assert (
@@ -334,6 +339,29 @@ def test_topk_logprobs_equals_torch(R, V, k, dtype):
     assert topk_logprobs(tie, min(k, 3))[1][0].tolist() == [3, 7, V - 1][: min(k, 3)]
     with pytest.raises(ValueError, match="topk_logprobs"):
         topk_logprobs(x, 17)
+
+
+def test_runner_kernel_config_reaches_the_launches():
+    """The runner's KernelConfig is what its one-token step launches with: another gemv tile (and PDL off) gives
+    the torch path's logits, and a tile no kernel can take fails the step (the setting is not ignored)."""
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    model = tiny_qwen3().to(DEV)
+    n = model.config.num_hidden_layers
+    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 32), LlamaFamilyForward.from_hf(model, [0, n - 1], 32)
+    kf.kernels = "triton"
+    kf.kernel_config = KernelConfig(block_n=8, block_k=32, pdl=False)
+    ids = torch.randint(0, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    pos = torch.arange(6, device=DEV)
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:5], pos[:5], pos[:5], causal_mask(32, pos[:5], DEV))
+        p = pos[5:]
+        (lr, _), (lk, _) = (f(ids[5:], p, p, causal_mask(32, p, DEV)) for f in (ref, kf))
+        torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+        kf.kernel_config = KernelConfig(block_n=3)  # tl.arange needs a power of two
+        with pytest.raises(Exception):  # noqa: B017 - triton's error type differs between versions
+            kf(ids[5:], p, p, causal_mask(32, p, DEV))
 
 
 def test_verify_forward_through_rows_attention_equals_torch_path():

@@ -1,0 +1,76 @@
+"""Launch settings of the Triton decode kernels (`draftsmith.decode.kernels`), as one object the runner owns.
+
+`LlamaFamilyForward.kernel_config` holds the one its forwards launch with (the engine fills its tuned tables at
+build, `LlamaFamilyForward.tune_kernels`); a benchmark that wants other settings builds its own and assigns it to
+the runner, or passes it to `SpeculativeDecoder(kernel_config=...)`, instead of overwriting module globals. The
+kernels' code takes these values as launch arguments only; none of them changes what a kernel computes beyond
+summation order (the tile) and the launch overlap (PDL). Importing this module does not import triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The sweep of `kernels.tune_gemv`: (BLOCK_N, BLOCK_K, num_warps, prefetch). From 2 to 32 rows per program (the 8B
+# q/k/v has 6,144 rows: 192..3,072 programs over 132 SMs), 4-32 KB of weights in flight per program and iteration.
+# prefetch=1 loads the next K block before the current one is summed: triton does not pipeline a loop without
+# tl.dot, so without it every iteration waits one full memory latency (a 4096-wide matrix in 512-wide blocks is
+# 8 such waits per program, ~6 us — the whole budget of a 33 MB o projection at 4 TB/s is 8 us).
+GEMV_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (2, 2048, 8, 0),
+    (4, 512, 4, 0),
+    (4, 1024, 4, 0),
+    (8, 256, 4, 0),
+    (8, 512, 4, 0),
+    (8, 1024, 8, 0),
+    (16, 256, 4, 0),
+    (16, 512, 4, 0),
+    (16, 512, 8, 0),
+    (32, 128, 4, 0),
+    (32, 256, 4, 0),
+    (32, 256, 8, 0),
+    (4, 512, 4, 1),
+    (8, 256, 4, 1),
+    (8, 512, 4, 1),
+    (8, 512, 8, 1),
+    (16, 256, 4, 1),
+    (16, 256, 8, 1),
+    (16, 512, 8, 1),
+    (32, 128, 4, 1),
+    (4, 1024, 4, 1),
+    (8, 1024, 8, 1),
+    (4, 2048, 8, 1),
+)
+
+
+@dataclass
+class KernelConfig:
+    """How the decode kernels are launched.
+
+    block_n, block_k, num_warps: the gemv tile for a shape `gemv_tuned` has no entry for (BLOCK_N outputs per
+    program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps: the tile of
+    `kernels.gemm_rows` (experimental T-row matmuls). pdl: programmatic dependent launch (used on CUDA sm_90+ where
+    triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
+    off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
+    BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. attn_plans: (S, n_kv, G, head_dim, dtype) ->
+    (split_len, BLOCK_S, num_warps) of `kernels.decode_attention`, overriding its rule (benchmarks forcing a plan,
+    `kernels.tune_attention(keep=True)`)."""
+
+    block_n: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+    rows_block_n: int = 32
+    rows_block_k: int = 128
+    rows_num_warps: int = 4
+    pdl: bool = True
+    gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
+    gemv_tuned: dict = field(default_factory=dict)
+    attn_plans: dict = field(default_factory=dict)
+
+    @property
+    def gemv_default(self) -> tuple[int, int, int, int]:
+        """The (BLOCK_N, BLOCK_K, num_warps, prefetch) of an untuned gemv."""
+        return (self.block_n, self.block_k, self.num_warps, 0)
+
+
+__all__ = ["GEMV_CONFIGS", "KernelConfig"]
