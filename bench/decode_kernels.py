@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     ]
     base = runner.kernel_config
     for T, impl, kn, tile in vcombos:
-        # kernels="triton" with triton_max_rows: the verify's matmuls through kernels.gemm_rows (attention torch's)
+        # kernels="triton" with triton_max_rows: the verify's matmuls through experimental.gemm_rows (attention torch's)
         runner.kernels, runner.triton_max_rows = kn, (64 if kn == "triton" else 1)
         rows_tile = dict(zip(("rows_block_n", "rows_block_k", "rows_num_warps"), tile)) if tile else {}
         runner.kernel_config = dataclasses.replace(base, pdl="on" in args.pdl.split(","), **rows_tile)
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
         vcols = [c for c in dict.fromkeys(k for r in verify_rows for k in r) if c != "top"]
         body += [
             "Verify forwards (T tokens over the cache with a tree-shaped mask, one CUDA graph; path torch, or "
-            "triton = the matmuls through kernels.gemm_rows; 'matmuls alone' = the same weights through "
+            "triton = the matmuls through experimental.gemm_rows; 'matmuls alone' = the same weights through "
             "F.linear at T rows):",
             "",
             markdown_table(verify_rows, vcols),

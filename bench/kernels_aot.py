@@ -71,6 +71,7 @@ def _resources(compiled) -> dict:
 def variants(shape: str, dtype: str = "bf16"):
     """(label, kernel, signature, constexprs, num_warps, aligned args) of every kernel variant a step launches."""
     from draftsmith.decode import kernels as K
+    from draftsmith.decode.experimental import gemm_rows as G
 
     H, inter, nh, nkv, d, V = SHAPES[shape]
     p = f"*{dtype}"
@@ -159,7 +160,7 @@ def variants(shape: str, dtype: str = "bf16"):
         for bm, pdl in ((16, False), (64, False), (64, True)):
             yield (
                 f"gemm_rows {kind} M={bm} {rows_tile.rows_block_n}/{rows_tile.rows_block_k}/{rows_tile.rows_num_warps}{' pdl' if pdl else ''}",
-                K._rows_kernel,
+                G._rows_kernel,
                 rows_sig,
                 dict(
                     flags,

@@ -76,6 +76,13 @@ ATTENTION_IMPLS = ("sdpa", "bmm", "split")
 TRITON_OPS = ("qkv", "rope", "attn", "o", "gate_up", "down", "lm_head")
 
 
+def _gemm_rows():
+    """The experimental T-row matmul launcher (`triton_max_rows > 1` only: the default forward never imports it)."""
+    from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+    return gemm_rows
+
+
 def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
     """q [1, nh, T, d]; caches [1, nkv, S, d]; mask [T, S] bool (True = attend) or a `prepare_mask` result
     -> [1, nh, T, d].
@@ -166,7 +173,7 @@ class LlamaFamilyForward(torch.nn.Module):
         # and the cache write folded into seven kernels a layer, BENCHMARKS.md "P1"); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
         # others stay torch), so a benchmark can route each op to whichever is faster. Wider forwards (a verify, a
         # hand-off) take only the attention kernel (`triton_ops_for`). `triton_max_rows` > 1 also sends forwards of
-        # up to that many tokens through the T-row matmul kernels (`kernels.gemm_rows`): experimental and off by
+        # up to that many tokens through the T-row matmul kernels (`experimental.gemm_rows`): experimental and off by
         # default — correct but slower than cuBLAS so far (docs/LOG.md).
         self.kernels = "torch"
         # the kernels' launch settings (tiles, tuned tables, PDL): filled by `tune_kernels`; a benchmark assigns
@@ -392,10 +399,13 @@ class LlamaFamilyForward(torch.nn.Module):
         return bool(self.triton_ops_for(T)) and T <= self._kernel_rows()
 
     def _kernel_rows(self) -> int:
-        """The most tokens a forward runs all through the kernels (1, or `triton_max_rows` up to ROWS_MAX)."""
-        from draftsmith.decode import kernels as K
+        """The most tokens a forward runs all through the kernels (1, or `triton_max_rows` up to the experimental
+        `gemm_rows.ROWS_MAX`)."""
+        if self.triton_max_rows <= 1:
+            return 1
+        from draftsmith.decode.experimental.gemm_rows import ROWS_MAX
 
-        return min(max(1, self.triton_max_rows), K.ROWS_MAX)
+        return min(self.triton_max_rows, ROWS_MAX)
 
     def gemv_kinds(self) -> dict:
         """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
@@ -470,7 +480,7 @@ class LlamaFamilyForward(torch.nn.Module):
         glu, fold_act = self._mlp_folds(ops, T)
         # the matmul launcher with the runner's kernel settings (only where a matmul takes it: a wider forward's
         # ops are the attention alone, and a compiled one should trace nothing more than before)
-        lin = functools.partial(K.gemv if T == 1 else K.gemm_rows, config=kconf) if ops - {"attn", "rope"} else None
+        lin = functools.partial(K.gemv if T == 1 else _gemm_rows(), config=kconf) if ops - {"attn", "rope"} else None
         if self._wt is not None and not ops:
             return self._forward_cpu(h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final)
         aux = {}
@@ -525,7 +535,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 aux[i] = h
         aux_t = self._aux_out(aux, h, want_aux, want_final)
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        if "lm_head" in ops and hs.shape[0] <= K.ROWS_MAX:
+        if "lm_head" in ops and hs.shape[0] <= self._kernel_rows():
             return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
         logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
         return logits, aux_t

@@ -400,7 +400,7 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
     """T rows (a verify's tokens) as one tl.dot tile: fp32 against F.linear (+ folds); bf16 against the one-row
     gemv row by row (the same roundings: gemv is checked against torch above), since the interpreter's
     truncating fp32 -> bf16 makes a bf16 torch reference differ by a few ulp after three roundings."""
-    from draftsmith.decode.kernels import gemm_rows
+    from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
     g = torch.Generator().manual_seed(T)
     K, N = 300, 70

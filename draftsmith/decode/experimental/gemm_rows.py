@@ -1,0 +1,167 @@
+"""`gemm_rows`: the T-row matmul kernel for verify widths (experimental, opt-in: `LlamaFamilyForward.triton_max_rows
+> 1`). Off by default because it loses to cuBLAS (docs/LOG.md, "First T-row kernels for the verify": 11.9 vs 6.97
+ms for a 49-row verify on the 8B shape); kept here, out of `draftsmith.decode.kernels`, so that benchmarks can
+measure it (bench/decode_kernels.py --verify --gemv triton) while the default forward never imports it.
+
+The kernel and its launcher moved here unchanged from `draftsmith/decode/kernels.py`; it shares that module's jitted
+helpers (RMSNorm apply, silu*up, the PDL prologue) and launch settings (`KernelConfig.rows_block_n/k`,
+`rows_num_warps`, `pdl`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.decode.kernel_config import KernelConfig
+from draftsmith.decode.kernels import _INTERPRET, _need, _pdl, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from draftsmith.decode.kernels import _pdl_start, _rms_apply, _silu_mul
+
+    @triton.jit
+    def _rows_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        nw_ptr,
+        b_ptr,
+        r_ptr,
+        T,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        eps,
+        HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """`gemv` for T <= BLOCK_M rows (a verify's tokens): one program per BLOCK_N outputs, all T rows as one
+        tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`."""
+        _pdl_start(USE_PDL)
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < T
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        row = rn.to(tl.int64) * stride_w
+        out_ty = y_ptr.dtype.element_ty
+        xrow = rm.to(tl.int64) * stride_x
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+        if HAS_NORM:  # each row's RMSNorm: the sum of squares first (x is L2-resident)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(
+                    tl.float32
+                )
+                ss += tl.sum(xv * xv, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GLU:
+            row2 = (rn + N).to(tl.int64) * stride_w
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_NORM:
+                xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+            w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xv, tl.trans(w))
+            if GLU:
+                w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if IEEE:
+                    acc2 += tl.dot(xv.to(tl.float32), tl.trans(w2.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc2 += tl.dot(xv, tl.trans(w2))
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            u = acc2
+            if HAS_BIAS:
+                u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
+        out = rm[:, None] * N + rn[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        if HAS_RES:
+            y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + out, y.to(out_ty), mask=ok)
+
+
+# gemm_rows: the tile over (T rows padded to BLOCK_M, BLOCK_N outputs, BLOCK_K inputs) is `KernelConfig.rows_block_n`
+# / `rows_block_k` / `rows_num_warps`. ROWS_MAX: the most rows one tile takes (a tree verify of 64 nodes).
+ROWS_MAX = 64
+
+
+def gemm_rows(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    glu: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
+    `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
+    `config`'s rows tile."""
+    _need()
+    cfg = config if config is not None else KernelConfig()
+    x = x.reshape(-1, x.shape[-1])
+    T, K = x.shape
+    N = w.shape[0] // 2 if glu else w.shape[0]
+    if T > ROWS_MAX or w.shape[1] != K or w.stride(1) != 1 or (glu and w.shape[0] % 2):
+        raise ValueError(
+            f"gemm_rows: {T} rows of {K} features (at most {ROWS_MAX} rows) do not fit weight "
+            f"{tuple(w.shape)} (strides {w.stride()}){' as cat(gate, up)' if glu else ''}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bn, bk, nw = block_n or cfg.rows_block_n, block_k or cfg.rows_block_k, num_warps or cfg.rows_num_warps
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    dummy = x
+    _rows_kernel[(triton.cdiv(N, bn),)](
+        x,
+        w,
+        y,
+        norm_weight if norm_weight is not None else dummy,
+        bias if bias is not None else dummy,
+        residual.reshape(T, N).contiguous() if residual is not None else dummy,
+        T,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        GLU=bool(glu),
+        BLOCK_M=max(16, triton.next_power_of_2(T)),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=nw,
+        **_pdl(x, cfg.pdl),
+    )
+    return y
+
+
+__all__ = ["ROWS_MAX", "gemm_rows"]
