@@ -362,6 +362,11 @@ class SpeculativeDecoder:
         # stay ours, hence the no-cudagraphs variant)
         self.compile_mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
         self._t_fwd = self.runner.forward
+        # With kernels="triton" and compile: target forwards of up to this many tokens (the one-token step, or up to
+        # `triton_max_rows`) are the all-kernel step, run from the plain runner — dynamo fails to capture the Triton
+        # launches and there is nothing left for it to fuse — and every wider one (verify, prefill) runs compiled.
+        # Resolved here, once: `runner.triton_step(T)` is the same for every T up to the runner's kernel rows.
+        self._eager_rows = 0
         self._d_module = self._d_call = self._d_cpu = None
         self._d_topk = self._draft_topk
         if compile and self.backend == "llama":
@@ -371,23 +376,11 @@ class SpeculativeDecoder:
             # engine pass dynamo's default limit of 8, after which it would silently run the rest eagerly
             raise_recompile_limit()
             self._t_fwd = torch.compile(self.runner.forward, dynamic=False, mode=self.compile_mode)
-            if self.runner.kernels == "triton":
-                self._t_fwd = self._triton_or_compiled(self._t_fwd)
+            if self.runner.kernels == "triton" and self.runner.triton_step(1):
+                self._eager_rows = self.runner._kernel_rows()
             if drafter is not None and hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing
                 drafter.inv_freq(self.device)  # (else: a recompile)
         self._build_drafter_view()
-
-    def _triton_or_compiled(self, compiled):
-        """With kernels='triton' and compile: a forward the Triton kernels take (a one-token step) runs them from
-        the plain runner — dynamo fails to capture their launches, and there is nothing left for it to fuse —
-        and every other width (verify, hand-off) runs compiled."""
-        eager = self.runner.forward
-
-        def forward(input_ids, positions, slots, mask, logits_rows=None, want_aux=True, **kw):
-            fwd = eager if self.runner.triton_step(input_ids.shape[0]) else compiled
-            return fwd(input_ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux, **kw)
-
-        return forward
 
     def _build_drafter_view(self) -> None:
         """q/k/v and gate/up fused, q and k rotated together (`fused_drafter`): the same weights, 8 fewer kernels
@@ -489,7 +482,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ primitives
     def _target(self, ids, positions, slots, mask, logits_rows=None, want_aux=True, eager=False):
-        fwd = self.runner.forward if eager else self._t_fwd
+        fwd = self.runner.forward if eager or ids.shape[0] <= self._eager_rows else self._t_fwd
         if self.states is None:
             return fwd(ids, positions, slots, mask, logits_rows=logits_rows, want_aux=want_aux)
         # recording: every forwarded row's aux + final state lands at its slot, like its K/V (a rejected row's

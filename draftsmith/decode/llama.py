@@ -395,7 +395,7 @@ class LlamaFamilyForward(torch.nn.Module):
 
     def triton_step(self, T: int) -> bool:
         """Whether a T-token forward is the all-kernel step (its matmuls are gemv/gemm_rows launches), which runs
-        without torch.compile (`SpeculativeDecoder._triton_or_compiled`)."""
+        without torch.compile (the engine resolves the widths at build: `SpeculativeDecoder._eager_rows`)."""
         return bool(self.triton_ops_for(T)) and T <= self._kernel_rows()
 
     def _kernel_rows(self) -> int:
