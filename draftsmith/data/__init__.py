@@ -7,6 +7,6 @@ See `load_samples` for the accepted inputs and `draftsmith.data.chat` for how as
 are derived from any chat template.
 """
 
-from draftsmith.data.loader import DataReport, Sample, load_prompts, load_samples
+from draftsmith.data.loader import DataReport, Sample, load_prompts, load_samples, token_counts_from_samples
 
-__all__ = ["DataReport", "Sample", "load_prompts", "load_samples"]
+__all__ = ["DataReport", "Sample", "load_prompts", "load_samples", "token_counts_from_samples"]

@@ -609,3 +609,20 @@ def load_prompts(
                 ids = np.concatenate([np.array([bos], np.int32), ids])
             out.append(ids)
     return out
+
+
+def token_counts_from_samples(samples, vocab_size: int):
+    """int64 [vocab_size]: loss-masked token counts of samples (`Sample`s or dicts with input_ids / loss_mask) —
+    what `HiddenStateStore.token_counts()` stores, what online training picks its draft vocab by, and what
+    `draftsmith prune-vocab --data` ranks a draft vocab by."""
+    import torch  # torch-free --help (the data package is on the CLI's import path)
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        get = s.get if isinstance(s, dict) else lambda k, s=s: getattr(s, k, None)
+        ids = torch.as_tensor(np.asarray(get("input_ids")), dtype=torch.long)
+        m = torch.as_tensor(np.asarray(get("loss_mask")), dtype=torch.bool)
+        sel = ids[m]
+        if sel.numel():
+            counts += torch.bincount(sel, minlength=vocab_size)[:vocab_size]
+    return counts

@@ -64,16 +64,13 @@ def prune_vocab_cmd(
     else:
         from transformers import AutoTokenizer
 
-        from draftsmith.data import load_samples
+        from draftsmith.data import load_samples, token_counts_from_samples
 
         tok = AutoTokenizer.from_pretrained(target)
         samples, _ = load_samples(data, tok, on_bad=on_bad, glob=glob, max_samples=max_samples)
         if not samples:
             raise DraftsmithError(f"--data {data}: no samples read")
-        counts = torch.zeros(V, dtype=torch.int64)
-        for s in samples:
-            ids = torch.as_tensor(s.input_ids, dtype=torch.int64)
-            counts += torch.bincount(ids.clamp(0, V - 1), minlength=V)
+        counts = token_counts_from_samples(samples, V)  # loss-masked: the tokens a drafter is trained to propose
     counts = torch.as_tensor(counts).to(torch.int64)
     before = float(counts[d.draft_target_ids.cpu()].sum() / counts.sum().clamp(min=1))
     pruned = d.prune_draft_vocab(counts, draft_vocab_size)

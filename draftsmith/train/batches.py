@@ -422,15 +422,3 @@ class Prefetcher:
                 self._q.get_nowait()
         except queue.Empty:
             pass
-
-
-def token_counts_from_samples(samples, vocab_size: int) -> torch.Tensor:
-    """Loss-masked token counts (what `HiddenStateStore.token_counts()` stores), for online mode."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in samples:
-        ids = torch.as_tensor(np.asarray(_get(s, "input_ids")), dtype=torch.long)
-        m = torch.as_tensor(np.asarray(_get(s, "loss_mask")), dtype=torch.bool)
-        sel = ids[m]
-        if sel.numel():
-            counts += torch.bincount(sel, minlength=vocab_size)[:vocab_size]
-    return counts

@@ -36,6 +36,7 @@ from draftsmith.common.io import (
     is_no_space,
     no_space_error,
 )
+from draftsmith.data import token_counts_from_samples
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.batches import (
     BatchSource,
@@ -47,7 +48,6 @@ from draftsmith.train.batches import (
     pack_rows,
     source_lengths,
     split_train_eval,
-    token_counts_from_samples,
 )
 from draftsmith.train.config import TrainConfig  # re-exported: TrainConfig lived here
 from draftsmith.train.ttt import TTTStats, compute_teacher, ttt_unroll
