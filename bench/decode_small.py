@@ -56,10 +56,23 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def make_engine(t, d, config: str) -> SpeculativeDecoder:
+    """config: "torch" (torch kernels, CUDA graphs), or "+"-joined parts: "triton", "compile" (greedy rounds traced
+    whole, the default of compile=True), "perfwd" (only the forwards compiled, the rounds' bookkeeping eager: the
+    engine before whole-round tracing), "rowsN" (kernel_rows=N: verifies of up to N tokens all through the
+    kernels, experimental.gemm_rows)."""
+    parts = config.split("+")
+    kernels = "triton" if "triton" in parts else "torch"
+    rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
+    eng = SpeculativeDecoder(t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows)
+    if "perfwd" in parts:
+        eng._c_round = None
+    return eng
+
+
 @torch.no_grad()
 def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, bw: float, rows: list) -> None:
-    kernels, compile = ("triton", True) if config == "triton+compile" else ("torch", False)
-    eng = SpeculativeDecoder(t, d, max_len=2048, kernels=kernels, compile=compile)
+    eng = make_engine(t, d, config)
     sp = SamplingParams()
     modes = [DecodeMode("plain")] + settings
     fns = {}
@@ -101,6 +114,37 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> None:
+    """End-to-end greedy decoding (`generate`, CUDA graphs) of every prompt with each setting and plainly, on one
+    engine: tok/s (decode only), tau, and the prompts whose output differs from plain decoding's."""
+    eng = make_engine(t, d, config)
+    modes = [DecodeMode("plain")] + settings
+    for m in modes:
+        eng.warmup(m)
+    plain_out = {}
+    for m in modes:
+        key = name(m) if m.kind != "plain" else "plain"
+        eng.generate(prompts[0], 16, mode=m)  # warm
+        toks = secs = acc = rounds = differ = 0
+        for i, p in enumerate(prompts):
+            r = eng.generate(p, new_tokens, mode=m)
+            toks += max(len(r.token_ids) - 1, 0)
+            secs += r.decode_s
+            acc += sum(r.accepted) + len(r.accepted)
+            rounds += len(r.accepted)
+            if m.kind == "plain":
+                plain_out[i] = r.token_ids
+            else:
+                differ += r.token_ids != plain_out[i]
+        row = {"config": config, "setting": key, "tok_s": toks / secs, "tau": acc / rounds if rounds else 1.0}
+        row["differ"] = differ if m.kind != "plain" else None
+        rows.append(row)
+        log(f"speed {config} {key}: {row['tok_s']:.0f} tok/s, tau {row['tau']:.2f}, differ {row['differ']}")
+    del eng
+    torch.cuda.empty_cache()
 
 
 def certificate(t, prompts, dev, new_tokens: int, rows: list) -> None:
@@ -155,7 +199,12 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--cert-prompts", type=int, default=16)
     ap.add_argument("--cert-tokens", type=int, default=96)
-    ap.add_argument("--sections", default="census,certificate")
+    ap.add_argument("--sections", default="census,certificate", help="census, speed, certificate")
+    ap.add_argument(
+        "--drafter", type=Path, help="a drafter trained for the target (speed section; census: its weights)"
+    )
+    ap.add_argument("--speed-prompts", type=int, default=24)
+    ap.add_argument("--speed-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the code paths")
     ARGS = a = ap.parse_args()
     dev = torch.device(a.device)
@@ -163,9 +212,13 @@ def main() -> None:
     from draftsmith.target_model import load_target
 
     t = load_target(str(a.target), dtype="bf16", device=str(dev))
-    prompts = DB.humaneval_prompts(a.prompts, t.tokenizer, max(a.cert_prompts, 1))
+    prompts = DB.humaneval_prompts(a.prompts, t.tokenizer, max(a.cert_prompts, a.speed_prompts, 1))
     torch.manual_seed(0)
-    d = Drafter.from_target(t, draft_vocab_size=8192).to(device=dev, dtype=torch.bfloat16).eval()
+    if a.drafter:
+        d = Drafter.from_pretrained(str(a.drafter)).to(device=dev, dtype=torch.bfloat16).eval()
+        d.set_embedding(t.model.get_input_embeddings().weight)
+    else:
+        d = Drafter.from_target(t, draft_vocab_size=8192).to(device=dev, dtype=torch.bfloat16).eval()
     d.requires_grad_(False)
     bw = common.measure_copy_bandwidth(1.0) if dev.type == "cuda" else float("inf")
     taus = {k: float(v) for k, v in (x.split("=") for x in a.tau.split(",") if x)}
@@ -178,6 +231,19 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 errors[config] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
+    spd = []
+    if "speed" in a.sections:
+        for config in a.configs.split(","):
+            try:
+                speed(t, d, prompts[: a.speed_prompts], config, settings, a.speed_tokens, spd)
+            except Exception as e:  # noqa: BLE001
+                errors[f"speed {config}"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+        fastest = max((r["tok_s"] for r in spd if r["setting"] == "plain"), default=None)
+        for r in spd:
+            own = next(x["tok_s"] for x in spd if x["config"] == r["config"] and x["setting"] == "plain")
+            r["x_own_plain"] = r["tok_s"] / own
+            r["x_fastest_plain"] = r["tok_s"] / fastest
     if "certificate" in a.sections:
         try:
             certificate(t, prompts[: a.cert_prompts], dev, a.cert_tokens, cert)
@@ -195,6 +261,17 @@ def main() -> None:
             ["config", "setting", "ms", "plain_steps", "kernels", "by_kind", "floor_ms", "tau", "projected_speedup"],
         ),
     ]
+    if spd:
+        body += [
+            "",
+            f"Measured end to end (`generate`, greedy, CUDA graphs): {a.speed_prompts} prompts x {a.speed_tokens} new "
+            f"tokens, drafter {a.drafter or 'random'}; x_fastest_plain = tok/s over the fastest plain engine's of this "
+            "run; differ = prompts whose output is not plain decoding's (bf16 near ties: see the certificate).",
+            "",
+            common.markdown_table(
+                spd, ["config", "setting", "tok_s", "tau", "differ", "x_own_plain", "x_fastest_plain"]
+            ),
+        ]
     if cert:
         body += [
             "",
@@ -210,7 +287,7 @@ def main() -> None:
         "decode_small",
         "Decode: small-target round census and bf16 certificate (issue 16)",
         "\n".join(body),
-        {"census": rows, "certificate": cert, "errors": errors},
+        {"census": rows, "speed": spd, "certificate": cert, "errors": errors},
         "python bench/decode_small.py " + " ".join(sys.argv[1:]),
     )
 

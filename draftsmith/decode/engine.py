@@ -26,6 +26,7 @@ setting), followed by one host read of (accepted count, emitted tokens).
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -176,6 +177,10 @@ class SpeculativeDecoder:
     compact forward's one-token steps through `draftsmith.decode.kernels`, tiles tuned on the GPU at construction;
     experimental). `kernel_config`: those kernels' launch settings (a `draftsmith.decode.kernel_config.KernelConfig`,
     given to the runner, whose tuned tables construction fills where empty); default: the runner's own.
+    `kernel_rows` (kernels="triton"): target forwards of up to this many tokens (a chain verify) run all through the
+    kernels, their matmuls as `experimental.gemm_rows` (weights read once for all rows, norms and residuals folded
+    in: on a small, launch-bound target fewer and cheaper launches than cuBLAS + fused elementwise); 1 = the one-token
+    step only.
     """
 
     # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
@@ -199,6 +204,7 @@ class SpeculativeDecoder:
         attn_impl: str = "auto",
         kernels: str = "torch",
         kernel_config=None,
+        kernel_rows: int = 1,
     ):
         from draftsmith.decode.llama import ATTENTION_IMPLS, LlamaFamilyForward, supports
 
@@ -276,6 +282,7 @@ class SpeculativeDecoder:
                     "TRITON_INTERPRET=1 runs them in triton's interpreter, slowly: for tests)"
                 )
             self.runner.kernels = "triton"
+            self.runner.triton_max_rows = int(kernel_rows)
             self.kernel_tuning = self.runner.tune_kernels()  # before any compile or graph capture
         self.vocab_size = int(cfg.vocab_size)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) if model is not None else None
@@ -380,6 +387,15 @@ class SpeculativeDecoder:
                 self._eager_rows = self.runner._kernel_rows()
             if drafter is not None and hasattr(drafter, "inv_freq"):  # per-device cache filled before tracing
                 drafter.inv_freq(self.device)  # (else: a recompile)
+        # compile: a greedy round is traced whole (draft steps, verify, acceptance, hand-off, state updates) so
+        # inductor fuses its bookkeeping into its neighbours' kernels — on a launch-bound target a round's time is
+        # its kernel count (BENCHMARKS.md "Decode: small-target round census"). With an all-kernel verify (width <=
+        # `_eager_rows`, Triton launches dynamo does not trace) the draft and the finish are traced apart around it.
+        # (CUDA only: torch 2.13's CPU inductor emits C++ that does not compile for the traced round — a VecMask
+        # type clash; tests trace it on the CPU with backend="aot_eager", `compile_rounds`.)
+        self._c_round = self._c_chain_draft = self._c_chain_finish = None
+        if compile and self.backend == "llama" and drafter is not None and self.device.type == "cuda":
+            self.compile_rounds()
         self._build_drafter_view()
 
     def _build_drafter_view(self) -> None:
@@ -599,18 +615,19 @@ class SpeculativeDecoder:
         self.out_gap[: rows.shape[0]] = gap
         self.out_top[: rows.shape[0]] = top
 
-    def _handoff(self, tokens, aux_rows, n_acc):
+    def _handoff(self, tokens, aux_rows, n_acc, eager: bool = False):
         """Drafter re-prefill of the accepted tokens: tokens [M] (accepted drafts + bonus, padded),
         aux_rows [M, kH] (target aux of root + accepted drafts, padded), rows >= n_acc+1 are padding."""
         M = tokens.shape[0]
         dev = self.device
         pos = self.L + torch.arange(M, device=dev)
         mask = self._mask(pos)
-        h = self._draft_fwd(tokens, self._fuse(aux_rows), pos, pos, mask)
+        h = self._draft_fwd(tokens, self._fuse(aux_rows), pos, pos, mask, eager=eager)
         self.h_last.copy_(h.index_select(0, n_acc.view(1))[0])
 
-    def _chain_round(self, mode: DecodeMode, sp: SamplingParams):
-        K = mode.draft_tokens
+    def _chain_draft(self, K: int, sp: SamplingParams, eager: bool = False):
+        """A chain round's K drafts from `h_last` -> (ids [K+1] = root + drafts, positions, mask of the verify, draft
+        probs over the target vocab [K, V] (sampling) or None). `eager`: inside a traced round (no nested compile)."""
         dev = self.device
         L = self.L
         V = self.vocab_size
@@ -629,25 +646,64 @@ class SpeculativeDecoder:
             if i < K - 1:
                 p = (L + i).view(1)
                 mask = self._mask(p)
-                h = self._draft_fwd(ti, h.view(1, -1), p, p, mask)[0]
-        draft = torch.cat(drafts)  # [K]
-        ids = torch.cat([self.root.view(1), draft])
+                h = self._draft_fwd(ti, h.view(1, -1), p, p, mask, eager=eager)[0]
+        ids = torch.cat([self.root.view(1)] + drafts)
         pos = L + torch.arange(K + 1, device=dev)
-        mask = self._mask(pos)
-        logits, aux = self._target(ids, pos, pos, mask)
+        return ids, pos, self._mask(pos), (torch.stack(qs) if qs else None)
+
+    def _chain_finish(self, K: int, sp: SamplingParams, ids, logits, aux, qs, eager: bool = False) -> None:
+        """Accept the verified chain (logits [K+1, V] of `ids`), hand the accepted rows to the drafter, commit."""
+        draft = ids[1:]
         if sp.greedy:
             a, bonus = chain_accept(draft, None, None, torch.argmax(logits, -1))
         else:
-            a, bonus = chain_accept(draft, warp(logits, sp), torch.stack(qs), None)
+            a, bonus = chain_accept(draft, warp(logits, sp), qs, None)
         out = torch.cat([draft, draft[:1]]).index_copy(0, a.view(1), bonus.view(1))
         if self.record_margins:  # emitted token i was chosen by verify row i
             self._record(logits)
-        self._handoff(out, aux, a)
+        self._handoff(out, aux, a, eager=eager)
         self.out[: K + 1] = out
         self.n_emit.copy_(a + 1)
         self.root.copy_(bonus)
         self.L.add_(a + 1)
+
+    def _chain_round(self, mode: DecodeMode, sp: SamplingParams, eager: bool = False):
+        K = mode.draft_tokens
+        ids, pos, mask, qs = self._chain_draft(K, sp, eager)
+        logits, aux = self._target(ids, pos, pos, mask, eager=eager)
+        self._chain_finish(K, sp, ids, logits, aux, qs, eager)
         self._last_draft = ids
+
+    def compile_rounds(self, backend: str = "inductor", fullgraph: bool = False) -> None:
+        """torch.compile greedy rounds whole (`_traced_round`; a chain with an all-kernel verify as draft + finish);
+        compile=True does it on CUDA. `backend`/`fullgraph`: tests trace the rounds on the CPU ("aot_eager",
+        fullgraph=True: no graph break). Drops captured graphs."""
+        c = functools.partial(torch.compile, dynamic=False, backend=backend, fullgraph=fullgraph)
+        if backend == "inductor":
+            c = functools.partial(c, mode=self.compile_mode)
+        self._c_round = c(self._traced_round)
+        self._c_chain_draft = c(self._chain_draft)
+        self._c_chain_finish = c(self._chain_finish)
+        self._graphs.clear()
+
+    def _traced_round(self, mode: DecodeMode, sp: SamplingParams):
+        """A whole round for torch.compile (`_c_round`): every forward inside it traced inline."""
+        if mode.kind == "chain":
+            self._chain_round(mode, sp, eager=True)
+        else:
+            self._tree_round(mode, sp, eager=True)
+
+    def _compiled_round(self, mode: DecodeMode, sp: SamplingParams):
+        """The round `_step_fn` runs under compile=True for greedy decoding: traced whole, or (a chain whose verify
+        is the all-kernel width) its draft and finish traced around the eager verify."""
+        if mode.kind == "chain" and mode.draft_tokens + 1 <= self._eager_rows:
+            K = mode.draft_tokens
+            ids, pos, mask, qs = self._c_chain_draft(K, sp, True)
+            logits, aux = self._target(ids, pos, pos, mask)
+            self._c_chain_finish(K, sp, ids, logits, aux, qs, True)
+            self._last_draft = ids
+        else:
+            self._c_round(mode, sp)
 
     def _chain_round_cpu(self, mode: DecodeMode) -> None:
         """The greedy chain round on the CPU (`_step_fn` picks it): the same draft, verify, accept and hand-off as
@@ -773,13 +829,14 @@ class SpeculativeDecoder:
         written at slots [R] (= L..L+R-1, inside the cache: the round's capacity check guarantees it)."""
         return prefix.expand(region.shape[0], -1).clone().index_copy_(1, slots, region)
 
-    def _tree_round(self, mode: DecodeMode, sp: SamplingParams):
+    def _tree_round(self, mode: DecodeMode, sp: SamplingParams, eager: bool = False):
         k, D, N = mode.top_k, mode.depth, mode.tree_tokens
         c = self._tree_consts(mode)
+        topk = self._draft_topk if eager else self._d_topk
         L = self.L
         prefix = self._ar < L  # committed slots, shared by every mask of the round
         # candidates: token (target id), score (cumulative log-prob), parent (candidate index, -1 = root)
-        s1, i1 = self._d_topk(self.h_last, k)
+        s1, i1 = topk(self.h_last, k)
         c_tok, c_score, c_parent = [self.d_ids.gather(0, i1)], [s1], [c["parent0"]]
         # (no python-scalar advanced-index writes below: those would copy host->device inside a graph)
         anc = c["anc0"].clone()  # candidate ancestor-or-self
@@ -790,8 +847,8 @@ class SpeculativeDecoder:
         for j in range(1, D):
             f_mask = c["f_add"][0] if f_mask is None else f_mask | c["f_add"][j - 1]
             mask = self._region(prefix, region_slots, f_mask)
-            h = self._draft_fwd(f_tok, f_h, pos_all[j - 1], slots_all[j - 1], mask)  # [k, H]
-            sj, ij = self._d_topk(h, k)  # [k, k]
+            h = self._draft_fwd(f_tok, f_h, pos_all[j - 1], slots_all[j - 1], mask, eager=eager)  # [k, H]
+            sj, ij = topk(h, k)  # [k, k]
             sc = (f_score[:, None] + sj).reshape(-1)
             tok = self.d_ids[ij.reshape(-1)]
             pc = f_cand.repeat_interleave(k)  # parent candidate of each child
@@ -820,7 +877,7 @@ class SpeculativeDecoder:
         tmask[1:, 1:] = anc.index_select(0, sel).index_select(1, sel)
         # verify
         slots = L + c["ar_N1"]
-        logits, aux = self._target(node_tok, L + node_depth, slots, self._region(prefix, slots, tmask))
+        logits, aux = self._target(node_tok, L + node_depth, slots, self._region(prefix, slots, tmask), eager=eager)
         choice = choose(logits, sp)  # [N+1]: argmax, or one draw per node from p (recursive rejection)
         # accept: node i is on the accepted path iff it and all its ancestors match their parent's choice (a
         # node's children are distinct tokens, so the accepted nodes form one path); the deepest is where it ends
@@ -839,7 +896,7 @@ class SpeculativeDecoder:
         self.runner.compact(L + path_t, L + c["ar_D1"])
         if self.states is not None:  # the recorded states follow their K/V
             self.states.index_copy_(0, L + c["ar_D1"], self.states.index_select(0, L + path_t))
-        self._handoff(out, aux.index_select(0, path_t), a)
+        self._handoff(out, aux.index_select(0, path_t), a, eager=eager)
         self.out[: D + 1] = out
         a1 = a + 1
         self.n_emit.copy_(a1)
@@ -854,8 +911,12 @@ class SpeculativeDecoder:
         if mode.kind == "chain":
             if self.host_rounds and self._d_cpu is not None and sp.greedy and not self.record_margins:
                 return lambda: self._chain_round_cpu(mode)
+        else:
+            self._tree_consts(mode)  # built here, outside the round (and outside any graph capture)
+        if self._c_round is not None and sp.greedy:
+            return lambda: self._compiled_round(mode, sp)
+        if mode.kind == "chain":
             return lambda: self._chain_round(mode, sp)
-        self._tree_consts(mode)  # built here, outside the round (and outside any graph capture)
         return lambda: self._tree_round(mode, sp)
 
     def _runner_for(self, mode: DecodeMode, sp: SamplingParams):

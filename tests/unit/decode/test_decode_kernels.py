@@ -251,11 +251,13 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
     if split:
         mask[: T // 2, :split] = False  # a chunk that half the rows (in the same tile as the rest) do not see
     o = rows_attention(q, kc, vc, mask, d**-0.5, split_len=split, block_s=bs, block_r=br)
-    # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing
+    # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing but
+    # the kernel's specialisation (another compiled loop: on an H200 fp32 results moved by one ulp, 1.2e-7)
     o_slots = rows_attention(
         q, kc, vc, mask, d**-0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split, block_s=bs, block_r=br
     )
-    torch.testing.assert_close(o_slots, o, atol=0, rtol=0)
+    tol = 2e-6 if dtype == torch.float32 else 0
+    torch.testing.assert_close(o_slots, o, atol=tol, rtol=tol)
     ref = (
         grouped_attention(
             q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask, d**-0.5, "bmm"
