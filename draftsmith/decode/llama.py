@@ -4,6 +4,8 @@ One readable file: it borrows the weights of a loaded HF model (no copies, excep
 gate/up matrices), owns a static KV cache, takes explicit positions, cache slots and a boolean attention
 mask (tree or causal), and returns logits plus the aux states (outputs of the drafter's aux layers,
 layer-output ids). Every shape is static given (T, max_len), so a step can be captured in a CUDA graph.
+A forward of T rows is straight-line code over one ops plan (`plan(T)`, a `draftsmith.decode.ops.Ops`: torch, the
+CPU's transposed copies, or Triton kernels), chosen when the settings change, never op by op inside the forward.
 
 Numerics follow HF's modules op for op (RMSNorm in fp32, RoPE tables from HF's own rotary module), so
 greedy output matches HF's to the last bit in fp32; in bf16 tiny differences of matmul blocking remain.
@@ -16,7 +18,6 @@ sliding windows shorter than the cache, dynamic NTK RoPE, MoE, other architectur
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -74,13 +75,6 @@ def prepare_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.T
 ATTENTION_IMPLS = ("sdpa", "bmm", "split")
 # the ops of a one-token step that `kernels = "triton"` can route to draftsmith.decode.kernels
 TRITON_OPS = ("qkv", "rope", "attn", "o", "gate_up", "down", "lm_head")
-
-
-def _gemm_rows():
-    """The experimental T-row matmul launcher (`triton_max_rows > 1` only: the default forward never imports it)."""
-    from draftsmith.decode.experimental.gemm_rows import gemm_rows
-
-    return gemm_rows
 
 
 def grouped_attention(q, k_cache, v_cache, mask, scale, impl: str = "sdpa"):
@@ -168,21 +162,25 @@ class LlamaFamilyForward(torch.nn.Module):
         self.act = ACT2FN[getattr(cfg, "hidden_act", "silu")]
         self.aux_layers = [int(i) for i in aux_layers]
         self.max_len = int(max_len)
-        self.attn_impl = "sdpa"  # see grouped_attention
+        self.attn_impl = "sdpa"  # see grouped_attention (read by the plans at call time)
+        # The settings below choose each width's plan (`plan`): assigning one rebuilds the plans.
         # "triton": one-token steps run through `draftsmith.decode.kernels` (norms, residual adds, silu*up, RoPE
-        # and the cache write folded into seven kernels a layer, BENCHMARKS.md "P1"); "torch": F.linear and separate ops. `triton_ops` picks which of TRITON_OPS take the kernels (the
-        # others stay torch), so a benchmark can route each op to whichever is faster. Wider forwards (a verify, a
-        # hand-off) take only the attention kernel (`triton_ops_for`). `triton_max_rows` > 1 also sends forwards of
-        # up to that many tokens through the T-row matmul kernels (`experimental.gemm_rows`): experimental and off by
-        # default — correct but slower than cuBLAS so far (docs/LOG.md).
-        self.kernels = "torch"
+        # and the cache write folded into seven kernels a layer, BENCHMARKS.md "P1"); "torch": F.linear and separate
+        # ops. `triton_ops` picks which of TRITON_OPS take the kernels (the others stay torch), so a benchmark can
+        # route each op to whichever is faster. Wider forwards (a verify, a hand-off) take only the attention kernel
+        # (`triton_ops_for`). `triton_max_rows` > 1 also sends forwards of up to that many tokens through the T-row
+        # matmul kernels (`experimental.gemm_rows`): experimental and off by default — correct but slower than
+        # cuBLAS so far (docs/LOG.md).
+        self._kernels = "torch"
         # the kernels' launch settings (tiles, tuned tables, PDL): filled by `tune_kernels`; a benchmark assigns
         # its own (before the engine captures graphs)
-        self.kernel_config = KernelConfig()
-        self.triton_ops = set(TRITON_OPS)
-        self.triton_max_rows = 1
+        self._kernel_config = KernelConfig()
+        self._triton_ops = frozenset(TRITON_OPS)
+        self._triton_max_rows = 1
+        self._plans = None  # width -> Ops, built by `invalidate_plans` once the weights are in place
+        self._wide_plan = None
         self.w = weights
-        self.layers = []
+        self._layers = []
         for i in range(self.n_layers):
             p = f"layers.{i}."
             g = lambda n: weights.get(p + n)  # noqa: E731
@@ -216,7 +214,7 @@ class LlamaFamilyForward(torch.nn.Module):
                 down=g("mlp.down_proj.weight"),
                 down_bias=g("mlp.down_proj.bias"),
             )
-            self.layers.append(L)
+            self._layers.append(L)
         self.embed = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
         self.lm_head = weights["lm_head.weight"]
@@ -225,7 +223,7 @@ class LlamaFamilyForward(torch.nn.Module):
         self.cos = cos.to(self.device, self.dtype).contiguous()  # [max_len, d] (rows indexed by the kernels)
         self.sin = sin.to(self.device, self.dtype).contiguous()
         self._alloc_cache()
-        self._build_cpu_transposed()
+        self._build_cpu_transposed()  # builds the plans
 
     # A small model on the CPU: every matmul of the forward as x @ W^T from a contiguous [in, out] copy. MKL's
     # x @ W.t() (what F.linear runs) takes ~2x as long for these shapes, and 2.4x for a multi-row lm_head
@@ -234,18 +232,23 @@ class LlamaFamilyForward(torch.nn.Module):
     CPU_TRANSPOSED_MAX_BYTES = 256 << 20
 
     def _build_cpu_transposed(self) -> None:
-        self._wt = None
-        if self.device.type != "cpu" or self.weight_bytes() > self.CPU_TRANSPOSED_MAX_BYTES:
-            return
-        if len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
-            return
-        t = lambda w: w.t().contiguous()  # noqa: E731
-        self._wt = [(t(L.qkv[0]), t(L.o), t(L.gate_up[0]), t(L.down)) for L in self.layers]
-        self._lm_head_t = t(self.lm_head)
+        self._wt = self._lm_head_t = None
+        if (
+            self.device.type == "cpu"
+            and self.weight_bytes() <= self.CPU_TRANSPOSED_MAX_BYTES
+            and len(self.layers[0].qkv) == 1
+            and len(self.layers[0].gate_up) == 1
+        ):
+            from draftsmith.decode.ops import TransposedLayer
+
+            t = lambda w: w.t().contiguous()  # noqa: E731
+            self._wt = [TransposedLayer(L, t(L.qkv[0]), t(L.o), t(L.gate_up[0]), t(L.down)) for L in self.layers]
+            self._lm_head_t = t(self.lm_head)
+        self.invalidate_plans()
 
     @property
     def cpu_transposed(self) -> bool:
-        """Whether the forward's torch path runs from the CPU's transposed weight copies (`_forward_cpu`)."""
+        """Whether the forward's torch path runs from the CPU's transposed weight copies (`ops.CpuTransposedOps`)."""
         return self._wt is not None
 
     def set_cpu_transposed(self, on: bool) -> None:
@@ -253,12 +256,8 @@ class LlamaFamilyForward(torch.nn.Module):
         if on:
             self._build_cpu_transposed()
         else:
-            self._wt = None
-
-    @staticmethod
-    def _mm(x, wt, b):
-        """x [T, in] @ wt [in, out] (+ b): F.linear with a pre-transposed weight."""
-        return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+            self._wt = self._lm_head_t = None
+            self.invalidate_plans()
 
     def _alloc_cache(self) -> None:
         self.k_cache = self.v_cache = self.k_layers = self.v_layers = None
@@ -361,20 +360,114 @@ class LlamaFamilyForward(torch.nn.Module):
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.head_dim * self.k_cache.element_size()
 
-    # ---------------------------------------------------------------- forward
-    @staticmethod
-    def _lin(x, ws, bs):
-        if len(ws) == 1:
-            return F.linear(x, ws[0], bs[0])
-        return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
+    # ---------------------------------------------------------------- plans
+    # A forward of T rows runs one `ops.Ops` object, chosen once per width (not op by op inside the layer loop):
+    # torch, the CPU's transposed copies, or Triton kernels for the ops `triton_ops` routes (`_route`). The settings
+    # that decide it are properties whose setters rebuild the plans.
+    @property
+    def kernels(self) -> str:
+        return self._kernels
 
-    def triton_ops_for(self, T: int) -> frozenset:
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        if value != self._kernels:
+            self._kernels = value
+            self.invalidate_plans()
+
+    @property
+    def triton_ops(self) -> frozenset:
+        """The ops of TRITON_OPS that kernels="triton" routes to the kernels (assign any iterable of names)."""
+        return self._triton_ops
+
+    @triton_ops.setter
+    def triton_ops(self, value) -> None:
+        value = frozenset(value)
+        if value != self._triton_ops:
+            self._triton_ops = value
+            self.invalidate_plans()
+
+    @property
+    def triton_max_rows(self) -> int:
+        return self._triton_max_rows
+
+    @triton_max_rows.setter
+    def triton_max_rows(self, value: int) -> None:
+        if int(value) != self._triton_max_rows:
+            self._triton_max_rows = int(value)
+            self.invalidate_plans()
+
+    @property
+    def kernel_config(self) -> KernelConfig:
+        return self._kernel_config
+
+    @kernel_config.setter
+    def kernel_config(self, value: KernelConfig) -> None:
+        # by identity: the plans launch with this object, which `tune_kernels` fills in place
+        if value is not self._kernel_config:
+            self._kernel_config = value
+            self.invalidate_plans()
+
+    @property
+    def layers(self) -> list:
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: list) -> None:
+        self._layers = value
+        self.invalidate_plans()
+
+    def invalidate_plans(self) -> None:
+        """Rebuild every width's plan from the current settings (the setters call it).
+
+        Built here, eagerly, for every width whose route can differ (1 .. the widest kernel width) plus one plan
+        shared by all wider forwards, so `plan` is a dict lookup that never misses: a plan built lazily inside a
+        `torch.compile` trace would leave a guard on the miss, and the next call at that width would recompile."""
+        if not hasattr(self, "_wt"):  # still in __init__: `_build_cpu_transposed` builds them
+            return
+        n = 1
+        if self._kernels == "triton":
+            from draftsmith.decode import kernels as K
+
+            n = max(self._kernel_rows(), K.ROWS_ATTN_MAX)
+        shared: dict = {}
+        self._plans = {T: self._plan_for(T, shared) for T in range(1, n + 1)}
+        self._wide_plan = self._plan_for(n + 1, shared)
+
+    def _plan_for(self, T: int, shared: dict):
+        """The Ops of a T-row forward (one object per route, shared by the widths that take it)."""
+        from draftsmith.decode import ops as O
+
+        routed = self._route(T)
+        if not routed:
+            key = ("cpu",) if self._wt is not None else ("torch",)
+        elif T > self._kernel_rows():
+            key = ("attn",)  # `_route` leaves a wider forward the attention alone
+        else:
+            key = ("step" if T == 1 else "rows", routed)
+        if key not in shared:
+            if key[0] == "cpu":
+                shared[key] = O.CpuTransposedOps(self, self._wt, self._lm_head_t)
+            elif key[0] == "torch":
+                shared[key] = O.TorchOps(self)
+            elif key[0] == "attn":
+                shared[key] = O.TritonAttnOps(self)
+            else:
+                cls = O.TritonStepOps if key[0] == "step" else O.TritonRowsOps
+                shared[key] = cls(self, routed, self._kernel_rows())
+        return shared[key]
+
+    def plan(self, T: int):
+        """The `ops.Ops` a forward of T rows runs (resolved when the settings change; a plain dict lookup, which
+        torch.compile traces as a constant)."""
+        return self._plans.get(T, self._wide_plan)
+
+    def _route(self, T: int) -> frozenset:
         """The ops of a T-token forward that run through draftsmith.decode.kernels (empty: the torch path). A
         one-token step (and, with `triton_max_rows`, up to that many tokens) takes every op of `triton_ops` it can;
         a wider forward of up to `kernels.ROWS_ATTN_MAX` tokens (a verify, a hand-off) takes only the attention
         (`kernels.rows_attention`: one kernel pair over the tree mask where torch needs the mask expanded, two
         batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (long prefills) none."""
-        if self.kernels != "triton" or len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
+        if self._kernels != "triton" or len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
 
@@ -393,6 +486,10 @@ class LlamaFamilyForward(torch.nn.Module):
             ops.discard("attn")
         return frozenset(ops)
 
+    def triton_ops_for(self, T: int) -> frozenset:
+        """The ops of a T-token forward that its plan routes to draftsmith.decode.kernels (`_route`; empty: torch)."""
+        return self.plan(T).routed
+
     def triton_step(self, T: int) -> bool:
         """Whether a T-token forward is the all-kernel step (its matmuls are gemv/gemm_rows launches), which runs
         without torch.compile (the engine resolves the widths at build: `SpeculativeDecoder._eager_rows`)."""
@@ -410,8 +507,10 @@ class LlamaFamilyForward(torch.nn.Module):
     def gemv_kinds(self) -> dict:
         """Weight kind -> (every layer's matrix of that kind, what a one-token step folds into its gemv: the
         `kernels.tune_gemv` keyword arguments, with layer 0's norm weight and bias standing for all layers')."""
+        from draftsmith.decode.ops import mlp_folds
+
         L0 = self.layers[0]
-        glu, act_mul = self._mlp_folds(self.triton_ops_for(1) or frozenset(self.triton_ops))
+        glu, act_mul = mlp_folds(self._silu(), self.triton_ops_for(1) or frozenset(self.triton_ops))
         return {
             "qkv": ([L.qkv[0] for L in self.layers], dict(norm_weight=L0.input_norm, bias=L0.qkv_bias[0])),
             "o": ([L.o for L in self.layers], dict(bias=L0.o_bias, residual=True)),
@@ -423,17 +522,10 @@ class LlamaFamilyForward(torch.nn.Module):
             "lm_head": ([self.lm_head], dict(norm_weight=self.norm)),
         }
 
-    def _mlp_folds(self, ops, T: int = 1) -> tuple[bool, bool]:
-        """Where a T-token forward computes silu(gate) * up: (in gate_up's epilogue, in down's prologue — the
-        one-row gemv only); neither for another activation (torch computes it between the two matmuls)."""
-        silu = self._silu()
-        glu = silu and "gate_up" in ops
-        return glu, silu and not glu and "down" in ops and T == 1
-
     def tune_kernels(self) -> list[dict]:
         """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`, the tiles of
-        `kernel_config.gemv_sweep`), kept in `kernel_config.gemv_tuned`; call it before capturing graphs. One row per (kind, tile); [] on CPU. (The attention plan follows a rule:
-        `kernels.tune_attention` says why.)"""
+        `kernel_config.gemv_sweep`), kept in `kernel_config.gemv_tuned`; call it before capturing graphs. One row per
+        (kind, tile); [] on CPU. (The attention plan follows a rule: `kernels.tune_attention` says why.)"""
         from draftsmith.decode import kernels as K
 
         cfg = self.kernel_config
@@ -446,6 +538,7 @@ class LlamaFamilyForward(torch.nn.Module):
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
 
+    # ---------------------------------------------------------------- forward
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -464,111 +557,23 @@ class LlamaFamilyForward(torch.nn.Module):
         With kernels="triton" the mask must show no slot past the highest of `slots` (as in any causal use:
         `kernels.rows_attention` reads none).
         """
-        T = input_ids.shape[0]
-        S = mask.shape[1]
-        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        ops = self.triton_ops_for(T)
-        K = None
-        kconf = self.kernel_config
-        if ops:
-            from draftsmith.decode import kernels as K
+        T, S = input_ids.shape[0], mask.shape[1]
+        ops = self.plan(T)
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        if "rope" not in ops:
-            cos = self.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
-            sin = self.sin.index_select(0, positions)[None, :, None, :]
-        amask = prepare_mask(mask, nh // nkv, self.dtype) if "attn" not in ops else None
-        glu, fold_act = self._mlp_folds(ops, T)
-        # the matmul launcher with the runner's kernel settings (only where a matmul takes it: a wider forward's
-        # ops are the attention alone, and a compiled one should trace nothing more than before)
-        lin = functools.partial(K.gemv if T == 1 else _gemm_rows(), config=kconf) if ops - {"attn", "rope"} else None
-        if self._wt is not None and not ops:
-            return self._forward_cpu(h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final)
+        attn_mask, rope = ops.prepare(mask, positions)
         aux = {}
-        for i, L in enumerate(self.layers):
-            if "qkv" in ops:
-                qkv = lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0])
-            else:
-                qkv = self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
+        for i, L in enumerate(ops.layers):
             kc, vc = self.k_layers[i], self.v_layers[i]
-            if "rope" in ops:  # q/k norm, RoPE and both cache writes in one kernel
-                q = K.rope_and_cache(
-                    qkv, positions, slots, self.cos, self.sin, kc, vc, nh, nkv, L.qk_norm, self.eps, config=kconf
-                )[None]  # [1, T, nh, d]
-            else:
-                qkv = qkv.view(1, T, nh + 2 * nkv, d)
-                qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
-                if L.qk_norm is not None:
-                    qk = _rms(qk, L.qk_norm, self.eps)
-                qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
-                q, k = qk[:, :, :nh], qk[:, :, nh:]
-                kc.index_copy_(2, slots, k.transpose(1, 2))
-                vc.index_copy_(2, slots, v.transpose(1, 2))
-            if "attn" in ops and T == 1:
-                o = K.decode_attention(q, kc, vc, mask[0], self.scale, config=kconf)  # [1, nh * d]
-            elif "attn" in ops:
-                o = K.rows_attention(q[0], kc, vc, mask, self.scale, slots, config=kconf)  # [T, nh * d]
-            else:
-                o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
-                o = o.transpose(1, 2).reshape(T, nh * d)
-            if "o" in ops:
-                h = lin(o, L.o, bias=L.o_bias, residual=h)
-            else:
-                h = h + F.linear(o, L.o, L.o_bias)
-            if "gate_up" in ops:  # with glu: silu(gate) * up computed in its epilogue, [T, I]
-                gu = lin(h, L.gate_up[0], L.post_norm, self.eps, bias=L.gate_up_bias[0], glu=glu)
-            else:
-                gu = self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias)
-            if glu:
-                if "down" in ops:
-                    h = lin(gu, L.down, bias=L.down_bias, residual=h)
-                else:
-                    h = h + F.linear(gu, L.down, L.down_bias)
-            elif fold_act:  # silu(gate) * up folded into the down projection
-                h = K.gemv(gu, L.down, bias=L.down_bias, residual=h, act_mul=True, config=kconf)
-            else:
-                g, u = gu.chunk(2, -1)
-                if "down" in ops:
-                    h = lin(self.act(g) * u, L.down, bias=L.down_bias, residual=h)
-                else:
-                    h = h + F.linear(self.act(g) * u, L.down, L.down_bias)
+            qkv = ops.qkv(h, L)
+            q = ops.rope_cache(qkv, rope, slots, kc, vc, L)  # [1, T, nh, d]; the T rows' K/V written
+            o = ops.attention(q, kc, vc, attn_mask, slots, S)  # [T, nh * d]
+            h = ops.o_proj(o, h, L)
+            h = ops.mlp(h, L)
             if (want_aux or want_final) and i in self.aux_layers:
                 aux[i] = h
         aux_t = self._aux_out(aux, h, want_aux, want_final)
         hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        if "lm_head" in ops and hs.shape[0] <= self._kernel_rows():
-            return lin(hs, self.lm_head, self.norm, self.eps).float(), aux_t
-        logits = F.linear(_rms(hs, self.norm, self.eps), self.lm_head).float()
-        return logits, aux_t
-
-    def _forward_cpu(self, h, positions, slots, mask, cos, sin, amask, logits_rows, want_aux, want_final=False):
-        """`forward`'s torch path with the pre-transposed weights (`_build_cpu_transposed`): the same ops in the same
-        order, each matmul as `_mm`."""
-        T, S = h.shape[0], mask.shape[1]
-        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        mm = self._mm
-        aux = {}
-        for i, (L, (qkv_t, o_t, gu_t, down_t)) in enumerate(zip(self.layers, self._wt)):
-            qkv = mm(_rms(h, L.input_norm, self.eps), qkv_t, L.qkv_bias[0]).view(1, T, nh + 2 * nkv, d)
-            kc, vc = self.k_layers[i], self.v_layers[i]
-            qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
-            if L.qk_norm is not None:
-                qk = _rms(qk, L.qk_norm, self.eps)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
-            q, k = qk[:, :, :nh], qk[:, :, nh:]
-            kc.index_copy_(2, slots, k.transpose(1, 2))
-            vc.index_copy_(2, slots, v.transpose(1, 2))
-            o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], amask, self.scale, self.attn_impl)
-            h = h + mm(o.transpose(1, 2).reshape(T, nh * d), o_t, L.o_bias)
-            g, u = mm(_rms(h, L.post_norm, self.eps), gu_t, L.gate_up_bias[0]).chunk(2, -1)
-            h = h + mm(self.act(g) * u, down_t, L.down_bias)
-            if (want_aux or want_final) and i in self.aux_layers:
-                aux[i] = h
-        aux_t = self._aux_out(aux, h, want_aux, want_final)
-        hs = h if logits_rows is None else h.index_select(0, logits_rows)
-        x = _rms(hs, self.norm, self.eps)
-        # one row: MKL's gemv over W [V, H] is as fast as the transposed copy (0.44 vs 0.46 ms at V=16384)
-        logits = F.linear(x, self.lm_head) if x.shape[0] == 1 else torch.mm(x, self._lm_head_t)
-        return logits.float(), aux_t
+        return ops.lm_head(hs), aux_t
 
     def _aux_out(self, aux: dict, h: torch.Tensor, want_aux: bool, want_final: bool):
         """The forward's second output: the aux layers' rows [T, k*H], + h (the last layer's output, before the final

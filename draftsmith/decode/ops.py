@@ -1,0 +1,331 @@
+"""The per-layer ops of the compact forward (`llama.LlamaFamilyForward`), one implementation per route.
+
+A forward of T rows runs one `Ops` object, its plan (`LlamaFamilyForward.plan(T)`), chosen once per width when the
+runner's settings change: the forward itself is straight-line code over the layers and never asks which op goes
+where. Implementations:
+
+  TorchOps          F.linear and torch ops (any device; what `torch.compile` fuses)
+  CpuTransposedOps  TorchOps with every matmul from a pre-transposed [in, out] copy (small models on the CPU)
+  TritonAttnOps     TorchOps with the attention through `kernels.rows_attention` (verify / hand-off widths)
+  TritonStepOps     the one-token step through `draftsmith.decode.kernels` (gemv with its folds, rope_and_cache,
+                    decode_attention); each op of TRITON_OPS not routed stays TorchOps'
+  TritonRowsOps     the experimental T-row step (`experimental.gemm_rows` for the matmuls, rows_attention)
+
+The split between torch and kernels is made in the constructors (`TritonStepOps` binds each routed op's kernel
+method over TorchOps' once), so every op of a plan runs the same launches, in the same order, as the op-by-op
+forward it replaces did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.decode.llama import _rms, _rotate_half, grouped_attention, prepare_mask
+
+
+def mlp_folds(silu: bool, routed: frozenset, one_row: bool = True) -> tuple[bool, bool]:
+    """Where a forward computes silu(gate) * up: (in gate_up's epilogue, in down's prologue — the one-row gemv
+    only); neither for another activation (torch computes it between the two matmuls)."""
+    glu = silu and "gate_up" in routed
+    return glu, silu and not glu and "down" in routed and one_row
+
+
+class Ops:
+    """The ops of a forward of T rows over one layer `L` (an element of `layers`), in the order the forward calls
+    them. `prepare(mask, positions) -> (attn_mask, rope)` runs once per forward: `attn_mask` is what `attention`
+    takes as its mask, `rope` what `rope_cache` takes as its positions. Shapes: h [T, H], q [1, T, nh, d],
+    o [T, nh * d], logits [R, V] fp32."""
+
+    name = "ops"
+    routed: frozenset = frozenset()  # the ops of llama.TRITON_OPS this plan sends to draftsmith.decode.kernels
+    layers: list  # what each layer's ops take as `L`
+
+    def prepare(self, mask, positions):
+        raise NotImplementedError
+
+    def qkv(self, h, L):
+        raise NotImplementedError
+
+    def rope_cache(self, qkv, positions, slots, kc, vc, L):
+        raise NotImplementedError
+
+    def attention(self, q, kc, vc, mask, slots, S):
+        raise NotImplementedError
+
+    def o_proj(self, o, h, L):
+        raise NotImplementedError
+
+    def mlp(self, h, L):
+        raise NotImplementedError
+
+    def lm_head(self, hs):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(routed={sorted(self.routed)})"
+
+
+class TorchOps(Ops):
+    """F.linear and torch ops: HF's modules op for op (what a GPU runs with kernels="torch", and what torch.compile
+    fuses). `f` is the LlamaFamilyForward (read at call time: the caches, RoPE tables and `attn_impl` it may swap)."""
+
+    name = "torch"
+
+    def __init__(self, f):
+        self.f = f
+        self.layers = f.layers
+        self.eps = f.eps
+        self.nh, self.nkv, self.d = f.n_heads, f.n_kv, f.head_dim
+
+    @staticmethod
+    def _lin(x, ws, bs):
+        if len(ws) == 1:
+            return F.linear(x, ws[0], bs[0])
+        return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
+
+    def _rope_rows(self, positions):
+        f = self.f
+        cos = f.cos.index_select(0, positions)[None, :, None, :]  # [1, T, 1, d]
+        sin = f.sin.index_select(0, positions)[None, :, None, :]
+        return cos, sin
+
+    def prepare(self, mask, positions):
+        # the additive mask is built once per forward and shared by all layers (`llama.prepare_mask`)
+        rope = self._rope_rows(positions)
+        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype), rope
+
+    def qkv(self, h, L):
+        return self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
+
+    def rope_cache(self, qkv, positions, slots, kc, vc, L):
+        cos, sin = positions
+        nh, nkv = self.nh, self.nkv
+        qkv = qkv.view(1, qkv.shape[0], nh + 2 * nkv, self.d)
+        qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
+        if L.qk_norm is not None:
+            qk = _rms(qk, L.qk_norm, self.eps)
+        qk = (qk * cos) + (_rotate_half(qk) * sin)  # RoPE on q and k heads in one pass
+        q, k = qk[:, :, :nh], qk[:, :, nh:]
+        kc.index_copy_(2, slots, k.transpose(1, 2))
+        vc.index_copy_(2, slots, v.transpose(1, 2))
+        return q
+
+    def attention(self, q, kc, vc, mask, slots, S):
+        f = self.f
+        o = grouped_attention(q.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], mask, f.scale, f.attn_impl)
+        return o.transpose(1, 2).reshape(q.shape[1], self.nh * self.d)
+
+    def o_proj(self, o, h, L):
+        return h + F.linear(o, L.o, L.o_bias)
+
+    def mlp(self, h, L):
+        g, u = self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias).chunk(2, -1)
+        return h + F.linear(self.f.act(g) * u, L.down, L.down_bias)
+
+    def lm_head(self, hs):
+        f = self.f
+        return F.linear(_rms(hs, f.norm, self.eps), f.lm_head).float()
+
+
+@dataclasses.dataclass
+class TransposedLayer:
+    """A layer's weights for `CpuTransposedOps`: the borrowed `LayerWeights` (norms, biases) and contiguous [in, out]
+    copies of its four matrices."""
+
+    w: object  # llama.LayerWeights
+    qkv_t: torch.Tensor
+    o_t: torch.Tensor
+    gate_up_t: torch.Tensor
+    down_t: torch.Tensor
+
+
+class CpuTransposedOps(TorchOps):
+    """TorchOps with every matmul as x @ W^T from a contiguous [in, out] copy (`LlamaFamilyForward.cpu_transposed`:
+    MKL's x @ W.t(), what F.linear runs, takes ~2x as long for a small model's shapes): the same ops in the same
+    order."""
+
+    name = "cpu_transposed"
+
+    def __init__(self, f, layers: list, lm_head_t: torch.Tensor):
+        super().__init__(f)
+        self.layers = layers
+        self.lm_head_t = lm_head_t
+
+    @staticmethod
+    def _mm(x, wt, b):
+        """x [T, in] @ wt [in, out] (+ b): F.linear with a pre-transposed weight."""
+        return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+    def qkv(self, h, L):
+        return self._mm(_rms(h, L.w.input_norm, self.eps), L.qkv_t, L.w.qkv_bias[0])
+
+    def rope_cache(self, qkv, positions, slots, kc, vc, L):
+        return super().rope_cache(qkv, positions, slots, kc, vc, L.w)
+
+    def o_proj(self, o, h, L):
+        return h + self._mm(o, L.o_t, L.w.o_bias)
+
+    def mlp(self, h, L):
+        g, u = self._mm(_rms(h, L.w.post_norm, self.eps), L.gate_up_t, L.w.gate_up_bias[0]).chunk(2, -1)
+        return h + self._mm(self.f.act(g) * u, L.down_t, L.w.down_bias)
+
+    def lm_head(self, hs):
+        x = _rms(hs, self.f.norm, self.eps)
+        # one row: MKL's gemv over W [V, H] is as fast as the transposed copy (0.44 vs 0.46 ms at V=16384)
+        logits = F.linear(x, self.f.lm_head) if x.shape[0] == 1 else torch.mm(x, self.lm_head_t)
+        return logits.float()
+
+
+class TritonAttnOps(TorchOps):
+    """A wider forward (a verify, a hand-off; up to `kernels.ROWS_ATTN_MAX` rows): torch's matmuls, norms and RoPE,
+    the attention through `kernels.rows_attention` — one kernel pair over the tree mask where torch needs the mask
+    expanded, two batched matmuls, a softmax and two copies. A torch custom op, so a compiled forward traces it."""
+
+    name = "triton_attn"
+    routed = frozenset({"attn"})
+
+    def __init__(self, f):
+        super().__init__(f)
+        from draftsmith.decode import kernels as K
+
+        self.K = K
+        self.config = f.kernel_config
+
+    def prepare(self, mask, positions):
+        return mask, self._rope_rows(positions)  # the kernel takes the boolean mask
+
+    def attention(self, q, kc, vc, mask, slots, S):
+        return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
+
+
+class TritonStepOps(TorchOps):
+    """The one-token step through `draftsmith.decode.kernels`: norms, residual adds, silu*up, RoPE and the cache write
+    folded into seven kernels a layer (BENCHMARKS.md "P1"). `routed` (a subset of llama.TRITON_OPS) says which ops
+    take the kernels; the others keep TorchOps' — bound here, once."""
+
+    name = "triton_step"
+    one_row = True
+
+    def __init__(self, f, routed: frozenset, rows: int = 1):
+        """`rows`: the most rows the runner sends through the kernels (`LlamaFamilyForward._kernel_rows`); an lm_head
+        over more (logits_rows) takes torch's."""
+        super().__init__(f)
+        from draftsmith.decode import kernels as K
+
+        self.K = K
+        self.routed = frozenset(routed)
+        self.rows = rows
+        self.config = f.kernel_config
+        silu = str(getattr(f.cfg, "hidden_act", "silu")) == "silu"
+        self.glu, self.fold_act = mlp_folds(silu, self.routed, self.one_row)
+        # the matmul launcher with the runner's kernel settings (only where a matmul takes it)
+        self.lin = functools.partial(self._launcher(), config=self.config) if self.routed - {"attn", "rope"} else None
+        r = self.routed
+        if "qkv" in r:
+            self.qkv = self._qkv_kernel
+        if "rope" in r:
+            self.rope_cache = self._rope_cache_kernel
+        if "attn" in r:
+            self.attention = self._attention_kernel
+        if "o" in r:
+            self.o_proj = self._o_proj_kernel
+        # the MLP: gate/up (with glu: silu(gate) * up in its epilogue), then down (with fold_act: silu(gate) * up in
+        # its prologue; else torch's activation between the two)
+        self._gate_up = self._gate_up_kernel if "gate_up" in r else self._gate_up_torch
+        if self.glu:
+            self._down = self._down_kernel if "down" in r else self._down_torch
+        elif self.fold_act:
+            self._down = self._down_fold
+        else:
+            self._down = self._act_down_kernel if "down" in r else self._act_down_torch
+        if "lm_head" in r:
+            self.lm_head = self._lm_head_kernel
+
+    def _launcher(self):
+        return self.K.gemv
+
+    def prepare(self, mask, positions):
+        rope = positions if "rope" in self.routed else self._rope_rows(positions)
+        if "attn" in self.routed:
+            return mask, rope
+        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype), rope
+
+    def _qkv_kernel(self, h, L):
+        return self.lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0])
+
+    def _rope_cache_kernel(self, qkv, positions, slots, kc, vc, L):
+        # q/k norm, RoPE and both cache writes in one kernel
+        f = self.f
+        return self.K.rope_and_cache(
+            qkv, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, L.qk_norm, self.eps, config=self.config
+        )[None]  # [1, T, nh, d]
+
+    def _attention_kernel(self, q, kc, vc, mask, slots, S):
+        return self.K.decode_attention(q, kc, vc, mask[0], self.f.scale, config=self.config)  # [1, nh * d]
+
+    def _o_proj_kernel(self, o, h, L):
+        return self.lin(o, L.o, bias=L.o_bias, residual=h)
+
+    def mlp(self, h, L):
+        return self._down(self._gate_up(h, L), h, L)
+
+    def _gate_up_kernel(self, h, L):  # with glu: silu(gate) * up computed in its epilogue, [T, I]
+        return self.lin(h, L.gate_up[0], L.post_norm, self.eps, bias=L.gate_up_bias[0], glu=self.glu)
+
+    def _gate_up_torch(self, h, L):
+        return self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias)
+
+    def _down_kernel(self, gu, h, L):
+        return self.lin(gu, L.down, bias=L.down_bias, residual=h)
+
+    def _down_torch(self, gu, h, L):
+        return h + F.linear(gu, L.down, L.down_bias)
+
+    def _down_fold(self, gu, h, L):  # silu(gate) * up folded into the down projection
+        return self.K.gemv(gu, L.down, bias=L.down_bias, residual=h, act_mul=True, config=self.config)
+
+    def _act_down_kernel(self, gu, h, L):
+        g, u = gu.chunk(2, -1)
+        return self.lin(self.f.act(g) * u, L.down, bias=L.down_bias, residual=h)
+
+    def _act_down_torch(self, gu, h, L):
+        g, u = gu.chunk(2, -1)
+        return h + F.linear(self.f.act(g) * u, L.down, L.down_bias)
+
+    def _lm_head_kernel(self, hs):
+        if hs.shape[0] <= self.rows:
+            return self.lin(hs, self.f.lm_head, self.f.norm, self.eps).float()
+        return TorchOps.lm_head(self, hs)
+
+
+class TritonRowsOps(TritonStepOps):
+    """The experimental T-row step (`LlamaFamilyForward.triton_max_rows > 1`: correct but slower than cuBLAS so far,
+    docs/LOG.md): the matmuls through `experimental.gemm_rows`, the attention through `kernels.rows_attention`;
+    silu(gate) * up is never folded into down (the one-row gemv's prologue only)."""
+
+    name = "triton_rows"
+    one_row = False
+
+    def _launcher(self):
+        from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+        return gemm_rows
+
+    def _attention_kernel(self, q, kc, vc, mask, slots, S):
+        return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
+
+
+__all__ = [
+    "Ops",
+    "TorchOps",
+    "CpuTransposedOps",
+    "TransposedLayer",
+    "TritonAttnOps",
+    "TritonStepOps",
+    "TritonRowsOps",
+    "mlp_folds",
+]
