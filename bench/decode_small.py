@@ -60,13 +60,16 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     """config: "torch" (torch kernels, CUDA graphs), or "+"-joined parts: "triton", "compile" (greedy rounds traced
     whole, the default of compile=True), "perfwd" (only the forwards compiled, the rounds' bookkeeping eager: the
     engine before whole-round tracing), "rowsN" (kernel_rows=N: verifies of up to N tokens all through the
-    kernels, experimental.gemm_rows)."""
+    kernels, experimental.gemm_rows), "moddrafter" (with triton: the drafter as its module, not `KernelDraftStep`)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
     eng = SpeculativeDecoder(t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows)
     if "perfwd" in parts:
         eng._c_round = None
+    if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep
+        eng.kernel_drafter = False
+        eng._build_drafter_view()
     return eng
 
 

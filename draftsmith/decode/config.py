@@ -83,6 +83,15 @@ class EngineConfig:
     compile: bool = setting(False, group="engine", help="torch.compile the round forwards (slow start).")
     attn_impl: str = setting("auto", group="engine", checks=(one_of(*ATTN_IMPLS),), help=_ATTN_HELP)
     kernels: str = setting("torch", group="engine", checks=(one_of(*KERNELS),), help=_KERNELS_HELP)
+    kernel_rows: int = setting(
+        1,
+        group="engine",
+        checks=(between(1, 64),),
+        help="With --kernels triton: target forwards of up to this many tokens (a chain verify: draft tokens + 1) "
+        "run all through the kernels, the matmuls as T-row kernels that read the weights once with the norms and "
+        "residuals folded in — fewer launches, for small launch-bound targets (pycode-small: BENCHMARKS.md "
+        "'small-target round census'); 1 = the one-token step only (cuBLAS verifies, best on large targets).",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

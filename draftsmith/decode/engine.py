@@ -212,6 +212,10 @@ class SpeculativeDecoder:
             raise ValueError(f"compile {compile!r} is not one of False, True, 'max-autotune'")
         if kernels not in ("torch", "triton"):
             raise ValueError(f"kernels {kernels!r} is not one of 'torch', 'triton'")
+        if int(kernel_rows) != 1 and kernels != "triton":
+            raise ValueError(f"kernel_rows {kernel_rows} needs kernels='triton' (the T-row kernels are Triton's)")
+        if not 1 <= int(kernel_rows) <= 64:
+            raise ValueError(f"kernel_rows {kernel_rows} is not in [1, 64]")
         if attn_impl not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attn_impl {attn_impl!r} is not one of {('auto', *ATTENTION_IMPLS)}")
         self._attn_choice = attn_impl
@@ -374,7 +378,10 @@ class SpeculativeDecoder:
         # launches and there is nothing left for it to fuse — and every wider one (verify, prefill) runs compiled.
         # Resolved here, once: `runner.triton_step(T)` is the same for every T up to the runner's kernel rows.
         self._eager_rows = 0
-        self._d_module = self._d_call = self._d_cpu = None
+        self._d_module = self._d_call = self._d_cpu = self._d_kern = None
+        # kernels="triton": the drafter's forwards, fc and head through the same kernels (`KernelDraftStep`) where
+        # its layers allow; False keeps the module (cuBLAS + elementwise kernels; benchmarks compare the two)
+        self.kernel_drafter = True
         self._d_topk = self._draft_topk
         if compile and self.backend == "llama":
             from draftsmith.common.compiling import raise_recompile_limit
@@ -401,7 +408,7 @@ class SpeculativeDecoder:
     def _build_drafter_view(self) -> None:
         """q/k/v and gate/up fused, q and k rotated together (`fused_drafter`): the same weights, 8 fewer kernels
         per drafter layer call. Rebuilt (and graphs dropped) when the drafter's weights change under the engine."""
-        from draftsmith.decode.fused_drafter import fused_for_decoding
+        from draftsmith.decode.fused_drafter import KernelDraftStep, fused_for_decoding
 
         if self.drafter is None:
             return
@@ -409,6 +416,14 @@ class SpeculativeDecoder:
         self._d_call = self._d_module
         self._d_topk = self._draft_topk
         self._build_cpu_draft_step()
+        self._d_kern = None
+        if (
+            getattr(self.runner, "kernels", "torch") == "triton"
+            and self.kernel_drafter
+            and self._d_rope is not None
+            and KernelDraftStep.supports(self._d_module)
+        ):
+            self._d_kern = KernelDraftStep(self._d_module, self.runner.kernel_config)
         if self._compiled and self.backend == "llama":
             self._d_call = torch.compile(self._d_module, dynamic=False, mode=self.compile_mode)
             # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;
@@ -546,6 +561,10 @@ class SpeculativeDecoder:
             cos, sin = self._d_rope[0].index_select(0, positions), self._d_rope[1].index_select(0, positions)
             hidden = hidden if hidden.dtype == self.d_dtype else hidden.to(self.d_dtype)
             return self._d_cpu(ids, hidden, cos, sin, self._attn)
+        if self._d_kern is not None and ids.shape[0] <= self._d_kern.ROWS:
+            cos, sin = self._d_rope
+            hidden = hidden if hidden.dtype == self.d_dtype else hidden.to(self.d_dtype)
+            return self._d_kern(ids, hidden, positions, slots, mask, self._dk_layers, self._dv_layers, cos, sin)
         self._d_slots, self._d_mask = slots, mask
         call = self._d_module if eager else self._d_call
         kw = {}
@@ -557,11 +576,15 @@ class SpeculativeDecoder:
     def _fuse(self, aux):
         if self._d_cpu is not None:
             return self._d_cpu.fuse(aux.to(self.d_dtype))
+        if self._d_kern is not None:
+            return self._d_kern.fuse(aux.to(self.d_dtype))
         return self.drafter.fuse(aux.to(self.d_dtype))
 
     def _draft_logits(self, h):
         if self._d_cpu is not None:
             return self._d_cpu.logits(h)
+        if self._d_kern is not None:
+            return self._d_kern.logits(h)
         return self.drafter.compute_logits(h).float()
 
     def _draft_topk(self, h, k: int):
@@ -570,7 +593,8 @@ class SpeculativeDecoder:
         if k <= self._topk_max:
             from draftsmith.decode import kernels as K
 
-            return K.topk_logprobs(self.drafter.compute_logits(h), k, config=self.runner.kernel_config)
+            logits = self._d_kern.logits(h) if self._d_kern is not None else self.drafter.compute_logits(h)
+            return K.topk_logprobs(logits, k, config=self.runner.kernel_config)
         return torch.topk(torch.log_softmax(self._draft_logits(h), -1), k, dim=-1)
 
     # ------------------------------------------------------------------ prefill

@@ -204,6 +204,127 @@ class CpuDraftStep:
         return h
 
 
+class KernelDraftStep:
+    """A draftsmith `Drafter`'s forward for decoding through `draftsmith.decode.kernels` (the engine's
+    kernels="triton"): the kernels of the target's one-token step, a handful per drafter layer instead of cuBLAS plus
+    ~10 elementwise kernels (a round on a small target is launch-bound: BENCHMARKS.md "Decode: small-target round
+    census"). One token: `gemv` with the norm, bias, silu*up and residual folds, `rope_and_cache` into the drafter's
+    cache, `decode_attention`; up to `ROWS` tokens (a hand-off, a tree level): `experimental.gemm_rows` and
+    `rows_attention`. The first layer's input, cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over
+    two halves, so it stays torch (one fused kernel when the round is compiled); every other norm is folded into the
+    matmul after it with HF's rounding, so outputs equal the module's up to summation order. Needs a silu MLP and a
+    power-of-two head_dim >= 16 (`supports`)."""
+
+    ROWS = 64  # experimental.gemm_rows.ROWS_MAX (not imported here: the module loads triton)
+
+    def __init__(self, view: nn.Module, config=None):
+        from draftsmith.drafter.model import DecoderLayer, Eagle3MidLayer
+
+        self.config = config
+        self.embed = view.embed_tokens.weight
+        self.fc = view.fc.weight
+        self.fc_b = view.fc.bias
+        self.norm_w, self.norm_eps = view.norm.weight, view.norm.eps
+        self.lm_head = view.lm_head.weight
+        self.layers = []
+        for i, layer in enumerate(view.layers):
+            a, m = layer.self_attn, layer.mlp
+            if not isinstance(a, _FusedAttention) or not isinstance(m, _FusedMLP):
+                raise TypeError("KernelDraftStep needs fused_for_decoding's view")
+            if not isinstance(layer, Eagle3MidLayer if i == 0 else DecoderLayer):
+                raise TypeError(f"layer {i}: {type(layer).__name__} is not a draftsmith drafter layer")
+            self.layers.append(
+                dict(
+                    mid=i == 0,
+                    nbr=bool(getattr(layer, "norm_before_residual", False)),
+                    in_norm=layer.input_layernorm,
+                    hid_norm=layer.hidden_norm if i == 0 else None,
+                    post_w=layer.post_attention_layernorm.weight,
+                    post_eps=layer.post_attention_layernorm.eps,
+                    qkv=a.qkv_weight,
+                    qkv_b=a.qkv_bias,
+                    o=a.o_proj.weight,
+                    o_b=a.o_proj.bias,
+                    gu=m.gate_up_weight,
+                    gu_b=m.gate_up_bias,
+                    down=m.down_proj.weight,
+                    down_b=m.down_proj.bias,
+                    idx=a.layer_idx,
+                    heads=(a.n_heads, a.n_kv, a.head_dim),
+                )
+            )
+
+    @staticmethod
+    def supports(view: nn.Module) -> bool:
+        if not isinstance(view, Drafter) or getattr(view, "embed_tokens", None) is None:
+            return False
+        for layer in view.layers:
+            d = layer.self_attn.head_dim
+            if d < 16 or d & (d - 1) or getattr(layer.mlp, "act", None) is not F.silu:
+                return False
+        return True
+
+    def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False):
+        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to ROWS, else torch."""
+        from draftsmith.decode import kernels as K
+
+        T = x.shape[0]
+        if T == 1:
+            return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
+        if T <= self.ROWS:
+            from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+            return gemm_rows(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
+        from draftsmith.drafter.model import hf_rms_norm
+
+        if norm_weight is not None:
+            x = hf_rms_norm(x, norm_weight, eps)
+        y = F.linear(x, w, bias)
+        if glu:
+            g, u = y.chunk(2, -1)
+            y = F.silu(g) * u
+        return y if residual is None else residual + y
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self._mm(aux.reshape(-1, aux.shape[-1]), self.fc, bias=self.fc_b)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`Drafter.compute_logits` (fp32) for h [H] or [T, H]."""
+        x = h.reshape(-1, h.shape[-1])
+        y = self._mm(x, self.lm_head, self.norm_w, self.norm_eps).float()
+        return y.view(*h.shape[:-1], -1)
+
+    def __call__(self, ids, hidden, positions, slots, mask, k_layers, v_layers, cos, sin) -> torch.Tensor:
+        """ids/positions/slots [T], hidden [T, H] (the drafter's dtype), mask [T, S] bool over the drafter cache's
+        slots, the cache's per-layer views, cos/sin [max_len, d] (the drafter's table) -> the pre-norm output
+        [T, H]."""
+        from draftsmith.decode import kernels as K
+
+        T = ids.shape[0]
+        h = hidden
+        for L in self.layers:
+            nh, nkv, d = L["heads"]
+            kc, vc = k_layers[L["idx"]], v_layers[L["idx"]]
+            if L["mid"]:
+                normed = L["hid_norm"](hidden)
+                residual = normed if L["nbr"] else hidden
+                e = F.embedding(ids, self.embed)
+                x = torch.cat((L["in_norm"](e if e.dtype == hidden.dtype else e.to(hidden.dtype)), normed), -1)
+                qkv = self._mm(x, L["qkv"], bias=L["qkv_b"])
+            else:
+                residual = h
+                qkv = self._mm(h, L["qkv"], L["in_norm"].weight, L["in_norm"].eps, bias=L["qkv_b"])
+            q = K.rope_and_cache(qkv, positions, slots, cos, sin, kc, vc, nh, nkv, config=self.config)
+            if T == 1:
+                o = K.decode_attention(q, kc, vc, mask[0], d**-0.5, config=self.config)
+            else:
+                o = K.rows_attention(q, kc, vc, mask, d**-0.5, slots, config=self.config)
+            h = self._mm(o, L["o"], bias=L["o_b"], residual=residual)
+            gu = self._mm(h, L["gu"], L["post_w"], L["post_eps"], bias=L["gu_b"], glu=True)
+            h = self._mm(gu, L["down"], bias=L["down_b"], residual=h)
+        return h
+
+
 def is_stale(view: nn.Module) -> bool:
     """True when a weight the view copied has changed since (an optimizer step, load_state_dict, .to()): every
     in-place change bumps a tensor's version counter; a move replaces its storage."""
@@ -211,4 +332,4 @@ def is_stale(view: nn.Module) -> bool:
     return src is not None and any(t._version != v or t.data_ptr() != ptr for t, v, ptr in src)
 
 
-__all__ = ["CpuDraftStep", "fused_for_decoding", "is_stale"]
+__all__ = ["CpuDraftStep", "KernelDraftStep", "fused_for_decoding", "is_stale"]

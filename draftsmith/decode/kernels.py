@@ -479,6 +479,33 @@ def _need():
         raise RuntimeError("triton is not installed: the compact forward's torch path needs no kernels")
 
 
+# Under torch.compile (a round traced whole, `SpeculativeDecoder.compile_rounds`) `gemv`, `rope_and_cache` and
+# `decode_attention` (and experimental.gemm_rows) dispatch to torch custom ops: dynamo does not trace a Triton launch,
+# an opaque operator it places between inductor's own kernels, which fuse the glue around it. An operator's arguments
+# are tensors and scalars, so the launch settings travel as a key into this table (configs are kept for the process:
+# a handful of small objects).
+_CONFIGS: dict[int, KernelConfig] = {}
+
+
+def config_key(config: KernelConfig | None) -> int:
+    """The key a custom op passes for `config` (0 = the defaults)."""
+    if config is None:
+        return 0
+    _CONFIGS.setdefault(id(config), config)
+    return id(config)
+
+
+def config_for(key: int) -> KernelConfig | None:
+    return _CONFIGS.get(key) if key else None
+
+
+_PDL_CONFIGS = {True: KernelConfig(pdl=True), False: KernelConfig(pdl=False)}
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _gemv_key(
     N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool, glu: bool = False
 ) -> tuple:
@@ -502,8 +529,10 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
     dtype. The tile: the arguments, else `config`'s tuned one for this shape, else its default. See the module
-    docstring."""
+    docstring. Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
     _need()
+    if _tracing() and block_n is None and block_k is None and num_warps is None and prefetch is None:
+        return _gemv_op(x, w, norm_weight, float(eps), bias, residual, bool(act_mul), bool(glu), config_key(config))
     cfg = config if config is not None else KernelConfig()
     K = w.shape[1]
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -651,8 +680,14 @@ def rope_and_cache(
 ) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) d] (the fused projection); positions/slots [T]; cos/sin [max_len, d] in the model
     dtype; caches [1, nkv, max_len, d] (one layer); qk_norm [(nh + nkv), d] per-head RMSNorm weights or None.
-    Writes k (normed, rotated) and v at `slots` and returns q [T, nh, d] (normed, rotated)."""
+    Writes k (normed, rotated) and v at `slots` and returns q [T, nh, d] (normed, rotated). Traced by torch.compile:
+    the `draftsmith::rope_and_cache` operator (mutates the caches)."""
     _need()
+    if _tracing():
+        pdl = True if config is None else bool(config.pdl)
+        return _rope_and_cache_op(
+            qkv, positions, slots, cos, sin, k_cache, v_cache, int(n_heads), int(n_kv), qk_norm, float(eps), pdl
+        )
     T = qkv.shape[0]
     d = cos.shape[1]
     if not _pow2(d):
@@ -729,8 +764,11 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
     used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of `block_s`):
-    keys per program; by default the plan `config.attn_plans` keeps for this shape, else the rule of `_attn_plan`."""
+    keys per program; by default the plan `config.attn_plans` keeps for this shape, else the rule of `_attn_plan`.
+    Traced by torch.compile: the `draftsmith::decode_attention` operator."""
     _need()
+    if _tracing() and split_len is None and block_s is None and num_warps is None:
+        return _decode_attention_op(q, k_cache, v_cache, mask, float(scale), config_key(config))
     cfg = config if config is not None else KernelConfig()
     nkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q = q.reshape(-1, d)
@@ -915,6 +953,56 @@ if triton is not None:
     @_rows_attention_op.register_fake
     def _(q, k_cache, v_cache, mask, slots, scale, pdl):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.custom_op("draftsmith::gemv", mutates_args=())
+    def _gemv_op(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        act_mul: bool,
+        glu: bool,
+        config: int,
+    ) -> torch.Tensor:
+        return gemv(x, w, norm_weight, eps, bias, residual, act_mul, glu=glu, config=config_for(config))
+
+    @_gemv_op.register_fake
+    def _(x, w, norm_weight, eps, bias, residual, act_mul, glu, config):
+        return x.new_empty(1, w.shape[0] // 2 if glu else w.shape[0])
+
+    @torch.library.custom_op("draftsmith::rope_and_cache", mutates_args=("k_cache", "v_cache"))
+    def _rope_and_cache_op(
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        n_heads: int,
+        n_kv: int,
+        qk_norm: torch.Tensor | None,
+        eps: float,
+        pdl: bool,
+    ) -> torch.Tensor:
+        cfg = _PDL_CONFIGS[bool(pdl)]
+        return rope_and_cache(qkv, positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv, qk_norm, eps, cfg)
+
+    @_rope_and_cache_op.register_fake
+    def _(qkv, positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv, qk_norm, eps, pdl):
+        return qkv.new_empty(qkv.shape[0], n_heads, cos.shape[1])
+
+    @torch.library.custom_op("draftsmith::decode_attention", mutates_args=())
+    def _decode_attention_op(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float, config: int
+    ) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, mask, scale, config=config_for(config))
+
+    @_decode_attention_op.register_fake
+    def _(q, k_cache, v_cache, mask, scale, config):
+        return q.new_empty(1, q.numel())
 
 
 def rows_attention(

@@ -56,6 +56,7 @@ def build_engine(
     compile: bool = False,
     attn_impl: str = "auto",
     kernels: str = "torch",
+    kernel_rows: int = 1,
 ):
     from draftsmith.decode.engine import SpeculativeDecoder
 
@@ -69,6 +70,7 @@ def build_engine(
             compile=compile,
             attn_impl=attn_impl,
             kernels=kernels,
+            kernel_rows=kernel_rows,
         )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
@@ -95,4 +97,6 @@ def mode_from(cfg: ModeConfig, drafter=True):
 
 
 def engine_from(t, d, max_len: int, cfg: EngineConfig):
-    return build_engine(t, d, max_len, cfg.backend, cfg.cuda_graphs, cfg.compile, cfg.attn_impl, cfg.kernels)
+    return build_engine(
+        t, d, max_len, cfg.backend, cfg.cuda_graphs, cfg.compile, cfg.attn_impl, cfg.kernels, cfg.kernel_rows
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.decode.kernel_config import KernelConfig
-from draftsmith.decode.kernels import _INTERPRET, _need, _pdl, triton
+from draftsmith.decode.kernels import _INTERPRET, _need, _pdl, _tracing, config_for, config_key, triton
 
 if triton is not None:
     import triton.language as tl
@@ -121,8 +121,10 @@ def gemm_rows(
 ) -> torch.Tensor:
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
-    `config`'s rows tile."""
+    `config`'s rows tile. Traced by torch.compile: the `draftsmith::gemm_rows` operator."""
     _need()
+    if _tracing() and block_n is None and block_k is None and num_warps is None:
+        return _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
     cfg = config if config is not None else KernelConfig()
     x = x.reshape(-1, x.shape[-1])
     T, K = x.shape
@@ -162,6 +164,26 @@ def gemm_rows(
         **_pdl(x, cfg.pdl),
     )
     return y
+
+
+if triton is not None:
+
+    @torch.library.custom_op("draftsmith::gemm_rows", mutates_args=())
+    def _gemm_rows_op(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        glu: bool,
+        config: int,
+    ) -> torch.Tensor:
+        return gemm_rows(x, w, norm_weight, eps, bias, residual, glu, config=config_for(config))
+
+    @_gemm_rows_op.register_fake
+    def _(x, w, norm_weight, eps, bias, residual, glu, config):
+        return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
 
 __all__ = ["ROWS_MAX", "gemm_rows"]

@@ -25,6 +25,7 @@ from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
+from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 from draftsmith.drafter.model import hf_rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -604,6 +605,54 @@ def test_triton_kernels_with_compiled_rounds():
     assert counters["stats"]["unique_graphs"] == 0  # the Triton step was not traced
     assert eng.generate(p, 8, mode=DecodeMode("chain", draft_tokens=2)).token_ids == want
     assert counters["stats"]["unique_graphs"] > 0  # the verify and the drafter were
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_kernel_draft_step_equals_module(T):
+    """kernels="triton" runs the drafter through the kernels (`KernelDraftStep`: gemv / gemm_rows with the norm,
+    silu*up and residual folds, rope_and_cache into the drafter cache, decode_attention / rows_attention): its
+    forward over T tokens after a prefill, its fc and its head equal the module path's (fp32, two engines on the same
+    prompt)."""
+    m = tiny_qwen3().to(DEV)
+    d = random_drafter(m, seed=4).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = []
+    for kernel_drafter in (True, False):
+        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton")
+        if not kernel_drafter:
+            eng.kernel_drafter = False
+            eng._build_drafter_view()
+        assert (eng._d_kern is not None) == kernel_drafter
+        eng.prefill(p, SamplingParams(), draft=True)
+        g = torch.Generator().manual_seed(6)
+        aux = torch.randn(T, d.fc.in_features, generator=g).to(DEV)
+        ids = torch.randint(0, m.config.vocab_size, (T,), generator=g).to(DEV)
+        pos = torch.arange(len(p), len(p) + T, device=DEV)
+        h_in = eng.fuse(aux)
+        h = eng.draft_forward(ids, h_in, pos, pos, eng.mask(pos))
+        outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_traced_rounds_with_triton_kernels():
+    """compile_rounds with kernels="triton": under tracing gemv, gemm_rows, rope_and_cache (mutating the caches) and
+    decode_attention are torch custom ops, so a whole round — the drafter's kernel steps, a verify all through the
+    row kernels (kernel_rows), the acceptance and the hand-off — traces with no graph break (fullgraph, aot_eager
+    here) and decodes exactly as plain decoding."""
+    import torch._dynamo
+
+    m = tiny_qwen3().to(DEV)
+    d = random_drafter(m, seed=2).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 8, mode=DecodeMode("plain")).token_ids
+    torch._dynamo.reset()
+    eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=4)
+    assert eng._d_kern is not None and eng.runner.triton_step(4)
+    eng.compile_rounds(backend="aot_eager", fullgraph=True)
+    for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
+        assert eng.generate(p, 8, mode=mode).token_ids == want, mode
     torch._dynamo.reset()
 
 
