@@ -396,11 +396,11 @@ class SpeculativeDecoder:
                 drafter.inv_freq(self.device)  # (else: a recompile)
         # compile: a greedy round is traced whole (draft steps, verify, acceptance, hand-off, state updates) so
         # inductor fuses its bookkeeping into its neighbours' kernels — on a launch-bound target a round's time is
-        # its kernel count (BENCHMARKS.md "Decode: small-target round census"). With an all-kernel verify (width <=
-        # `_eager_rows`, Triton launches dynamo does not trace) the draft and the finish are traced apart around it.
+        # its kernel count (BENCHMARKS.md "Decode: small-target round census"). The Triton kernels join the graph as
+        # torch custom ops (`draftsmith.decode.kernels`), an all-kernel verify (`kernel_rows`) included.
         # (CUDA only: torch 2.13's CPU inductor emits C++ that does not compile for the traced round — a VecMask
         # type clash; tests trace it on the CPU with backend="aot_eager", `compile_rounds`.)
-        self._c_round = self._c_chain_draft = self._c_chain_finish = None
+        self._c_round = None
         if compile and self.backend == "llama" and drafter is not None and self.device.type == "cuda":
             self.compile_rounds()
         self._build_drafter_view()
@@ -622,10 +622,10 @@ class SpeculativeDecoder:
         return int(root)
 
     # ------------------------------------------------------------------ rounds (static shapes, no syncs)
-    def _plain_step(self, sp: SamplingParams):
+    def _plain_step(self, sp: SamplingParams, eager: bool = False):
         L = self.L.view(1)
         mask = self._mask(L)
-        logits, _ = self._target(self.root.view(1), L, L, mask, want_aux=False)
+        logits, _ = self._target(self.root.view(1), L, L, mask, want_aux=False, eager=eager)
         nxt = choose(logits[0], sp)
         if self.record_margins:
             self._record(logits)
@@ -699,35 +699,27 @@ class SpeculativeDecoder:
         self._last_draft = ids
 
     def compile_rounds(self, backend: str = "inductor", fullgraph: bool = False) -> None:
-        """torch.compile greedy rounds whole (`_traced_round`; a chain with an all-kernel verify as draft + finish);
-        compile=True does it on CUDA. `backend`/`fullgraph`: tests trace the rounds on the CPU ("aot_eager",
+        """torch.compile greedy rounds (and plain steps) whole (`_traced_round`); compile=True does it on CUDA. `backend`/`fullgraph`: tests trace the rounds on the CPU ("aot_eager",
         fullgraph=True: no graph break). Drops captured graphs."""
         c = functools.partial(torch.compile, dynamic=False, backend=backend, fullgraph=fullgraph)
         if backend == "inductor":
             c = functools.partial(c, mode=self.compile_mode)
         self._c_round = c(self._traced_round)
-        self._c_chain_draft = c(self._chain_draft)
-        self._c_chain_finish = c(self._chain_finish)
         self._graphs.clear()
 
     def _traced_round(self, mode: DecodeMode, sp: SamplingParams):
         """A whole round for torch.compile (`_c_round`): every forward inside it traced inline."""
-        if mode.kind == "chain":
+        if mode.kind == "plain":
+            self._plain_step(sp, eager=True)
+        elif mode.kind == "chain":
             self._chain_round(mode, sp, eager=True)
         else:
             self._tree_round(mode, sp, eager=True)
 
     def _compiled_round(self, mode: DecodeMode, sp: SamplingParams):
-        """The round `_step_fn` runs under compile=True for greedy decoding: traced whole, or (a chain whose verify
-        is the all-kernel width) its draft and finish traced around the eager verify."""
-        if mode.kind == "chain" and mode.draft_tokens + 1 <= self._eager_rows:
-            K = mode.draft_tokens
-            ids, pos, mask, qs = self._c_chain_draft(K, sp, True)
-            logits, aux = self._target(ids, pos, pos, mask)
-            self._c_chain_finish(K, sp, ids, logits, aux, qs, True)
-            self._last_draft = ids
-        else:
-            self._c_round(mode, sp)
+        """The round `_step_fn` runs under compile=True for greedy decoding: `_traced_round` compiled (the Triton
+        kernels enter the graph as custom ops: `draftsmith.decode.kernels`)."""
+        self._c_round(mode, sp)
 
     def _chain_round_cpu(self, mode: DecodeMode) -> None:
         """The greedy chain round on the CPU (`_step_fn` picks it): the same draft, verify, accept and hand-off as
@@ -931,6 +923,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ graphs
     def _step_fn(self, mode: DecodeMode, sp: SamplingParams):
         if mode.kind == "plain":
+            if self._c_round is not None and sp.greedy:  # the embedding, argmax and state updates fused too
+                return lambda: self._c_round(mode, sp)
             return lambda: self._plain_step(sp)
         if mode.kind == "chain":
             if self.host_rounds and self._d_cpu is not None and sp.greedy and not self.record_margins:
