@@ -139,14 +139,22 @@ def test_bf16_greedy_mostly_equal(setup):
     assert same >= 0.8 * len(ps), f"{same}/{len(ps)} prompts identical in bf16"
 
 
+@pytest.mark.parametrize("engine", ["eager", "compiled-rows"])
 @pytest.mark.parametrize("mode", MODES, ids=[m.kind for m in MODES])
-def test_triton_kernels_graph_rounds_equal_hf_greedy(setup, refs, mode):
+def test_triton_kernels_graph_rounds_equal_hf_greedy(setup, refs, mode, engine):
     """kernels="triton" natively on the GPU (the CPU tests run them in triton's interpreter): tiles tuned, plain
-    steps from CUDA graphs, token for token HF's greedy output in fp32 (pycode-tiny: MQA, 3 query heads)."""
+    steps from CUDA graphs, token for token HF's greedy output in fp32 (pycode-tiny: MQA, 3 query heads); the
+    drafter through the kernels too (`KernelDraftStep`). compiled-rows: compile=True, kernel_rows=8 — every step
+    and round traced whole by inductor, the kernels as custom ops, chain verifies through the row kernels."""
     pytest.importorskip("triton")
     t, d = setup
 
-    eng = SpeculativeDecoder(t, d, max_len=160, kernels="triton")
+    if engine == "eager":
+        eng = SpeculativeDecoder(t, d, max_len=160, kernels="triton")
+    else:
+        eng = SpeculativeDecoder(t, d, max_len=160, kernels="triton", compile=True, kernel_rows=8)
+        assert eng._c_round is not None
+    assert eng._d_kern is not None
     # tuned on this GPU at engine build (kept in the runner's KernelConfig)
     assert eng.runner.kernels == "triton" and eng.runner.kernel_config.gemv_tuned
     with warnings.catch_warnings():
