@@ -158,7 +158,9 @@ def test_triton_kernels_graph_rounds_equal_hf_greedy(setup, refs, mode, engine):
     # tuned on this GPU at engine build (kept in the runner's KernelConfig)
     assert eng.runner.kernels == "triton" and eng.runner.kernel_config.gemv_tuned
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error")  # a capture that falls back to eager warns: fail on it
+        # (inductor's advice to allow TF32 for fp32 matmuls, which this fp32 equality test must not)
+        warnings.filterwarnings("ignore", message=".*TensorFloat32.*")
         eng.warmup(mode)
         eng.warmup(DecodeMode("plain"))
     for p, ref in refs:

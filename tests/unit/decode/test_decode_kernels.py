@@ -639,26 +639,6 @@ def test_kernel_draft_step_equals_module(T):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
-def test_traced_rounds_with_triton_kernels():
-    """compile_rounds with kernels="triton": under tracing gemv, gemm_rows, rope_and_cache (mutating the caches) and
-    decode_attention are torch custom ops, so a whole round — the drafter's kernel steps, a verify all through the
-    row kernels (kernel_rows), the acceptance and the hand-off — traces with no graph break (fullgraph, aot_eager
-    here) and decodes exactly as plain decoding."""
-    import torch._dynamo
-
-    m = tiny_qwen3().to(DEV)
-    d = random_drafter(m, seed=2).to(DEV)
-    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
-    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 8, mode=DecodeMode("plain")).token_ids
-    torch._dynamo.reset()
-    eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=4)
-    assert eng._d_kern is not None and eng.runner.triton_step(4)
-    eng.compile_rounds(backend="aot_eager", fullgraph=True)
-    for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
-        assert eng.generate(p, 8, mode=mode).token_ids == want, mode
-    torch._dynamo.reset()
-
-
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="on a GPU machine the GPU bench runs; triton 3.6's interpreter fails on the tiny CPU shape",
