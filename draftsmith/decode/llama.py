@@ -584,6 +584,16 @@ class LlamaFamilyForward(torch.nn.Module):
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move cache entries: slot dst[j] <- slot src[j] (gathered first, so overlaps are safe)."""
+        if torch.compiler.is_compiling():
+            # A round traced whole (`SpeculativeDecoder.compile_rounds`) reaches the cache through the per-layer views
+            # the forward writes; touching the 5-D tensor too makes AOT autograd merge every view into one synthetic
+            # base, and each layer's K/V write becomes a scatter of the whole cache (seen in the traced tree round's
+            # graph: two as_strided_scatter of all layers per layer). Per layer, the same moves.
+            for kc, vc in zip(self.k_layers, self.v_layers):
+                k, v = kc.index_select(2, src), vc.index_select(2, src)
+                kc.index_copy_(2, dst, k)
+                vc.index_copy_(2, dst, v)
+            return
         k = self.k_cache.index_select(3, src)
         v = self.v_cache.index_select(3, src)
         self.k_cache.index_copy_(3, dst, k)
