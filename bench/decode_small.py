@@ -253,17 +253,29 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             errors["certificate"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
-    body = [
-        f"Round census, {a.target.name} (bf16, bs=1, CUDA graphs), random drafter (timings do not depend on its "
-        f"weights); prompt 0 of {a.prompts}; {a.replays} replays each. Projected = tau x t_plain / t_round with "
-        "tau from issue 16's measurement (a drafter trained for pycode-small; not re-measured here). floor = "
-        "(target weights + K x drafter weights) / copy bandwidth.",
-        "",
-        common.markdown_table(
-            rows,
-            ["config", "setting", "ms", "plain_steps", "kernels", "by_kind", "floor_ms", "tau", "projected_speedup"],
-        ),
-    ]
+    body = []
+    if rows:
+        body += [
+            f"Round census, {a.target.name} (bf16, bs=1, CUDA graphs), drafter {a.drafter or 'random'} (timings do "
+            f"not depend on its weights); prompt 0 of {a.prompts}; {a.replays} replays each. Projected = tau x "
+            "t_plain / t_round with tau from --tau (not measured here). floor = (target weights + K x drafter "
+            "weights) / copy bandwidth.",
+            "",
+            common.markdown_table(
+                rows,
+                [
+                    "config",
+                    "setting",
+                    "ms",
+                    "plain_steps",
+                    "kernels",
+                    "by_kind",
+                    "floor_ms",
+                    "tau",
+                    "projected_speedup",
+                ],
+            ),
+        ]
     if spd:
         body += [
             "",
