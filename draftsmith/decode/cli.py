@@ -74,6 +74,7 @@ def _tuning_context(target, drafter, eng) -> dict:
         "device": str(eng.device),
         "dtype": str(eng.dtype),
         "kernels": getattr(eng.runner, "kernels", "torch"),
+        "kernel_rows": int(getattr(eng.runner, "triton_max_rows", 1)),
         "compiled": bool(getattr(eng, "_compiled", False)),
     }
 
