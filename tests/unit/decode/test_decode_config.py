@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "--compile": False,
     "--attn-impl": "auto",
     "--kernels": "torch",
+    "--kernel-rows": 1,
 }
 MODE_FLAGS = {"--draft-tokens": 4, "--tree": False, "--top-k-draft": 8, "--depth": 5, "--tree-tokens": 32}
 
@@ -100,6 +101,7 @@ def test_choices_match_the_engine():
         (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "--max-new-tokens: expected an integer, got 'ten'"),
         (["eval", "--drafter", "d", "--prompts", "p", "--temperatures", "0,-1"], "--temperatures: must be"),
         (["eval", "--drafter", "d", "--prompts", "p", "--kernels", "cuda"], "--kernels: must be one of torch, triton"),
+        (["generate", "--prompt", "x", "--kernel-rows", "0"], "--kernel-rows: must be in [1, 64], got 0"),
         (["serve", "--device", "gpu"], "--device: must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got 'gpu'"),
         (["serve", "--attn-impl", "flash"], "--attn-impl: must be one of auto, sdpa, bmm, split, got 'flash'"),
         (["serve", "--depth", "300"], "--depth: must be in [1, 250], got 300"),

@@ -545,6 +545,9 @@ def test_engine_kernels_argument():
         SpeculativeDecoder(m, None, max_len=32, kernels="cuda")
     with pytest.raises(ValueError, match="compact"):
         SpeculativeDecoder(m, None, max_len=32, backend="hf", kernels="triton")
+    with pytest.raises(ValueError, match="kernel_rows 8 needs kernels='triton'"):
+        SpeculativeDecoder(m, None, max_len=32, kernel_rows=8)
+    assert SpeculativeDecoder(m, None, max_len=32, kernels="triton", kernel_rows=8).runner.triton_step(8)
     if DEV == "cpu":  # outside the interpreter, CPU tensors cannot reach a Triton kernel: say so up front
         from draftsmith.decode import kernels as K
 
