@@ -92,6 +92,20 @@ def _source_versions(drafter: nn.Module) -> list[tuple[torch.Tensor, int, int]]:
     return out
 
 
+def _fused_layers(view: nn.Module, who: str):
+    """(index, layer, fused attention, fused MLP) of `fused_for_decoding`'s view, checked: a step class built on
+    another module would compute something else silently."""
+    from draftsmith.drafter.model import DecoderLayer, Eagle3MidLayer
+
+    for i, layer in enumerate(view.layers):
+        a, m = layer.self_attn, layer.mlp
+        if not isinstance(a, _FusedAttention) or not isinstance(m, _FusedMLP):
+            raise TypeError(f"{who} needs fused_for_decoding's view")
+        if not isinstance(layer, Eagle3MidLayer if i == 0 else DecoderLayer):
+            raise TypeError(f"layer {i}: {type(layer).__name__} is not a draftsmith drafter layer")
+        yield i, layer, a, m
+
+
 class CpuDraftStep:
     """A draftsmith `Drafter`'s forward for decoding on the CPU, as one flat function over pre-transposed weights.
 
@@ -105,7 +119,6 @@ class CpuDraftStep:
     matmul after it (drafts may differ from the module's in the last bits; what is accepted never does)."""
 
     def __init__(self, view: nn.Module):
-        from draftsmith.drafter.model import DecoderLayer, Eagle3MidLayer
 
         t = lambda w: None if w is None else w.detach().t().contiguous()  # noqa: E731
         self.embed = view.embed_tokens.weight
@@ -117,12 +130,7 @@ class CpuDraftStep:
         self.lm_head = (view.lm_head.weight.detach() * w[None, :]).contiguous()
         self.lm_head_t = self.lm_head.t().contiguous()
         self.layers = []
-        for i, layer in enumerate(view.layers):
-            a, m = layer.self_attn, layer.mlp
-            if not isinstance(a, _FusedAttention) or not isinstance(m, _FusedMLP):
-                raise TypeError("CpuDraftStep needs fused_for_decoding's view")
-            if not isinstance(layer, Eagle3MidLayer if i == 0 else DecoderLayer):
-                raise TypeError(f"layer {i}: {type(layer).__name__} is not a draftsmith drafter layer")
+        for i, layer, a, m in _fused_layers(view, "CpuDraftStep"):
             nbr = bool(getattr(layer, "norm_before_residual", False))
             in_w = layer.input_layernorm.weight.detach()
             if i == 0:  # x = cat(input_layernorm(embeds), hidden_norm(hidden)); with nbr the normed hidden is the
@@ -218,7 +226,6 @@ class KernelDraftStep:
     ROWS = 64  # experimental.gemm_rows.ROWS_MAX (not imported here: the module loads triton)
 
     def __init__(self, view: nn.Module, config=None):
-        from draftsmith.drafter.model import DecoderLayer, Eagle3MidLayer
 
         self.config = config
         self.embed = view.embed_tokens.weight
@@ -227,12 +234,7 @@ class KernelDraftStep:
         self.norm_w, self.norm_eps = view.norm.weight, view.norm.eps
         self.lm_head = view.lm_head.weight
         self.layers = []
-        for i, layer in enumerate(view.layers):
-            a, m = layer.self_attn, layer.mlp
-            if not isinstance(a, _FusedAttention) or not isinstance(m, _FusedMLP):
-                raise TypeError("KernelDraftStep needs fused_for_decoding's view")
-            if not isinstance(layer, Eagle3MidLayer if i == 0 else DecoderLayer):
-                raise TypeError(f"layer {i}: {type(layer).__name__} is not a draftsmith drafter layer")
+        for i, layer, a, m in _fused_layers(view, "KernelDraftStep"):
             self.layers.append(
                 dict(
                     mid=i == 0,
