@@ -43,6 +43,22 @@ GEMV_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
+# The tiles `tune_rows` times for experimental.gemm_rows: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N >= 16 (the tl.dot
+# tile). Small N wants small BLOCK_N (more programs than SMs: on a 384-wide target 32 leaves most of an H200 idle).
+ROWS_CONFIGS = (
+    (16, 64, 4),
+    (16, 128, 4),
+    (16, 256, 4),
+    (32, 64, 4),
+    (32, 128, 4),
+    (32, 256, 4),
+    (64, 64, 4),
+    (64, 128, 4),
+    (64, 128, 8),
+    (128, 64, 8),
+)
+
+
 @dataclass
 class KernelConfig:
     """How the decode kernels are launched.
@@ -52,7 +68,8 @@ class KernelConfig:
     `kernels.gemm_rows` (experimental T-row matmuls). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
     off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
-    BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. attn_plans: (S, n_kv, G, head_dim, dtype) ->
+    BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows
+    ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps), `experimental.gemm_rows.tune_rows`). attn_plans: (S, n_kv, G, head_dim, dtype) ->
     (split_len, BLOCK_S, num_warps) of `kernels.decode_attention`, overriding its rule (benchmarks forcing a plan,
     `kernels.tune_attention(keep=True)`)."""
 
@@ -65,6 +82,8 @@ class KernelConfig:
     pdl: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
+    rows_sweep: tuple[tuple[int, int, int], ...] = ROWS_CONFIGS
+    rows_tuned: dict = field(default_factory=dict)
     attn_plans: dict = field(default_factory=dict)
 
     @property
@@ -73,4 +92,4 @@ class KernelConfig:
         return (self.block_n, self.block_k, self.num_warps, 0)
 
 
-__all__ = ["GEMV_CONFIGS", "KernelConfig"]
+__all__ = ["GEMV_CONFIGS", "KernelConfig", "ROWS_CONFIGS"]

@@ -524,16 +524,29 @@ class LlamaFamilyForward(torch.nn.Module):
 
     def tune_kernels(self) -> list[dict]:
         """Pick the Triton gemv tile per weight kind by timing them on this GPU (`kernels.tune_gemv`, the tiles of
-        `kernel_config.gemv_sweep`), kept in `kernel_config.gemv_tuned`; call it before capturing graphs. One row per
-        (kind, tile); [] on CPU. (The attention plan follows a rule: `kernels.tune_attention` says why.)"""
+        `kernel_config.gemv_sweep`), kept in `kernel_config.gemv_tuned` — and with `triton_max_rows` > 1 the row
+        kernels' tile too (`experimental.gemm_rows.tune_rows`, `rows_tuned`); call it before capturing graphs. One
+        row per (kind, tile); [] on CPU. (The attention plan follows a rule: `kernels.tune_attention` says why.)"""
         from draftsmith.decode import kernels as K
 
         cfg = self.kernel_config
-        return [
+        out = [
             {"matrix": kind, **r}
             for kind, (mats, kw) in self.gemv_kinds().items()
             for r in K.tune_gemv(mats, **kw, config=cfg)
         ]
+        if self._kernel_rows() > 1:  # the row kernels' tile too, at the widest all-kernel width (<= 16 timed)
+            from draftsmith.decode.experimental.gemm_rows import tune_rows
+
+            rows = min(self._kernel_rows(), 16)
+            for kind, (mats, kw) in self.gemv_kinds().items():
+                kw = dict(kw)
+                kw.pop("act_mul", None)  # the row plan never folds silu*up into down: into gate/up's epilogue
+                if kind == "gate_up":
+                    kw["glu"] = self._silu() and "gate_up" in self.triton_ops
+                kw["residual"] = bool(kw.get("residual"))
+                out += [{"matrix": kind, **r} for r in tune_rows(mats, rows, **kw, config=cfg)]
+        return out
 
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"

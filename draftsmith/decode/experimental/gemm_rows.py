@@ -106,6 +106,10 @@ if triton is not None:
 ROWS_MAX = 64
 
 
+def _rows_key(N, K, dtype, norm_weight, bias, residual, glu) -> tuple:
+    return (int(N), int(K), str(dtype), norm_weight is not None, bias is not None, residual is not None, bool(glu))
+
+
 def gemm_rows(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -136,7 +140,9 @@ def gemm_rows(
         )
     if x.stride(1) != 1:
         x = x.contiguous()
-    bn, bk, nw = block_n or cfg.rows_block_n, block_k or cfg.rows_block_k, num_warps or cfg.rows_num_warps
+    tile = cfg.rows_tuned.get(_rows_key(N, K, x.dtype, norm_weight, bias, residual, glu))
+    bn0, bk0, nw0 = tile or (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps)
+    bn, bk, nw = block_n or bn0, block_k or bk0, num_warps or nw0
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
     _rows_kernel[(triton.cdiv(N, bn),)](
@@ -166,6 +172,55 @@ def gemm_rows(
     return y
 
 
+def tune_rows(
+    mats: list[torch.Tensor],
+    rows: int,
+    norm_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: bool = False,
+    glu: bool = False,
+    reps: int = 5,
+    configs: list[tuple[int, int, int]] | None = None,
+    force: bool = False,
+    config: KernelConfig | None = None,
+) -> list[dict]:
+    """`kernels.tune_gemv` for gemm_rows: time every tile of `configs` (default `config.rows_sweep`) on `mats` with
+    `rows` tokens and keep the fastest in `config.rows_tuned` (the default tile is among those timed, so the choice is
+    never slower than it at tuning time). One row per tile; [] when tuned before (unless `force`) or on the CPU."""
+    from draftsmith.decode.kernels import _time_graph
+
+    _need()
+    cfg = config if config is not None else KernelConfig()
+    w0 = mats[0]
+    if w0.device.type != "cuda":
+        return []
+    N = w0.shape[0] // 2 if glu else w0.shape[0]
+    K = w0.shape[1]
+    x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
+    r = torch.randn(rows, N, device=w0.device, dtype=w0.dtype) if residual else None
+    key = _rows_key(N, K, w0.dtype, norm_weight, bias, r, glu)
+    if key in cfg.rows_tuned and not force:
+        return []
+    sweep = list(configs or cfg.rows_sweep)
+    default = (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps)
+    if default not in sweep:
+        sweep.append(default)
+    out = []
+    for bn, bk, nw in sweep:
+
+        def run():
+            for w in mats:
+                gemm_rows(x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw)
+
+        us, err = _time_graph(run, len(mats), reps)
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "rows": rows, "us": us, "error": err})
+    ok = [row for row in out if row["us"] is not None]
+    if ok:
+        top = min(ok, key=lambda row: row["us"])
+        cfg.rows_tuned[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"])
+    return out
+
+
 if triton is not None:
 
     @torch.library.custom_op("draftsmith::gemm_rows", mutates_args=())
@@ -186,4 +241,4 @@ if triton is not None:
         return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
 
-__all__ = ["ROWS_MAX", "gemm_rows"]
+__all__ = ["ROWS_MAX", "gemm_rows", "tune_rows"]

@@ -368,6 +368,28 @@ def test_runner_kernel_config_reaches_the_launches():
             kf(ids[5:], p, p, causal_mask(32, p, DEV))
 
 
+def test_gemm_rows_tuned_tiles():
+    """The row kernels' tuned table (`KernelConfig.rows_tuned`, filled by `tune_rows` on a GPU) is what a launch
+    uses: each tile of the sweep gives the torch result (fp32), and a tile no kernel can take, put in the table for
+    this shape, fails the launch (the table is not ignored)."""
+    from draftsmith.decode.experimental.gemm_rows import _rows_key, gemm_rows, tune_rows
+    from draftsmith.decode.kernel_config import ROWS_CONFIGS, KernelConfig
+
+    g = torch.Generator().manual_seed(11)
+    T, K, N = 5, 96, 48
+    x = torch.randn(T, K, generator=g).to(DEV)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV)
+    ref = F.linear(x, w)
+    for tile in (ROWS_CONFIGS[0], ROWS_CONFIGS[4], ROWS_CONFIGS[-1]):
+        cfg = KernelConfig(rows_tuned={_rows_key(N, K, x.dtype, None, None, None, False): tile})
+        torch.testing.assert_close(gemm_rows(x, w, config=cfg), ref, atol=1e-5, rtol=1e-5)
+    bad = KernelConfig(rows_tuned={_rows_key(N, K, x.dtype, None, None, None, False): (24, 64, 4)})
+    with pytest.raises(Exception):  # noqa: B017 - triton's error type differs between versions
+        gemm_rows(x, w, config=bad)
+    if DEV == "cpu":
+        assert tune_rows([w], T, config=bad) == []  # nothing timed off the GPU
+
+
 def test_verify_forward_through_rows_attention_equals_torch_path():
     """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
     matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
