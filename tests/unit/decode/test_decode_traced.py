@@ -31,11 +31,11 @@ def test_traced_rounds_with_triton_kernels():
     m = tiny_qwen3().to(DEV)
     d = random_drafter(m, seed=2).to(DEV)
     p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
-    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 6, mode=DecodeMode("plain")).token_ids
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 4, mode=DecodeMode("plain")).token_ids
     torch._dynamo.reset()
     eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=4)
     assert eng._d_kern is not None and eng.runner.triton_step(4)
     eng.compile_rounds(backend="aot_eager", fullgraph=True)
-    for mode in (DecodeMode("chain", draft_tokens=3), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
-        assert eng.generate(p, 6, mode=mode).token_ids == want, mode
+    for mode in (DecodeMode("chain", draft_tokens=2), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
+        assert eng.generate(p, 4, mode=mode).token_ids == want, mode
     torch._dynamo.reset()
