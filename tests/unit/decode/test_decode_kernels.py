@@ -9,7 +9,6 @@ so bf16 comparisons allow a unit in the last place; fp32 ones are tight. Skipped
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -663,88 +662,3 @@ def test_kernel_draft_step_equals_module(T):
         outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="on a GPU machine the GPU bench runs; triton 3.6's interpreter fails on the tiny CPU shape",
-)
-def test_bench_decode_kernels_triton_smoke(tmp_path):
-    """bench/decode_kernels.py --gemv torch,triton runs the Triton rows and the per-matrix table (tiny shape)."""
-    import json
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).resolve().parents[3])
-    # --smoke runs on CPU tensors, also on a GPU machine: the kernels there need the interpreter
-    env = dict(
-        os.environ,
-        OUT=str(tmp_path),
-        OMP_NUM_THREADS="1",
-        DRAFTSMITH_BENCHMARKS=str(tmp_path / "B.md"),
-        TRITON_INTERPRET="1",
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(root, "bench", "decode_kernels.py"),
-            "--smoke",
-            "--compile",
-            "off",
-            "--impls",
-            "sdpa",
-            "--gemv",
-            "torch,triton",
-            "--attn-sweep",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads((tmp_path / "decode_kernels.json").read_text())
-    assert {row["gemv"] for row in res["rows"]} == {"torch", "triton"}
-    assert all("triton us/matrix" in m for m in res["per_matrix"])
-    assert {r["cache S"] for r in res["attn_sweep"]} == {r["cache S"] for r in res["rows"]}  # every plan, each S
-
-
-def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
-    """Every kernel a decode step launches compiles ahead of time for sm_90 (the H200) with the 8B shape's
-    constants, without local memory (register spills), and the gemv and attention read memory with 16-byte vector
-    loads. No GPU needed (bench/kernels_aot.py, in a subprocess: the interpreter mode above replaces the kernels)."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    root = str(Path(__file__).resolve().parents[3])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    out = tmp_path / "aot.json"
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "", "--json", str(out)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.exists(), r.stderr[-2000:]
-    rows = json.loads(out.read_text())
-    from draftsmith.decode import kernels as K
-
-    n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
-    assert len(rows) == 2 * 7 * len(K.GEMV_CONFIGS) + 4 * 3 + 4 + 3 * n_attn + 4 + 4 + 3  # each with and without PDL
-    pdl = [row for row in rows if row["kernel"].endswith(" pdl")]
-    assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
-    bad = [row for row in rows if row["error"] or row["local B"] != 0]
-    assert not bad, bad
-    # 16-byte loads: as vector loads into registers, or as the async copies of a pipelined tl.dot loop
-    assert all(
-        row["v4 loads"] > 0 or row["cp.async"] > 0
-        for row in rows
-        if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention"))
-    )
-    assert r.returncode == 0
