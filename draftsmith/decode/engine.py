@@ -708,18 +708,14 @@ class SpeculativeDecoder:
         self._graphs.clear()
 
     def _traced_round(self, mode: DecodeMode, sp: SamplingParams):
-        """A whole round for torch.compile (`_c_round`): every forward inside it traced inline."""
+        """A whole round (or plain step) for torch.compile (`_c_round`): every forward inside it traced inline, the
+        Triton kernels as custom ops (`draftsmith.decode.kernels`)."""
         if mode.kind == "plain":
             self._plain_step(sp, eager=True)
         elif mode.kind == "chain":
             self._chain_round(mode, sp, eager=True)
         else:
             self._tree_round(mode, sp, eager=True)
-
-    def _compiled_round(self, mode: DecodeMode, sp: SamplingParams):
-        """The round `_step_fn` runs under compile=True for greedy decoding: `_traced_round` compiled (the Triton
-        kernels enter the graph as custom ops: `draftsmith.decode.kernels`)."""
-        self._c_round(mode, sp)
 
     def _chain_round_cpu(self, mode: DecodeMode) -> None:
         """The greedy chain round on the CPU (`_step_fn` picks it): the same draft, verify, accept and hand-off as
@@ -931,8 +927,8 @@ class SpeculativeDecoder:
                 return lambda: self._chain_round_cpu(mode)
         else:
             self._tree_consts(mode)  # built here, outside the round (and outside any graph capture)
-        if self._c_round is not None and sp.greedy:
-            return lambda: self._compiled_round(mode, sp)
+        if self._c_round is not None and sp.greedy:  # compile=True on CUDA: the round traced whole
+            return lambda: self._c_round(mode, sp)
         if mode.kind == "chain":
             return lambda: self._chain_round(mode, sp)
         return lambda: self._tree_round(mode, sp)
