@@ -609,32 +609,48 @@ def tune_gemv(
         return []
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
+
+    def launch(tile):
+        bn, bk, nw, pf = tile
+        for w in mats:
+            gemv(
+                x,
+                w,
+                norm_weight,
+                bias=bias,
+                residual=r,
+                act_mul=act_mul,
+                block_n=bn,
+                block_k=bk,
+                num_warps=nw,
+                prefetch=pf,
+                glu=glu,
+                config=cfg,
+            )
+
+    return sweep_tiles(
+        configs or cfg.gemv_sweep,
+        ("BLOCK_N", "BLOCK_K", "warps", "prefetch"),
+        launch,
+        len(mats),
+        reps,
+        cfg.gemv_tuned,
+        key,
+    )
+
+
+def sweep_tiles(tiles, names, launch, per: int, reps: int, table: dict, key) -> list[dict]:
+    """Time `launch(tile)` (CUDA graph replays, `per` matrices a launch) for every tile and keep the fastest in
+    `table[key]`: the sweep of `tune_gemv` and `experimental.gemm_rows.tune_rows`. One row per tile (its fields named
+    by `names`, `us` per matrix or None with `error`); a table untouched when no tile ran."""
     rows = []
-    for bn, bk, nw, pf in configs or cfg.gemv_sweep:
-
-        def run():
-            for w in mats:
-                gemv(
-                    x,
-                    w,
-                    norm_weight,
-                    bias=bias,
-                    residual=r,
-                    act_mul=act_mul,
-                    block_n=bn,
-                    block_k=bk,
-                    num_warps=nw,
-                    prefetch=pf,
-                    glu=glu,
-                    config=cfg,
-                )
-
-        us, err = _time_graph(run, len(mats), reps)
-        rows.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "prefetch": pf, "us": us, "error": err})
+    for tile in tiles:
+        us, err = _time_graph(lambda: launch(tile), per, reps)
+        rows.append({**dict(zip(names, tile)), "us": us, "error": err})
     ok = [row for row in rows if row["us"] is not None]
     if ok:
         top = min(ok, key=lambda row: row["us"])
-        cfg.gemv_tuned[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"], top["prefetch"])
+        table[key] = tuple(top[n] for n in names)
     return rows
 
 

@@ -187,7 +187,7 @@ def tune_rows(
     """`kernels.tune_gemv` for gemm_rows: time every tile of `configs` (default `config.rows_sweep`) on `mats` with
     `rows` tokens and keep the fastest in `config.rows_tuned` (the default tile is among those timed, so the choice is
     never slower than it at tuning time). One row per tile; [] when tuned before (unless `force`) or on the CPU."""
-    from draftsmith.decode.kernels import _time_graph
+    from draftsmith.decode.kernels import sweep_tiles
 
     _need()
     cfg = config if config is not None else KernelConfig()
@@ -205,20 +205,14 @@ def tune_rows(
     default = (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps)
     if default not in sweep:
         sweep.append(default)
-    out = []
-    for bn, bk, nw in sweep:
 
-        def run():
-            for w in mats:
-                gemm_rows(x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw)
+    def launch(tile):
+        bn, bk, nw = tile
+        for w in mats:
+            gemm_rows(x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw)
 
-        us, err = _time_graph(run, len(mats), reps)
-        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "warps": nw, "rows": rows, "us": us, "error": err})
-    ok = [row for row in out if row["us"] is not None]
-    if ok:
-        top = min(ok, key=lambda row: row["us"])
-        cfg.rows_tuned[key] = (top["BLOCK_N"], top["BLOCK_K"], top["warps"])
-    return out
+    out = sweep_tiles(sweep, ("BLOCK_N", "BLOCK_K", "warps"), launch, len(mats), reps, cfg.rows_tuned, key)
+    return [{**row, "rows": rows} for row in out]
 
 
 if triton is not None:

@@ -367,6 +367,24 @@ def test_runner_kernel_config_reaches_the_launches():
             kf(ids[5:], p, p, causal_mask(32, p, DEV))
 
 
+def test_sweep_tiles_keeps_the_fastest_that_ran(monkeypatch):
+    """The tile sweep of tune_gemv / tune_rows (`kernels.sweep_tiles`), its timer faked: every tile is launched, one
+    row each, the fastest tile that ran is kept for the key, a failing tile never wins, and nothing is kept when none
+    ran."""
+    from draftsmith.decode import kernels as K
+
+    times = {(16, 64): 3.0, (32, 64): 1.5, (8, 64): None, (64, 64): 2.0}
+    launched = []
+    monkeypatch.setattr(K, "_time_graph", lambda run, per, reps: (run(), (times[launched[-1]], "boom"))[1])
+    table = {}
+    rows = K.sweep_tiles(list(times), ("BLOCK_N", "BLOCK_K"), launched.append, 2, 1, table, "k")
+    assert launched == list(times) and [r["BLOCK_N"] for r in rows] == [16, 32, 8, 64]
+    assert table == {"k": (32, 64)} and rows[1]["us"] == 1.5 and rows[2]["us"] is None
+    times = {(8, 64): None}
+    assert len(K.sweep_tiles(list(times), ("BLOCK_N", "BLOCK_K"), launched.append, 2, 1, table, "j")) == 1
+    assert "j" not in table
+
+
 def test_gemm_rows_tuned_tiles():
     """The row kernels' tuned table (`KernelConfig.rows_tuned`, filled by `tune_rows` on a GPU) is what a launch
     uses: each tile of the sweep gives the torch result (fp32), and a tile no kernel can take, put in the table for
