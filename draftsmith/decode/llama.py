@@ -134,6 +134,26 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+class _PlanSetting:
+    """A setting of `LlamaFamilyForward` its ops plans are built from: assigning a different value (after `convert`;
+    `same` says what counts as the same) rebuilds the plans (`invalidate_plans`). Stored as `_<name>`."""
+
+    def __init__(self, convert=None, same=None, doc: str | None = None):
+        self.convert, self.same, self.__doc__ = convert, same or (lambda a, b: a == b), doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.attr)
+
+    def __set__(self, obj, value) -> None:
+        value = self.convert(value) if self.convert else value
+        if not self.same(value, getattr(obj, self.attr)):
+            setattr(obj, self.attr, value)
+            obj.invalidate_plans()
+
+
 class LlamaFamilyForward(torch.nn.Module):
     """Static-cache forward of a Llama-family decoder for batch size 1."""
 
@@ -364,57 +384,12 @@ class LlamaFamilyForward(torch.nn.Module):
     # A forward of T rows runs one `ops.Ops` object, chosen once per width (not op by op inside the layer loop):
     # torch, the CPU's transposed copies, or Triton kernels for the ops `triton_ops` routes (`_route`). The settings
     # that decide it are properties whose setters rebuild the plans.
-    @property
-    def kernels(self) -> str:
-        return self._kernels
-
-    @kernels.setter
-    def kernels(self, value: str) -> None:
-        if value != self._kernels:
-            self._kernels = value
-            self.invalidate_plans()
-
-    @property
-    def triton_ops(self) -> frozenset:
-        """The ops of TRITON_OPS that kernels="triton" routes to the kernels (assign any iterable of names)."""
-        return self._triton_ops
-
-    @triton_ops.setter
-    def triton_ops(self, value) -> None:
-        value = frozenset(value)
-        if value != self._triton_ops:
-            self._triton_ops = value
-            self.invalidate_plans()
-
-    @property
-    def triton_max_rows(self) -> int:
-        return self._triton_max_rows
-
-    @triton_max_rows.setter
-    def triton_max_rows(self, value: int) -> None:
-        if int(value) != self._triton_max_rows:
-            self._triton_max_rows = int(value)
-            self.invalidate_plans()
-
-    @property
-    def kernel_config(self) -> KernelConfig:
-        return self._kernel_config
-
-    @kernel_config.setter
-    def kernel_config(self, value: KernelConfig) -> None:
-        # by identity: the plans launch with this object, which `tune_kernels` fills in place
-        if value is not self._kernel_config:
-            self._kernel_config = value
-            self.invalidate_plans()
-
-    @property
-    def layers(self) -> list:
-        return self._layers
-
-    @layers.setter
-    def layers(self, value: list) -> None:
-        self._layers = value
-        self.invalidate_plans()
+    kernels = _PlanSetting()
+    triton_ops = _PlanSetting(frozenset, doc='The ops of TRITON_OPS that kernels="triton" routes to the kernels.')
+    triton_max_rows = _PlanSetting(int)
+    # by identity: the plans launch with this object, which `tune_kernels` fills in place
+    kernel_config = _PlanSetting(same=lambda a, b: a is b)
+    layers = _PlanSetting(same=lambda a, b: False)
 
     def invalidate_plans(self) -> None:
         """Rebuild every width's plan from the current settings (the setters call it).
