@@ -574,13 +574,19 @@ def p2b(args, dev, dtype, runner, best):
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
-    combos = [(kn, impl) for kn in kernels for impl in args.attn_impls]
+    combos = [(kn, impl, 1) for kn in kernels for impl in args.attn_impls]
+    # --kernel-rows: also the triton engine whose verifies of up to N rows run through the row kernels
+    combos += [
+        ("triton", impl, r) for r in args.kernel_rows if r > 1 and "triton" in kernels for impl in args.attn_impls
+    ]
     graphs = None
-    for kn, impl in combos:
-        eng = SpeculativeDecoder(runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn)
+    for kn, impl, krows in combos:
+        eng = SpeculativeDecoder(
+            runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows
+        )
         plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
-        pname = impl if kn == "torch" else f"{impl}+triton kernels"
+        pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
         for mode, tau in settings:
             if left(args.budget + 60) < 15:
@@ -610,7 +616,7 @@ def p2b(args, dev, dtype, runner, best):
                     "mode": mode.kind,
                     "setting": mode.__dict__,
                     "attention": impl,
-                    "kernels": kn,
+                    "kernels": kn if krows == 1 else f"{kn} rows{krows}",
                     "context": ctx,
                     "cache_slots": eng.max_len,
                     "t_plain_own_ms": t_own * 1e3,
@@ -749,6 +755,13 @@ def main(argv=None):
         default=None,
         help="P2b without P2a: settings and their τ measured by an earlier "
         "P2a, e.g. 'chain:4=3.51,tree:10/7/64=5.91' (the projection says so)",
+    )
+    ap.add_argument(
+        "--kernel-rows",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="P2b: also measure the triton engine with kernel_rows=N (verifies of up to N rows through the row "
+        "kernels), e.g. 8,64",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

@@ -103,7 +103,10 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
             "kernels": cen["kernels"],
             "by_kind": {k: v[0] for k, v in cen["by_kind"].items()},
             "kernel_ms": cen["kernel_ms"],
+            # busy = summed kernel time over the replay's wall time: the rest is launch gaps inside the graph
+            "busy": cen["kernel_ms"] / (per * 1e3) if per else None,
             "floor_ms": floor_s * 1e3,
+            "top": [(n, c, round(ms * 1e3, 2)) for n, c, ms in cen["top"]],  # (kernel, launches, summed us)
         }
         if key in taus:
             row["tau"] = taus[key]
@@ -114,6 +117,7 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
             f"{row['by_kind']}"
             + (f", projected {row['projected_speedup']:.2f}x at tau {taus[key]}" if key in taus else "")
         )
+        log(f"  busy {row['busy']:.2f}; top kernels (name, launches, us): {row['top']}")
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -269,6 +273,7 @@ def main() -> None:
                     "ms",
                     "plain_steps",
                     "kernels",
+                    "busy",
                     "by_kind",
                     "floor_ms",
                     "tau",
