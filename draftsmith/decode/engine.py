@@ -423,7 +423,9 @@ class SpeculativeDecoder:
             and self._d_rope is not None
             and KernelDraftStep.supports(self._d_module)
         ):
-            self._d_kern = KernelDraftStep(self._d_module, self.runner.kernel_config)
+            # its multi-row matmuls through the row kernels up to kernel_rows, like the target's verify
+            rows = self.runner._kernel_rows() if hasattr(self.runner, "_kernel_rows") else 1
+            self._d_kern = KernelDraftStep(self._d_module, self.runner.kernel_config, rows=rows)
         if self._compiled and self.backend == "llama":
             self._d_call = torch.compile(self._d_module, dynamic=False, mode=self.compile_mode)
             # a tree level's norm, lm_head, fp32 cast and log-softmax fused around the matmul (eager: ~5 kernels;

@@ -217,17 +217,19 @@ class KernelDraftStep:
     kernels="triton"): the kernels of the target's one-token step, a handful per drafter layer instead of cuBLAS plus
     ~10 elementwise kernels (a round on a small target is launch-bound: BENCHMARKS.md "Decode: small-target round
     census"). One token: `gemv` with the norm, bias, silu*up and residual folds, `rope_and_cache` into the drafter's
-    cache, `decode_attention`; up to `ROWS` tokens (a hand-off, a tree level): `experimental.gemm_rows` and
-    `rows_attention`. The first layer's input, cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over
+    cache, `decode_attention`; up to `ROWS` tokens (a hand-off, a tree level): `rows_attention`, and the matmuls
+    through `experimental.gemm_rows` up to `rows` tokens (the engine's `kernel_rows`, the target verify's rule: the
+    row kernels win on small shapes and lose to cuBLAS on large ones — an 8B-sized drafter's 8-row tree level took
+    0.37 ms through them vs 0.22 ms for one row, BENCHMARKS.md), torch's beyond. The first layer's input, cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over
     two halves, so it stays torch (one fused kernel when the round is compiled); every other norm is folded into the
     matmul after it with HF's rounding, so outputs equal the module's up to summation order. Needs a silu MLP and a
     power-of-two head_dim >= 16 (`supports`)."""
 
     ROWS = 64  # experimental.gemm_rows.ROWS_MAX (not imported here: the module loads triton)
 
-    def __init__(self, view: nn.Module, config=None):
-
+    def __init__(self, view: nn.Module, config=None, rows: int = 1):
         self.config = config
+        self.rows = max(1, min(int(rows), self.ROWS))
         self.embed = view.embed_tokens.weight
         self.fc = view.fc.weight
         self.fc_b = view.fc.bias
@@ -267,13 +269,13 @@ class KernelDraftStep:
         return True
 
     def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False):
-        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to ROWS, else torch."""
+        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch."""
         from draftsmith.decode import kernels as K
 
         T = x.shape[0]
         if T == 1:
             return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
-        if T <= self.ROWS:
+        if T <= self.rows:
             from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
             return gemm_rows(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
@@ -304,6 +306,8 @@ class KernelDraftStep:
 
         T = ids.shape[0]
         h = hidden
+        if len(self.layers) > 1:  # once, not per layer's kernel calls (a traced round; `kernels.realize`)
+            positions, slots, mask = K.realize(positions, slots, mask)
         for L in self.layers:
             nh, nkv, d = L["heads"]
             kc, vc = k_layers[L["idx"]], v_layers[L["idx"]]

@@ -506,6 +506,31 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+@torch.library.custom_op("draftsmith::realize", mutates_args=())
+def _realize_op(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
+
+
+@_realize_op.register_fake
+def _(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
+def realize(*xs: torch.Tensor | None) -> tuple:
+    """The forward's index tensors (positions, slots, the boolean mask) as buffers of their own, once, before the
+    layers' kernels take them. Under torch.compile inductor re-computes a pointwise input of an opaque operator for
+    every operator that takes it: in a traced round `positions = L + arange(T)` and its mask cost 2-3 small kernels per
+    layer and kernel call (33 of a pycode-small chain round's 167 launches, BENCHMARKS.md); an opaque copy is one
+    launch per tensor per forward. Eager (and None): returned as they are."""
+    if not _tracing():
+        return xs
+    idx = [i for i, x in enumerate(xs) if x is not None]
+    out = list(xs)
+    for i, y in zip(idx, _realize_op([xs[i] for i in idx])):
+        out[i] = y
+    return tuple(out)
+
+
 def _gemv_key(
     N: int, K: int, dtype, has_norm: bool, has_bias: bool, has_res: bool, act_mul: bool, glu: bool = False
 ) -> tuple:
@@ -1279,6 +1304,7 @@ __all__ = [
     "decode_attention",
     "rows_attention",
     "topk_logprobs",
+    "realize",
     "tune_attention",
     "GEMV_CONFIGS",
     "ATTN_CONFIGS",

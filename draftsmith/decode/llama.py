@@ -548,7 +548,7 @@ class LlamaFamilyForward(torch.nn.Module):
         T, S = input_ids.shape[0], mask.shape[1]
         ops = self.plan(T)
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        attn_mask, rope = ops.prepare(mask, positions)
+        attn_mask, rope, slots = ops.prepare(mask, positions, slots)
         aux = {}
         for i, L in enumerate(ops.layers):
             kc, vc = self.k_layers[i], self.v_layers[i]

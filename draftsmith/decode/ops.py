@@ -34,17 +34,25 @@ def mlp_folds(silu: bool, routed: frozenset, one_row: bool = True) -> tuple[bool
     return glu, silu and not glu and "down" in routed and one_row
 
 
+def _realize(*xs):
+    """`kernels.realize`: under torch.compile, index tensors as buffers made once per forward (else inductor
+    re-computes them for every kernel call that takes them: 2-3 launches per layer in a traced round)."""
+    from draftsmith.decode.kernels import realize
+
+    return realize(*xs)
+
+
 class Ops:
     """The ops of a forward of T rows over one layer `L` (an element of `layers`), in the order the forward calls
-    them. `prepare(mask, positions) -> (attn_mask, rope)` runs once per forward: `attn_mask` is what `attention`
-    takes as its mask, `rope` what `rope_cache` takes as its positions. Shapes: h [T, H], q [1, T, nh, d],
+    them. `prepare(mask, positions, slots) -> (attn_mask, rope, slots)` runs once per forward: `attn_mask` is what
+    `attention` takes as its mask, `rope` what `rope_cache` takes as its positions, `slots` what both take as slots. Shapes: h [T, H], q [1, T, nh, d],
     o [T, nh * d], logits [R, V] fp32."""
 
     name = "ops"
     routed: frozenset = frozenset()  # the ops of llama.TRITON_OPS this plan sends to draftsmith.decode.kernels
     layers: list  # what each layer's ops take as `L`
 
-    def prepare(self, mask, positions):
+    def prepare(self, mask, positions, slots):
         raise NotImplementedError
 
     def qkv(self, h, L):
@@ -93,10 +101,10 @@ class TorchOps(Ops):
         sin = f.sin.index_select(0, positions)[None, :, None, :]
         return cos, sin
 
-    def prepare(self, mask, positions):
+    def prepare(self, mask, positions, slots):
         # the additive mask is built once per forward and shared by all layers (`llama.prepare_mask`)
         rope = self._rope_rows(positions)
-        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype), rope
+        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype), rope, slots
 
     def qkv(self, h, L):
         return self._lin(_rms(h, L.input_norm, self.eps), L.qkv, L.qkv_bias)
@@ -195,8 +203,10 @@ class TritonAttnOps(TorchOps):
         self.K = K
         self.config = f.kernel_config
 
-    def prepare(self, mask, positions):
-        return mask, self._rope_rows(positions)  # the kernel takes the boolean mask
+    def prepare(self, mask, positions, slots):
+        # the kernel takes the boolean mask; it and the slots made once for all layers' kernel calls (`_realize`)
+        mask, slots = _realize(mask, slots)
+        return mask, self._rope_rows(positions), slots
 
     def attention(self, q, kc, vc, mask, slots, S):
         return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
@@ -248,11 +258,23 @@ class TritonStepOps(TorchOps):
     def _launcher(self):
         return self.K.gemv
 
-    def prepare(self, mask, positions):
+    def prepare(self, mask, positions, slots):
         rope = positions if "rope" in self.routed else self._rope_rows(positions)
+        if positions.shape[0] == 1:  # the one-token step: the per-layer re-computation was not seen there
+            return (mask, rope, slots) if "attn" in self.routed else (self._mask(mask), rope, slots)
+        # the index inputs the kernels take, made once for all layers' kernel calls (`_realize`)
         if "attn" in self.routed:
-            return mask, rope
-        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype), rope
+            if "rope" in self.routed:
+                mask, rope, slots = _realize(mask, rope, slots)
+            else:
+                mask, slots = _realize(mask, slots)
+            return mask, rope, slots
+        if "rope" in self.routed:
+            rope, slots = _realize(rope, slots)
+        return self._mask(mask), rope, slots
+
+    def _mask(self, mask):
+        return prepare_mask(mask, self.nh // self.nkv, self.f.dtype)
 
     def _qkv_kernel(self, h, L):
         return self.lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0])

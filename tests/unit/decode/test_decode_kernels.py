@@ -654,23 +654,29 @@ def test_triton_kernels_with_compiled_rounds():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_kernel_draft_step_equals_module(T):
+@pytest.mark.parametrize("T,rows", [(1, 1), (4, 1), (4, 8)])
+def test_kernel_draft_step_equals_module(T, rows, monkeypatch):
     """kernels="triton" runs the drafter through the kernels (`KernelDraftStep`: gemv / gemm_rows with the norm,
     silu*up and residual folds, rope_and_cache into the drafter cache, decode_attention / rows_attention): its
     forward over T tokens after a prefill, its fc and its head equal the module path's (fp32, two engines on the same
-    prompt)."""
+    prompt). Its multi-row matmuls take the row kernels only up to the engine's kernel_rows (cuBLAS beyond)."""
+    from draftsmith.decode.experimental import gemm_rows as GR
+
+    calls = []
+    real = GR.gemm_rows
+    monkeypatch.setattr(GR, "gemm_rows", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     m = tiny_qwen3().to(DEV)
     d = random_drafter(m, seed=4).to(DEV)
     p = torch.randint(0, m.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []
     for kernel_drafter in (True, False):
-        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton")
+        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=rows)
         if not kernel_drafter:
             eng.kernel_drafter = False
             eng._build_drafter_view()
         assert (eng._d_kern is not None) == kernel_drafter
         eng.prefill(p, SamplingParams(), draft=True)
+        calls.clear()
         g = torch.Generator().manual_seed(6)
         aux = torch.randn(T, d.fc.in_features, generator=g).to(DEV)
         ids = torch.randint(0, m.config.vocab_size, (T,), generator=g).to(DEV)
@@ -678,5 +684,7 @@ def test_kernel_draft_step_equals_module(T):
         h_in = eng.fuse(aux)
         h = eng.draft_forward(ids, h_in, pos, pos, eng.mask(pos))
         outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
+        # fc, qkv, o, gate/up, down, head: through gemm_rows exactly when the rows fit kernel_rows
+        assert calls == ([T] * 6 if kernel_drafter and 1 < T <= rows else []), calls
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

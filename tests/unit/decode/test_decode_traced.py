@@ -39,3 +39,39 @@ def test_traced_rounds_with_triton_kernels():
     for mode in (DecodeMode("chain", draft_tokens=2), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
         assert eng.generate(p, 4, mode=mode).token_ids == want, mode
     torch._dynamo.reset()
+
+
+def test_traced_forward_makes_its_index_inputs_once():
+    """In a traced round the forward's positions, slots and mask are pointwise of the round's length (L + arange);
+    inductor re-computes such an input for every opaque operator that takes it — 2-3 small kernels per layer on
+    the GPU — unless the forward makes them buffers once (`kernels.realize`). Compiled here with inductor (on the CPU
+    its C++ backend): one generated kernel computes them, and the output equals the eager forward's."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    from draftsmith.decode.engine import causal_mask
+
+    torch._dynamo.reset()
+    m = tiny_qwen3().to(DEV)
+    eng = SpeculativeDecoder(m, random_drafter(m, seed=2).to(DEV), max_len=48, kernels="triton", kernel_rows=8)
+    r, T = eng.runner, 5
+    assert r.n_layers >= 2
+
+    def fwd(ids, L):
+        pos = L + torch.arange(T, device=ids.device)
+        slots = pos + 1  # distinct tensors, as in a round
+        return r.forward(ids, pos, slots, causal_mask(48, slots, ids.device))[0]
+
+    ids, L = torch.arange(T, device=DEV), torch.tensor(3, device=DEV)
+    want = fwd(ids, L)
+    got, codes = run_and_get_code(torch.compile(fwd, fullgraph=True), ids, L)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    call = "".join(codes).split("def call(")[-1]
+    launches = [
+        ln for ln in call.splitlines() if re.search(r"(cpp_fused|triton_\w+)_\w*arange\w*\(|arange\w*\.run\(", ln)
+    ]
+    assert len(launches) == 1, launches
+    assert call.count("torch.ops.draftsmith.realize.default(") == 1
+    torch._dynamo.reset()
