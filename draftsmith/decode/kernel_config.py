@@ -44,11 +44,16 @@ GEMV_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
 
 
 # The tiles `tune_rows` times for experimental.gemm_rows: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N >= 16 (the tl.dot
-# tile). Small N wants small BLOCK_N (more programs than SMs: on a 384-wide target 32 leaves most of an H200 idle).
+# tile). Small N wants small BLOCK_N (more programs than SMs: on a 384-wide target 32 leaves most of an H200 idle);
+# small K wants a wide BLOCK_K (pycode-small's K is 384 or 1,024: a 5-row verify's matmuls took 3.9 us a launch in
+# 128-wide steps vs the one-row gemv's 2.5 us — each K step is a memory round trip, BENCHMARKS.md).
 ROWS_CONFIGS = (
     (16, 64, 4),
     (16, 128, 4),
     (16, 256, 4),
+    (16, 512, 4),
+    (16, 1024, 8),
+    (32, 512, 4),
     (32, 64, 4),
     (32, 128, 4),
     (32, 256, 4),
