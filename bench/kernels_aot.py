@@ -156,22 +156,27 @@ def variants(shape: str, dtype: str = "bf16"):
         "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
     }
     rows_tile = K.KernelConfig()  # gemm_rows's default tile (the runner's unless a benchmark passes another)
+    default = (rows_tile.rows_block_n, rows_tile.rows_block_k, rows_tile.rows_num_warps)
+    # the default tile at 16 and 64 rows (with and without PDL), and every tile of the sweep `tune_rows` may pick
+    # at 16 rows (a chain verify's)
+    variants = [(16, False, default), (64, False, default), (64, True, default)]
+    variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
     for kind, flags in rows_kinds.items():
-        for bm, pdl in ((16, False), (64, False), (64, True)):
+        for bm, pdl, (bn, bk, nw) in variants:
             yield (
-                f"gemm_rows {kind} M={bm} {rows_tile.rows_block_n}/{rows_tile.rows_block_k}/{rows_tile.rows_num_warps}{' pdl' if pdl else ''}",
+                f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}",
                 G._rows_kernel,
                 rows_sig,
                 dict(
                     flags,
                     HAS_BIAS=False,
                     BLOCK_M=bm,
-                    BLOCK_N=rows_tile.rows_block_n,
-                    BLOCK_K=rows_tile.rows_block_k,
+                    BLOCK_N=bn,
+                    BLOCK_K=bk,
                     IEEE=dtype == "fp32",
                     USE_PDL=pdl,
                 ),
-                rows_tile.rows_num_warps,
+                nw,
                 ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],
             )
     rope_sig = {
