@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = llama8b_config(args.smoke)
-    caches = [int(c) for c in args.cache.split(",")] if not args.smoke else [32, 96]
+    caches = [int(c) for c in args.cache.split(",")] if not args.smoke else [64]  # smoke: one (the interpreter)
     reps = args.reps if not args.smoke else 2
     aux = [1, cfg.num_hidden_layers // 2 - 1, cfg.num_hidden_layers - 4]
     runner = LlamaFamilyForward.random(cfg, aux, max_len=max(caches), device=dev, dtype=dtype)

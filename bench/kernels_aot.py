@@ -68,7 +68,7 @@ def _resources(compiled) -> dict:
     }  # tl.dot operands pipelined via smem
 
 
-def variants(shape: str, dtype: str = "bf16"):
+def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
     """(label, kernel, signature, constexprs, num_warps, aligned args) of every kernel variant a step launches."""
     from draftsmith.decode import kernels as K
     from draftsmith.decode.experimental import gemm_rows as G
@@ -160,7 +160,8 @@ def variants(shape: str, dtype: str = "bf16"):
     # the default tile at 16 and 64 rows (with and without PDL), and every tile of the sweep `tune_rows` may pick
     # at 16 rows (a chain verify's)
     variants = [(16, False, default), (64, False, default), (64, True, default)]
-    variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
+    if rows_sweep:
+        variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
     for kind, flags in rows_kinds.items():
         for bm, pdl, (bn, bk, nw) in variants:
             yield (
@@ -370,9 +371,11 @@ def variants(shape: str, dtype: str = "bf16"):
         )
 
 
-def report(shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None) -> list[dict]:
+def report(
+    shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None, rows_sweep: bool = False
+) -> list[dict]:
     rows = []
-    for label, fn, sig, consts, nw, aligned in variants(shape, dtype):
+    for label, fn, sig, consts, nw, aligned in variants(shape, dtype, rows_sweep):
         if only and only not in label:
             continue
         t0 = time.perf_counter()
@@ -392,8 +395,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--only", default=None, help="only variants whose label contains this")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument(
+        "--rows-sweep",
+        action="store_true",
+        help="also every gemm_rows tile of KernelConfig.rows_sweep (16 rows, PDL): what tune_rows may pick",
+    )
     args = ap.parse_args(argv)
-    rows = report(args.shape, args.arch, args.dtype, args.only)
+    rows = report(args.shape, args.arch, args.dtype, args.only, args.rows_sweep)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     print(markdown_table(rows, cols))
     if args.json:
