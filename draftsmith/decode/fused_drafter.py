@@ -220,9 +220,10 @@ class KernelDraftStep:
     cache, `decode_attention`; up to `ROWS` tokens (a hand-off, a tree level): `rows_attention`, and the matmuls
     through `experimental.gemm_rows` up to `rows` tokens (the engine's `kernel_rows`, the target verify's rule: the
     row kernels win on small shapes and lose to cuBLAS on large ones — an 8B-sized drafter's 8-row tree level took
-    0.37 ms through them vs 0.22 ms for one row, BENCHMARKS.md), torch's beyond. The first layer's input, cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over
-    two halves, so it stays torch (one fused kernel when the round is compiled); every other norm is folded into the
-    matmul after it with HF's rounding, so outputs equal the module's up to summation order. Needs a silu MLP and a
+    0.37 ms through them vs 0.22 ms for one row, BENCHMARKS.md), torch's beyond. The first layer's input,
+    cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over two halves, so it stays torch (one fused
+    kernel when the round is compiled); every other norm is folded into the matmul after it with HF's rounding, so
+    outputs equal the module's up to summation order. Needs a silu MLP and a
     power-of-two head_dim >= 16 (`supports`)."""
 
     ROWS = 64  # experimental.gemm_rows.ROWS_MAX (not imported here: the module loads triton)

@@ -45,8 +45,8 @@ def _realize(*xs):
 class Ops:
     """The ops of a forward of T rows over one layer `L` (an element of `layers`), in the order the forward calls
     them. `prepare(mask, positions, slots) -> (attn_mask, rope, slots)` runs once per forward: `attn_mask` is what
-    `attention` takes as its mask, `rope` what `rope_cache` takes as its positions, `slots` what both take as slots. Shapes: h [T, H], q [1, T, nh, d],
-    o [T, nh * d], logits [R, V] fp32."""
+    `attention` takes as its mask, `rope` what `rope_cache` takes as its positions, `slots` what both take as slots.
+    Shapes: h [T, H], q [1, T, nh, d], o [T, nh * d], logits [R, V] fp32."""
 
     name = "ops"
     routed: frozenset = frozenset()  # the ops of llama.TRITON_OPS this plan sends to draftsmith.decode.kernels
