@@ -159,3 +159,16 @@ def test_regenerate_and_capture_are_wired_into_train(tmp_path):
     assert cap.argv[cap.argv.index("--data") + 1] == str(regen.output)
     assert train.argv[train.argv.index("--store") + 1] == str(cap.output)
     assert "--aux-layers" in cap.argv and cap.argv[cap.argv.index("--aux-layers") + 1] == "1,3,4"
+
+
+def test_the_small_target_recipe_is_valid(small_path, monkeypatch):
+    """examples/pycode-small.yaml (the recipe the next drafter for pycode-small is trained with) validates: every
+    field is a flag of its stage's command, and the stages chain (regenerate -> train -> eval -> export)."""
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYCODE_SMALL", str(small_path))
+    monkeypatch.setenv("HUMANEVAL", str(repo / "assets" / "demo_prompts.jsonl"))
+    p = plan(str(repo / "examples" / "pycode-small.yaml"))
+    names = [st.name for st in p.stages]
+    assert names[:2] == ["regenerate", "train"] and names[2].startswith("eval"), names
+    train = next(st for st in p.stages if st.name == "train")
+    assert "--online" in train.argv and "regenerated.jsonl" in " ".join(train.argv)
