@@ -259,19 +259,12 @@ class TritonStepOps(TorchOps):
         return self.K.gemv
 
     def prepare(self, mask, positions, slots):
-        rope = positions if "rope" in self.routed else self._rope_rows(positions)
-        if positions.shape[0] == 1:  # the one-token step: the per-layer re-computation was not seen there
-            return (mask, rope, slots) if "attn" in self.routed else (self._mask(mask), rope, slots)
-        # the index inputs the kernels take, made once for all layers' kernel calls (`_realize`)
-        if "attn" in self.routed:
-            if "rope" in self.routed:
-                mask, rope, slots = _realize(mask, rope, slots)
-            else:
-                mask, slots = _realize(mask, slots)
-            return mask, rope, slots
-        if "rope" in self.routed:
-            rope, slots = _realize(rope, slots)
-        return self._mask(mask), rope, slots
+        r = self.routed
+        if positions.shape[0] > 1 and r & {"rope", "attn"}:
+            # made once for all layers' kernel calls (`_realize`); the one-token step showed no re-computation
+            mask, positions, slots = _realize(mask, positions, slots)
+        rope = positions if "rope" in r else self._rope_rows(positions)
+        return (mask if "attn" in r else self._mask(mask)), rope, slots
 
     def _mask(self, mask):
         return prepare_mask(mask, self.nh // self.nkv, self.f.dtype)
