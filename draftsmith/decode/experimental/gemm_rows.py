@@ -18,7 +18,22 @@ from draftsmith.decode.kernels import _INTERPRET, _need, _pdl, _tracing, config_
 if triton is not None:
     import triton.language as tl
 
-    from draftsmith.decode.kernels import _pdl_start, _rms_apply, _silu_mul
+    from draftsmith.decode.kernels import _rms_apply, _silu_mul, gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM: tl.constexpr, out_ty: tl.constexpr):
+        """One K block of the T input rows [BLOCK_M, BLOCK_K], RMS-normalised when the kernel folds the norm."""
+        xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_NORM:
+            xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+        return xv
+
+    @triton.jit
+    def _rows_dot(acc, xv, w, IEEE: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T (exact fp32 products for fp32)."""
+        if IEEE:
+            return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(xv, tl.trans(w), acc)
 
     @triton.jit
     def _rows_kernel(
@@ -45,8 +60,11 @@ if triton is not None:
         USE_PDL: tl.constexpr,
     ):
         """`gemv` for T <= BLOCK_M rows (a verify's tokens): one program per BLOCK_N outputs, all T rows as one
-        tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`."""
-        _pdl_start(USE_PDL)
+        tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`. Like the
+        gemv, the first K block of weights loads before the PDL wait (no kernel writes them), so on a small target
+        (one K block: a wide BLOCK_K) the whole weight read overlaps the previous kernel's tail."""
+        if USE_PDL:
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < T
@@ -55,37 +73,38 @@ if triton is not None:
         row = rn.to(tl.int64) * stride_w
         out_ty = y_ptr.dtype.element_ty
         xrow = rm.to(tl.int64) * stride_x
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GLU:
+            row2 = (rn + N).to(tl.int64) * stride_w
+            w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_PDL:
+            gdc_wait()  # x and the residual are the previous kernels' outputs
         rstd = tl.full([BLOCK_M], 1.0, tl.float32)
         if HAS_NORM:  # each row's RMSNorm: the sum of squares first (x is L2-resident)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(
-                    tl.float32
-                )
+                rkn = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(
+                    x_ptr + xrow[:, None] + rkn[None, :], mask=m_ok[:, None] & (rkn < K)[None, :], other=0.0
+                ).to(tl.float32)
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
+        xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
+        acc = _rows_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w, IEEE)
         if GLU:
-            row2 = (rn + N).to(tl.int64) * stride_w
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+            acc2 = _rows_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w2, IEEE)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if HAS_NORM:
-                xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xv, tl.trans(w))
+            acc = _rows_dot(acc, xv, w, IEEE)
             if GLU:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if IEEE:
-                    acc2 += tl.dot(xv.to(tl.float32), tl.trans(w2.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc2 += tl.dot(xv, tl.trans(w2))
+                acc2 = _rows_dot(acc2, xv, w2, IEEE)
         y = acc
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]

@@ -469,6 +469,10 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
             for t in range(T)
         ]
         torch.testing.assert_close(y.float(), torch.cat(rows).float(), atol=1e-2, rtol=1e-2)
+    # one K block (a small target's wide tile: the whole weight tile is the prefetched block) sums the same products
+    y1 = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu, block_k=512)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y1.float(), y.float(), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="gemm_rows"):
         gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
 
