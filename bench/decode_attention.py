@@ -7,6 +7,8 @@ Why: a T=49 verify's attention is latency-bound (3.6 MB of K/V a layer), and the
 ranks the plans (row tile, key block, chunks, warps) per T so the default rule can be set from measurements.
 
 Usage (device):  python bench/decode_attention.py [--tokens 8,49,65] [--cache 880] [--top 12]
+                 python bench/decode_attention.py --shape small --tokens 5,16,49 --cache 480 --context 350
+                                   (pycode-small's heads: where one split and no combine kernel may win)
                  python bench/decode_attention.py --smoke        (CPU, triton's interpreter: code paths only)
 """
 
@@ -22,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import markdown_table, record  # noqa: E402
+
+# (query heads, KV heads, head_dim, layers)
+SHAPES = {"8b": (32, 8, 128, 32), "small": (6, 2, 64, 10)}
 
 
 def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int]]:
@@ -51,6 +56,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=int, default=880, help="cache slots S (the P2b round's 880)")
     ap.add_argument("--context", type=int, default=512, help="committed slots every row sees")
     ap.add_argument("--top", type=int, default=12, help="plans listed per T (fastest first)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="8b",
+        help="attention shape: 8b (Llama-3.1-8B) or small (pycode-small: 6 heads, 2 KV heads, d=64, 10 layers)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU through triton's interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -64,7 +75,7 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    nh, nkv, d, layers = (32, 8, 128, 32) if not args.smoke else (4, 2, 16, 2)
+    nh, nkv, d, layers = SHAPES[args.shape] if not args.smoke else (4, 2, 16, 2)
     S, ctx = (args.cache, args.context) if not args.smoke else (48, 30)
     G = nh // nkv
     kcs = [torch.randn(1, nkv, S, d, device=dev, dtype=dtype) for _ in range(layers)]
@@ -181,14 +192,14 @@ def main(argv=None) -> int:
             print(r, flush=True)
     cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "us/layer", "max |Δ|", "error"]
     body = (
-        f"8B attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
+        f"{args.shape} attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
         f"each row one CUDA graph over {layers} layers' caches, us per layer (the fastest {args.top} plans per T, "
         "then torch's paths and the default rule):\n\n" + markdown_table(best, cols)
     )
     if not args.smoke:
         record(
             "decode_attention",
-            "decode attention — multi-token forwards of a round (8B shape)",
+            f"decode attention — multi-token forwards of a round ({args.shape} shape)",
             body,
             {"rows": rows},
             "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
