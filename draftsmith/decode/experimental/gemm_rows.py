@@ -120,6 +120,17 @@ if triton is not None:
         tl.store(y_ptr + out, y.to(out_ty), mask=ok)
 
 
+# Shared memory a launch may take for its pipelined (x, w) K blocks: under the H100/H200's 227 KB with room for the
+# epilogue. A wide fp32 tile (16 x 1024, the tests' reference dtype) takes 128 KB a stage: one stage, not triton's 3.
+ROWS_SMEM_BUDGET = 200 * 1024
+
+
+def _rows_stages(block_m: int, block_n: int, block_k: int, glu: bool, esize: int) -> int:
+    """Pipeline stages of the K loop that fit ROWS_SMEM_BUDGET (1-3): a wide K block leaves no loop to pipeline."""
+    per_stage = (block_m + block_n * (2 if glu else 1)) * block_k * esize
+    return max(1, min(3, ROWS_SMEM_BUDGET // per_stage))
+
+
 # gemm_rows: the tile over (T rows padded to BLOCK_M, BLOCK_N outputs, BLOCK_K inputs) is `KernelConfig.rows_block_n`
 # / `rows_block_k` / `rows_num_warps`. ROWS_MAX: the most rows one tile takes (a tree verify of 64 nodes).
 ROWS_MAX = 64
@@ -164,6 +175,7 @@ def gemm_rows(
     bn, bk, nw = block_n or bn0, block_k or bk0, num_warps or nw0
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
+    bm = max(16, triton.next_power_of_2(T))
     _rows_kernel[(triton.cdiv(N, bn),)](
         x,
         w,
@@ -181,11 +193,12 @@ def gemm_rows(
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         GLU=bool(glu),
-        BLOCK_M=max(16, triton.next_power_of_2(T)),
+        BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE=x.dtype == torch.float32 or _INTERPRET,
         num_warps=nw,
+        num_stages=_rows_stages(bm, bn, bk, glu, x.element_size()),
         **_pdl(x, cfg.pdl),
     )
     return y
