@@ -162,20 +162,23 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
     variants = [(16, False, default), (64, False, default), (64, True, default)]
     if rows_sweep:
         variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
+    fma_sig = {k: v for k, v in rows_sig.items() if k != "IEEE"}
     for kind, flags in rows_kinds.items():
         for bm, pdl, (bn, bk, nw) in variants:
+            fma = bn < 16  # gemm_rows launches these tiles on the CUDA-core kernel, rows in blocks of FMA_BLOCK_M
             yield (
-                f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}",
-                G._rows_kernel,
-                rows_sig,
+                f"gemm_rows {kind} M={min(bm, G.FMA_BLOCK_M) if fma else bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}"
+                f"{' fma' if fma else ''}",
+                G._rows_fma_kernel if fma else G._rows_kernel,
+                fma_sig if fma else rows_sig,
                 dict(
                     flags,
                     HAS_BIAS=False,
-                    BLOCK_M=bm,
+                    BLOCK_M=min(bm, G.FMA_BLOCK_M) if fma else bm,
                     BLOCK_N=bn,
                     BLOCK_K=bk,
-                    IEEE=dtype == "fp32",
                     USE_PDL=pdl,
+                    **({} if fma else {"IEEE": dtype == "fp32"}),
                 ),
                 nw,
                 ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],

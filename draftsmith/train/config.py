@@ -115,6 +115,13 @@ class TrainConfig:
         help="Online mode: aux layers as LAYER-OUTPUT ids, e.g. '1,4,7'.",
     )
     freeze_lm_head: bool = setting(False, group="drafter", help="Keep lm_head at the target's rows of the draft vocab.")
+    init_from: str | None = setting(
+        None,
+        group="drafter",
+        help="Start from this drafter's weights (a `draftsmith train` final/, an SGLang / vLLM / speculators "
+        "export, an EAGLE-3 release): fine-tune it on new data, e.g. regenerated or served traffic. Its shape "
+        "(layers, aux layers, draft vocab) is kept; a fresh optimizer and LR schedule.",
+    )
     # -- optim
     steps: int | None = setting(
         None, group="optim", checks=(AT_LEAST_ONE,), default_help="--epochs 1", help="Optimizer steps."

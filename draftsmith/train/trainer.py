@@ -372,7 +372,7 @@ class Trainer:
             samples = self._given_source if self._given_source is not None else self._load_online_samples()
             if len(samples) == 0:
                 raise DraftsmithError(f"{cfg.data}: no samples — nothing to train on")
-            aux = list(cfg.aux_layers) if cfg.aux_layers else list(target.default_aux_layers)
+            aux = list(cfg.aux_layers) if cfg.aux_layers else self._init_aux() or list(target.default_aux_layers)
             counts = token_counts_from_samples(samples, target.vocab_size)
             return OnlineBatches(
                 samples,
@@ -468,9 +468,54 @@ class Trainer:
                 f"which the teacher needs; recapture without --no-final"
             )
 
+    def _init_drafter(self):
+        """`--init-from`'s drafter (fp32, the target's embedding attached; fit to the target checked on loading),
+        loaded once."""
+        if getattr(self, "_init", None) is None:
+            from draftsmith.drafter import Drafter
+
+            self._init = Drafter.from_pretrained(self.cfg.init_from, target=self.target, dtype=torch.float32)
+        return self._init
+
+    def _init_aux(self) -> list[int] | None:
+        """The aux layers of `--init-from`'s drafter (online data follows them unless --aux-layers says otherwise)."""
+        if not self.cfg.init_from:
+            return None
+        return list(self._init_drafter().config.aux_layer_ids or []) or None
+
+    def _drafter_from_init(self):
+        cfg, d = self.cfg, self._init_drafter()
+        where = f"--init-from {cfg.init_from}"
+        aux = list(self.source.aux_layers)
+        if list(d.config.aux_layer_ids or []) != aux:
+            raise DraftsmithError(
+                f"{where}: field 'aux_layer_ids' is {d.config.aux_layer_ids} (layer-output ids) but the training data "
+                f"has aux layers {aux}: train on data with the drafter's layers (online: drop --aux-layers; "
+                "offline: a store captured with them)"
+            )
+        if cfg.draft_vocab_size and cfg.draft_vocab_size != d.config.draft_vocab_size:
+            raise DraftsmithError(
+                f"{where}: field 'draft_vocab_size' is {d.config.draft_vocab_size}, --draft-vocab-size "
+                f"{cfg.draft_vocab_size}: the drafter's draft vocab is kept (drop the flag)"
+            )
+        if cfg.num_layers not in (1, d.config.num_hidden_layers):
+            raise DraftsmithError(
+                f"{where}: field 'num_hidden_layers' is {d.config.num_hidden_layers}, --num-layers {cfg.num_layers}: "
+                "the drafter's layers are kept (drop the flag)"
+            )
+        if cfg.freeze_lm_head:
+            d.lm_head.weight.requires_grad_(False)
+        self.log(
+            f"init: {cfg.init_from} ({d.config.num_hidden_layers} layer(s), V_d={d.config.draft_vocab_size}, aux "
+            f"layers {aux}); a fresh optimizer and schedule"
+        )
+        return d
+
     def _build_drafter(self):
         from draftsmith.drafter import Drafter
 
+        if self.cfg.init_from:
+            return self._drafter_from_init()
         cfg, target, counts = self.cfg, self.target, self.source.token_counts
         V = target.vocab_size
         vd = cfg.draft_vocab_size or min(32000, V)
@@ -1115,6 +1160,7 @@ class Trainer:
                         "lr": self.cfg.lr,
                         "batch_tokens": self.cfg.batch_tokens,
                         "seed": self.cfg.seed,
+                        **({"init_from": str(self.cfg.init_from)} if self.cfg.init_from else {}),
                     },
                 }
             )

@@ -81,21 +81,13 @@ if triton is not None:
             w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_PDL:
             gdc_wait()  # x and the residual are the previous kernels' outputs
-        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-        if HAS_NORM:  # each row's RMSNorm: the sum of squares first (x is L2-resident)
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rkn = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(
-                    x_ptr + xrow[:, None] + rkn[None, :], mask=m_ok[:, None] & (rkn < K)[None, :], other=0.0
-                ).to(tl.float32)
-                ss += tl.sum(xv * xv, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
         # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
         xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
         acc = _rows_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w, IEEE)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # up's sums with GLU (else unused)
         if GLU:
-            acc2 = _rows_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w2, IEEE)
+            acc2 = _rows_dot(acc2, xv, w2, IEEE)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -105,6 +97,108 @@ if triton is not None:
             if GLU:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = _rows_dot(acc2, xv, w2, IEEE)
+        _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
+
+    @triton.jit
+    def _rows_fma_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        nw_ptr,
+        b_ptr,
+        r_ptr,
+        T,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        eps,
+        HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """`_rows_kernel` on the CUDA cores for tiles of fewer than 16 outputs (tl.dot's least): the one-row gemv's
+        tiling, each weight block loaded once (the first before the PDL wait) and multiplied with each of the
+        BLOCK_M rows of this program's row block (axis 1) in turn. Why: a 384-wide matrix in tl.dot tiles of 16
+        outputs is 24 programs on a 132-SM GPU, in tiles of 2-8 it is 48-192, as the one-row step's gemv runs it."""
+        if USE_PDL:
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < T
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        row = rn.to(tl.int64) * stride_w
+        out_ty = y_ptr.dtype.element_ty
+        xrow = rm.to(tl.int64) * stride_x
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GLU:
+            row2 = (rn + N).to(tl.int64) * stride_w
+            w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_PDL:
+            gdc_wait()  # x and the residual are the previous kernels' outputs
+        rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if k0 > 0:  # the first block's weights are the prefetched ones
+                rk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = rk < K
+                w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if GLU:
+                    w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty).to(tl.float32)
+            wf = w.to(tl.float32)
+            if GLU:
+                w2f = w2.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):  # row m of the block: a gemv over this weight block
+                pick = (tl.arange(0, BLOCK_M) == m)[:, None]
+                xm = tl.sum(tl.where(pick, xv, 0.0), axis=0)  # [BLOCK_K]
+                acc += tl.where(pick, tl.sum(wf * xm[None, :], axis=1)[None, :], 0.0)
+                if GLU:
+                    acc2 += tl.where(pick, tl.sum(w2f * xm[None, :], axis=1)[None, :], 0.0)
+        _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
+
+    @triton.jit
+    def _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Each row's 1/rms over its K features (all ones without the norm); x is L2-resident."""
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+        if HAS_NORM:
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rkn = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(
+                    x_ptr + xrow[:, None] + rkn[None, :], mask=m_ok[:, None] & (rkn < K)[None, :], other=0.0
+                ).to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        return rstd
+
+    @triton.jit
+    def _rows_store(
+        acc,
+        acc2,
+        y_ptr,
+        b_ptr,
+        r_ptr,
+        rm,
+        m_ok,
+        rn,
+        n_ok,
+        N,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+    ):
+        """The folds after the matmul, as `_gemv_kernel` rounds them: bias, silu(gate) * up (acc2: up), residual."""
+        out_ty = y_ptr.dtype.element_ty
         y = acc
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -130,6 +224,9 @@ def _rows_stages(block_m: int, block_n: int, block_k: int, glu: bool, esize: int
     per_stage = (block_m + block_n * (2 if glu else 1)) * block_k * esize
     return max(1, min(3, ROWS_SMEM_BUDGET // per_stage))
 
+
+# The CUDA-core kernel (`_rows_fma_kernel`, tiles of BLOCK_N < 16): rows per program (more go to more programs).
+FMA_BLOCK_M = 8
 
 # gemm_rows: the tile over (T rows padded to BLOCK_M, BLOCK_N outputs, BLOCK_K inputs) is `KernelConfig.rows_block_n`
 # / `rows_block_k` / `rows_num_warps`. ROWS_MAX: the most rows one tile takes (a tree verify of 64 nodes).
@@ -175,8 +272,7 @@ def gemm_rows(
     bn, bk, nw = block_n or bn0, block_k or bk0, num_warps or nw0
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
-    bm = max(16, triton.next_power_of_2(T))
-    _rows_kernel[(triton.cdiv(N, bn),)](
+    args = (
         x,
         w,
         y,
@@ -189,10 +285,20 @@ def gemm_rows(
         x.stride(0),
         w.stride(0),
         float(eps),
-        HAS_NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        GLU=bool(glu),
+    )
+    flags = dict(
+        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GLU=bool(glu)
+    )
+    if bn < 16:  # a gemv-like tile: the CUDA-core kernel, row blocks of at most FMA_BLOCK_M on the grid's axis 1
+        bm = min(FMA_BLOCK_M, triton.next_power_of_2(T))
+        _rows_fma_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm))](
+            *args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **_pdl(x, cfg.pdl)
+        )
+        return y
+    bm = max(16, triton.next_power_of_2(T))
+    _rows_kernel[(triton.cdiv(N, bn),)](
+        *args,
+        **flags,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -153,6 +153,31 @@ def test_overfit_tiny_store_acc0(tiny, target, tmp_path):
     assert d.config.draft_vocab_size == _distinct_tokens(tiny) < 256 and d.config.aux_layer_ids == [1, 2, 3]
 
 
+def test_init_from_starts_at_the_given_drafter(tiny, target, tmp_path):
+    """--init-from: the run starts from that drafter's weights (a near-zero lr leaves them unchanged, and its first
+    loss is the trained one, not a fresh drafter's), keeps its shape, records where it came from; a shape flag that
+    contradicts it is one line naming the field."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train import train
+
+    first = tmp_path / "first"
+    train(target=target, cfg=_cfg(tiny, first, steps=20, batch_tokens=512), log=_quiet)
+    fresh = _metrics(first)[0]["loss"]
+    again = tmp_path / "again"
+    init = str(first / "final")
+    train(target=target, cfg=_cfg(tiny, again, steps=2, lr=1e-12, draft_vocab_size=None, init_from=init), log=_quiet)
+    a, b = load_file(first / "final" / "model.safetensors"), load_file(again / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0)
+    assert _metrics(again)[0]["loss"] < fresh / 2
+    cfg = json.loads((again / "final" / "config.json").read_text())
+    assert json.dumps(cfg).count(init) == 1
+    with pytest.raises(DraftsmithError, match="draft_vocab_size"):
+        train(target=target, cfg=_cfg(tiny, tmp_path / "bad", draft_vocab_size=200, init_from=init), log=_quiet)
+
+
 def test_offline_equals_online(tiny, target, tmp_path):
     from draftsmith.train import train
 
