@@ -426,7 +426,8 @@ def suggestions(config: dict, coverage: float, tau_sim: dict | None, K: int) -> 
     if cond and cond[0] < 0.3:
         out.append(
             f"the first draft is accepted only {cond[0]:.0%} of the time: undertrained, or trained on "
-            "different data than these prompts"
+            "different data than these prompts (fine-tune it on the target's own answers to prompts like these: "
+            "`draftsmith regenerate`, then `draftsmith train --online --init-from DRAFTER`)"
         )
     if len(cond) > 1 and cond[0] >= 0.3 and min(cond[1:]) < 0.6 * cond[0]:
         out.append(
