@@ -147,6 +147,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
         "BLOCK_N": "constexpr",
         "BLOCK_K": "constexpr",
         "IEEE": "constexpr",
+        "FMA": "constexpr",
         "USE_PDL": "constexpr",
     }
     rows_kinds = {
@@ -162,23 +163,23 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
     variants = [(16, False, default), (64, False, default), (64, True, default)]
     if rows_sweep:
         variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
-    fma_sig = {k: v for k, v in rows_sig.items() if k != "IEEE"}
     for kind, flags in rows_kinds.items():
         for bm, pdl, (bn, bk, nw) in variants:
-            fma = bn < 16  # gemm_rows launches these tiles on the CUDA-core kernel, rows in blocks of FMA_BLOCK_M
+            fma = bn < 16  # gemm_rows launches these tiles with the CUDA-core products, FMA_BLOCK_M rows a program
+            bm = min(bm, G.FMA_BLOCK_M) if fma else bm
             yield (
-                f"gemm_rows {kind} M={min(bm, G.FMA_BLOCK_M) if fma else bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}"
-                f"{' fma' if fma else ''}",
-                G._rows_fma_kernel if fma else G._rows_kernel,
-                fma_sig if fma else rows_sig,
+                f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}{' fma' if fma else ''}",
+                G._rows_kernel,
+                rows_sig,
                 dict(
                     flags,
                     HAS_BIAS=False,
-                    BLOCK_M=min(bm, G.FMA_BLOCK_M) if fma else bm,
+                    BLOCK_M=bm,
                     BLOCK_N=bn,
                     BLOCK_K=bk,
+                    IEEE=dtype == "fp32",
+                    FMA=fma,
                     USE_PDL=pdl,
-                    **({} if fma else {"IEEE": dtype == "fp32"}),
                 ),
                 nw,
                 ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],

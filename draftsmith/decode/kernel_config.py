@@ -47,7 +47,7 @@ GEMV_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
 # kernel (all T rows one tile). Small N wants small BLOCK_N (more programs than SMs: on a 384-wide target 32 leaves
 # most of an H200 idle); small K wants a wide BLOCK_K (pycode-small's K is 384 or 1,024: a 5-row verify's matmuls
 # took 3.9 us a launch in 128-wide steps vs the one-row gemv's 2.5 us — each K step is a memory round trip,
-# BENCHMARKS.md). BLOCK_N < 16: the CUDA-core kernel (`_rows_fma_kernel`: the gemv's tiling, 8 rows a program), for
+# BENCHMARKS.md). BLOCK_N < 16: the CUDA-core products (`_rows_kernel`'s FMA: the gemv's tiling, 8 rows a program), for
 # a small target's 5-9-row verify, where even 16 outputs a program leave 24 programs on a 384-wide matrix.
 ROWS_CONFIGS = (
     (16, 64, 4),

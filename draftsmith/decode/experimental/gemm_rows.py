@@ -29,11 +29,36 @@ if triton is not None:
         return xv
 
     @triton.jit
-    def _rows_dot(acc, xv, w, IEEE: tl.constexpr):
-        """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T (exact fp32 products for fp32)."""
+    def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T: one tl.dot (exact fp32 products for
+        fp32), or with FMA on the CUDA cores, row by row as the one-row gemv sums (for tiles under tl.dot's 16)."""
+        if FMA:
+            xf = xv.to(tl.float32)
+            wf = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                pick = (tl.arange(0, BLOCK_M) == m)[:, None]
+                xm = tl.sum(tl.where(pick, xf, 0.0), axis=0)  # row m [BLOCK_K]
+                acc += tl.where(pick, tl.sum(wf * xm[None, :], axis=1)[None, :], 0.0)
+            return acc
         if IEEE:
             return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         return tl.dot(xv, tl.trans(w), acc)
+
+    @triton.jit
+    def _rows_first_block(w_ptr, N, K, stride_w, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's outputs and their first K block of weights (with GLU also the up rows, N rows below the
+        gate rows; else w2 is w), loaded before the PDL wait: no kernel writes the weights."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        row = rn.to(tl.int64) * stride_w
+        row2 = (rn + N).to(tl.int64) * stride_w
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w2 = w
+        if GLU:
+            w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return rn, n_ok, row, row2, rk, k_ok, w, w2
 
     @triton.jit
     def _rows_kernel(
@@ -57,113 +82,41 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        FMA: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        """`gemv` for T <= BLOCK_M rows (a verify's tokens): one program per BLOCK_N outputs, all T rows as one
-        tl.dot tile, so the weights stream once whatever T is; same folds and rounding as `_gemv_kernel`. Like the
-        gemv, the first K block of weights loads before the PDL wait (no kernel writes them), so on a small target
-        (one K block: a wide BLOCK_K) the whole weight read overlaps the previous kernel's tail."""
+        """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
+        weights read once for all of them; same folds and rounding as `_gemv_kernel`. The rows' products: one tl.dot
+        tile (BLOCK_N >= 16, BLOCK_M >= 16), or with FMA the one-row gemv's tiling on the CUDA cores (BLOCK_N < 16:
+        a 384-wide matrix in tl.dot tiles of 16 is 24 programs on a 132-SM GPU, in tiles of 2-8 it is 48-192, as
+        the one-row step runs it). Like the gemv, the first K block of weights loads before the PDL wait (no kernel
+        writes them), so on a small target (one K block: a wide BLOCK_K) the whole weight read overlaps the previous
+        kernel's tail."""
         if USE_PDL:
             gdc_launch_dependents()
-        pid = tl.program_id(0)
-        rm = tl.arange(0, BLOCK_M)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < T
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        row = rn.to(tl.int64) * stride_w
         out_ty = y_ptr.dtype.element_ty
         xrow = rm.to(tl.int64) * stride_x
-        rk = tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if GLU:
-            row2 = (rn + N).to(tl.int64) * stride_w
-            w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(w_ptr, N, K, stride_w, GLU, BLOCK_N, BLOCK_K)
         if USE_PDL:
             gdc_wait()  # x and the residual are the previous kernels' outputs
         rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
         # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
         xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
-        acc = _rows_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w, IEEE)
+        acc = _rows_mac(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w, IEEE, FMA, BLOCK_M)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # up's sums with GLU (else unused)
         if GLU:
-            acc2 = _rows_dot(acc2, xv, w2, IEEE)
+            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, BLOCK_M)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _rows_dot(acc, xv, w, IEEE)
+            acc = _rows_mac(acc, xv, w, IEEE, FMA, BLOCK_M)
             if GLU:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc2 = _rows_dot(acc2, xv, w2, IEEE)
-        _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
-
-    @triton.jit
-    def _rows_fma_kernel(
-        x_ptr,
-        w_ptr,
-        y_ptr,
-        nw_ptr,
-        b_ptr,
-        r_ptr,
-        T,
-        N,
-        K,
-        stride_x,
-        stride_w,
-        eps,
-        HAS_NORM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_RES: tl.constexpr,
-        GLU: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        """`_rows_kernel` on the CUDA cores for tiles of fewer than 16 outputs (tl.dot's least): the one-row gemv's
-        tiling, each weight block loaded once (the first before the PDL wait) and multiplied with each of the
-        BLOCK_M rows of this program's row block (axis 1) in turn. Why: a 384-wide matrix in tl.dot tiles of 16
-        outputs is 24 programs on a 132-SM GPU, in tiles of 2-8 it is 48-192, as the one-row step's gemv runs it."""
-        if USE_PDL:
-            gdc_launch_dependents()
-        pid = tl.program_id(0)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = rm < T
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        row = rn.to(tl.int64) * stride_w
-        out_ty = y_ptr.dtype.element_ty
-        xrow = rm.to(tl.int64) * stride_x
-        rk = tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if GLU:
-            row2 = (rn + N).to(tl.int64) * stride_w
-            w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if USE_PDL:
-            gdc_wait()  # x and the residual are the previous kernels' outputs
-        rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if k0 > 0:  # the first block's weights are the prefetched ones
-                rk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = rk < K
-                w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if GLU:
-                    w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty).to(tl.float32)
-            wf = w.to(tl.float32)
-            if GLU:
-                w2f = w2.to(tl.float32)
-            for m in tl.static_range(BLOCK_M):  # row m of the block: a gemv over this weight block
-                pick = (tl.arange(0, BLOCK_M) == m)[:, None]
-                xm = tl.sum(tl.where(pick, xv, 0.0), axis=0)  # [BLOCK_K]
-                acc += tl.where(pick, tl.sum(wf * xm[None, :], axis=1)[None, :], 0.0)
-                if GLU:
-                    acc2 += tl.where(pick, tl.sum(w2f * xm[None, :], axis=1)[None, :], 0.0)
+                acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, BLOCK_M)
         _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
 
     @triton.jit
@@ -225,7 +178,7 @@ def _rows_stages(block_m: int, block_n: int, block_k: int, glu: bool, esize: int
     return max(1, min(3, ROWS_SMEM_BUDGET // per_stage))
 
 
-# The CUDA-core kernel (`_rows_fma_kernel`, tiles of BLOCK_N < 16): rows per program (more go to more programs).
+# The CUDA-core products (`_rows_kernel` with FMA, tiles of BLOCK_N < 16): rows per program (more: more programs).
 FMA_BLOCK_M = 8
 
 # gemm_rows: the tile over (T rows padded to BLOCK_M, BLOCK_N outputs, BLOCK_K inputs) is `KernelConfig.rows_block_n`
@@ -286,25 +239,21 @@ def gemm_rows(
         w.stride(0),
         float(eps),
     )
-    flags = dict(
-        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GLU=bool(glu)
-    )
-    if bn < 16:  # a gemv-like tile: the CUDA-core kernel, row blocks of at most FMA_BLOCK_M on the grid's axis 1
-        bm = min(FMA_BLOCK_M, triton.next_power_of_2(T))
-        _rows_fma_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm))](
-            *args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **_pdl(x, cfg.pdl)
-        )
-        return y
-    bm = max(16, triton.next_power_of_2(T))
-    _rows_kernel[(triton.cdiv(N, bn),)](
+    fma = bn < 16  # a gemv-like tile: the CUDA-core products, rows in blocks of at most FMA_BLOCK_M (grid axis 1)
+    bm = min(FMA_BLOCK_M, triton.next_power_of_2(T)) if fma else max(16, triton.next_power_of_2(T))
+    _rows_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm))](
         *args,
-        **flags,
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        GLU=bool(glu),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE=x.dtype == torch.float32 or _INTERPRET,
+        FMA=fma,
         num_warps=nw,
-        num_stages=_rows_stages(bm, bn, bk, glu, x.element_size()),
+        num_stages=1 if fma else _rows_stages(bm, bn, bk, glu, x.element_size()),
         **_pdl(x, cfg.pdl),
     )
     return y
