@@ -31,7 +31,7 @@ if triton is not None:
     @triton.jit
     def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T: one tl.dot (exact fp32 products for
-        fp32), or with FMA on the CUDA cores, row by row as the one-row gemv sums (for tiles under tl.dot's 16)."""
+        fp32), or with FMA on the CUDA cores, row by row (each a gemv over the block: tiles under tl.dot's 16)."""
         if FMA:
             xf = xv.to(tl.float32)
             wf = w.to(tl.float32)
