@@ -18,6 +18,7 @@ missing compaction is caught)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -164,6 +165,50 @@ def test_recorder_store_from_served_forwards_equals_capture(served, tmp_path, dt
                 err = (x - ref).view(len(ref), -1, H).abs()
                 assert (err <= scale * 2**-3 + 1e-6).all()
             assert (x[1:] - ref[:-1]).abs().amax() > 1.0  # a shifted row is far off
+
+
+def test_served_store_fine_tunes_the_serving_drafter(served, tmp_path):
+    """The loop capture-while-serving exists for: the store a server records with its drafter trains that drafter
+    further (`train --store STORE --init-from DRAFTER`). The run starts from the serving drafter — on its own served
+    traffic its first step already predicts most tokens (a fresh drafter predicts none) — and a near-zero lr keeps
+    its weights."""
+    from safetensors.torch import load_file
+
+    from draftsmith.serve.recorder import ServeRecorder
+    from draftsmith.train import TrainConfig, train
+
+    t, eng, prompts, _ = served
+    rec = ServeRecorder(tmp_path / "store", t, eng.aux_layers, dtype="bf16", flush_s=60, engine=eng)
+    for kind, p in zip(("chain", "tree", "plain"), prompts):
+        assert rec.record(p, eng.generate(p, NEW, mode=MODES[kind], eos_ids=[]).token_ids)
+    rec.close()
+    eng.drafter.save_pretrained(tmp_path / "serving")
+    common = dict(
+        target=str(TINY),
+        store=str(tmp_path / "store"),
+        steps=1,
+        ttt_steps=2,
+        batch_tokens=256,
+        warmup=0,
+        eval_fraction=0.0,
+        save_every=0,
+        progress=False,
+        tensorboard=False,
+        plot=False,
+    )
+    quiet = lambda *a, **k: None  # noqa: E731
+    first = {}
+    for name, extra in (("tuned", dict(init_from=str(tmp_path / "serving"), lr=1e-12)), ("fresh", {})):
+        out = tmp_path / name
+        train(target=t, cfg=TrainConfig(out=str(out), **common, **extra), log=quiet)
+        first[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["acc"][0]
+    assert first["tuned"] > 0.5 > first["fresh"] + 0.3, first
+    a, b = (
+        load_file(tmp_path / "serving" / "model.safetensors"),
+        load_file(tmp_path / "tuned" / "final" / "model.safetensors"),
+    )
+    for k in a:
+        torch.testing.assert_close(b[k].float(), a[k].float(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="no triton")
