@@ -303,12 +303,16 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
             tsec["data"] = data_after_regen
         if tsec.get("data") != data_after_regen:
             need_path("train", "data", tsec.get("data"))
+    init = []  # the drafter train starts from: its config and weights files join the train stage's fingerprint
+    if tsec.get("init_from") is not None:
+        root = Path(need_path("train", "init_from", tsec["init_from"]))
+        init = [str(root / "config.json")] + sorted(str(f) for f in root.glob("*.safetensors"))
     train_dir = run / "train"
     argv = ["--target", target, "--out", str(train_dir)]
     if store is not None:
         argv += ["--store", str(store)]
     argv += _argv_for(path, "train", tsec, _command("train"))
-    stages.append(Stage("train", "train", argv, train_dir, inputs=[str(tsec["data"])] if online else []))
+    stages.append(Stage("train", "train", argv, train_dir, inputs=([str(tsec["data"])] if online else []) + init))
     drafter = train_dir / "final"
 
     if norm.get("eval") is not None:

@@ -132,6 +132,7 @@ def test_changed_eval_reruns_only_eval(finished):
         (lambda c: c["export"].update(formats=["onnx"]), r"field 'export.formats': unknown format 'onnx'"),
         (lambda c: c["train"].update(quiet="yes"), r"field 'train.quiet': expected true or false"),
         (lambda c: c.pop("target"), r"field 'target': required"),
+        (lambda c: c["train"].update(init_from="nowhere"), r"field 'train.init_from': nowhere: no such file"),
     ],
 )
 def test_bad_config_fails_before_any_work(tmp_path, mutate, message):
@@ -159,6 +160,13 @@ def test_regenerate_and_capture_are_wired_into_train(tmp_path):
     assert cap.argv[cap.argv.index("--data") + 1] == str(regen.output)
     assert train.argv[train.argv.index("--store") + 1] == str(cap.output)
     assert "--aux-layers" in cap.argv and cap.argv[cap.argv.index("--aux-layers") + 1] == "1,3,4"
+    # a drafter to start from: passed on, and its files are part of the train stage's fingerprint
+    drafter = Path(__file__).resolve().parents[2] / "assets" / "pycode-tiny-drafter"
+    if drafter.is_dir():
+        cfg["train"]["init_from"] = str(drafter)
+        train = plan(_write(tmp_path, cfg, "init.yaml")).stages[2]
+        assert train.argv[train.argv.index("--init-from") + 1] == str(drafter)
+        assert str(drafter / "config.json") in train.inputs and any(i.endswith(".safetensors") for i in train.inputs)
 
 
 def test_the_small_target_recipe_is_valid(small_path, monkeypatch):
