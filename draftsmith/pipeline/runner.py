@@ -56,7 +56,7 @@ TOP_LEVEL = ("target", "out", "threads", "description") + STAGES
 PIPELINE_SET = {
     "regenerate": ("target", "out", "config"),
     "capture": ("target", "out", "config"),
-    "train": ("target", "out", "store", "resume", "config"),
+    "train": ("target", "out", "resume", "config"),
     "eval": ("target", "drafter", "out", "json"),
     "export": ("drafter", "format", "out", "target"),
 }
@@ -289,14 +289,23 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
 
     tsec = section("train")
     online = bool(tsec.get("online"))
+    store_inputs = []
+    if tsec.get("store") is not None:  # a store made elsewhere (`serve --capture-to`, an earlier capture)
+        if store is not None or online:
+            raise DraftsmithError(
+                f"{_where(path, 'train', 'store')}: train reads one source: this store, "
+                f"{'the capture section' if store is not None else 'online data'}; drop one of them"
+            )
+        store = Path(need_path("train", "store", tsec.pop("store")))
+        store_inputs = [str(store / "manifest.json")]  # a server appending shards rewrites it: train reruns
     if store is not None and online:
         raise DraftsmithError(
             f"{_where(path, 'train', 'online')}: with a capture section train reads its store; drop one of them"
         )
     if store is None and not online:
         raise DraftsmithError(
-            f"{_where(path, 'train', 'online')}: without a capture section train must run online "
-            "(online: true, data: ...)"
+            f"{_where(path, 'train', 'online')}: without a capture section (or a train.store) train must run "
+            "online (online: true, data: ...)"
         )
     if online:
         if "data" not in tsec and data_after_regen:
@@ -312,7 +321,8 @@ def plan(config_path: str, overrides: Optional[dict] = None) -> PipelinePlan:
     if store is not None:
         argv += ["--store", str(store)]
     argv += _argv_for(path, "train", tsec, _command("train"))
-    stages.append(Stage("train", "train", argv, train_dir, inputs=([str(tsec["data"])] if online else []) + init))
+    inputs = ([str(tsec["data"])] if online else []) + store_inputs + init
+    stages.append(Stage("train", "train", argv, train_dir, inputs=inputs))
     drafter = train_dir / "final"
 
     if norm.get("eval") is not None:

@@ -133,6 +133,7 @@ def test_changed_eval_reruns_only_eval(finished):
         (lambda c: c["train"].update(quiet="yes"), r"field 'train.quiet': expected true or false"),
         (lambda c: c.pop("target"), r"field 'target': required"),
         (lambda c: c["train"].update(init_from="nowhere"), r"field 'train.init_from': nowhere: no such file"),
+        (lambda c: c["train"].update(store="nowhere"), r"field 'train.store': train reads one source"),
     ],
 )
 def test_bad_config_fails_before_any_work(tmp_path, mutate, message):
@@ -167,6 +168,43 @@ def test_regenerate_and_capture_are_wired_into_train(tmp_path):
         train = plan(_write(tmp_path, cfg, "init.yaml")).stages[2]
         assert train.argv[train.argv.index("--init-from") + 1] == str(drafter)
         assert str(drafter / "config.json") in train.inputs and any(i.endswith(".safetensors") for i in train.inputs)
+
+
+def test_a_store_recorded_elsewhere_trains_the_drafter_it_was_served_with(tmp_path):
+    """train.store: a store this pipeline did not capture (`serve --capture-to`) is read offline, with the serving
+    drafter to start from (init_from); the store's manifest joins the train stage's fingerprint (a server appending
+    shards rewrites it)."""
+    store = tmp_path / "served"
+    store.mkdir()
+    (store / "manifest.json").write_text("{}")  # planning reads no store (train opens it, with its own checks)
+    drafter = Path(__file__).resolve().parents[2] / "assets" / "pycode-tiny-drafter"
+    cfg = _config(tmp_path, tmp_path / "run")
+    cfg["train"] = {"store": str(store), "steps": 2, **({"init_from": str(drafter)} if drafter.is_dir() else {})}
+    p = plan(_write(tmp_path, cfg))
+    assert [s.name for s in p.stages][:1] == ["train"]
+    train = p.stages[0]
+    assert train.argv[train.argv.index("--store") + 1] == str(store) and "--online" not in train.argv
+    assert str(store / "manifest.json") in train.inputs
+
+
+def test_the_served_traffic_recipe_is_valid(tmp_path, monkeypatch):
+    """examples/served-traffic.yaml validates and plans train (from the served store, starting at the serving
+    drafter) -> eval of both drafters -> export."""
+    repo = Path(__file__).resolve().parents[2]
+    drafter = repo / "assets" / "pycode-tiny-drafter"
+    if not drafter.is_dir():
+        pytest.skip("assets/pycode-tiny-drafter not available")
+    store = tmp_path / "served"
+    store.mkdir()
+    (store / "manifest.json").write_text("{}")
+    for k, v in dict(TARGET=repo / "assets" / "pycode-tiny", DRAFTER=drafter, SERVED_STORE=store).items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setenv("PROMPTS", str(repo / "assets" / "demo_prompts.jsonl"))
+    p = plan(str(repo / "examples" / "served-traffic.yaml"))
+    names = [st.name for st in p.stages]
+    assert names[0] == "train" and {"eval:trained", "eval:serving"} <= set(names), names
+    train = p.stages[0]
+    assert train.argv[train.argv.index("--init-from") + 1] == str(drafter)
 
 
 def test_the_small_target_recipe_is_valid(small_path, monkeypatch):
