@@ -1149,9 +1149,12 @@ class Trainer:
         msd, _, _ = self._full_states(None if self.cfg.fsdp else self.param_names)
         if self.is_main:
             src = self._unwrapped_drafter()
+            # (a drafter started from an export says where it came from in train.init_from; the file written here
+            # is draftsmith's layout, so the loader's note of the source layout is not carried over)
+            kept = {k: v for k, v in (src.config.extra or {}).items() if k != "source_format"}
             cfg = src.config.replace(
                 extra={
-                    **(src.config.extra or {}),
+                    **kept,
                     "train": {
                         "steps": total_steps,
                         "ttt_steps": self.cfg.ttt_steps,
