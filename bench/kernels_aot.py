@@ -68,7 +68,7 @@ def _resources(compiled) -> dict:
     }  # tl.dot operands pipelined via smem
 
 
-def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
+def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_sweep: bool = False):
     """(label, kernel, signature, constexprs, num_warps, aligned args) of every kernel variant a step launches."""
     from draftsmith.decode import kernels as K
     from draftsmith.decode.experimental import gemm_rows as G
@@ -107,9 +107,12 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
         "down act_mul": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True, GLU=False),
         "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
     }
+    default_tile = K.KernelConfig().gemv_default
     for kind, flags in kinds.items():
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
-            for pdl in (False, True):  # programmatic dependent launch loads the first block before its wait
+            # programmatic dependent launch (on by default on sm_90) loads the first block before its wait: every
+            # tile with it; without it (benchmarks' --pdl off) the default tile, unless --gemv-sweep-without-pdl
+            for pdl in (False, True) if pdl_off_sweep or (bn, bk, nw, pf) == default_tile else (True,):
                 yield (
                     f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}",
                     K._gemv_kernel,
@@ -376,10 +379,15 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False):
 
 
 def report(
-    shape: str = "8b", arch: int = 90, dtype: str = "bf16", only: str | None = None, rows_sweep: bool = False
+    shape: str = "8b",
+    arch: int = 90,
+    dtype: str = "bf16",
+    only: str | None = None,
+    rows_sweep: bool = False,
+    pdl_off_sweep: bool = False,
 ) -> list[dict]:
     rows = []
-    for label, fn, sig, consts, nw, aligned in variants(shape, dtype, rows_sweep):
+    for label, fn, sig, consts, nw, aligned in variants(shape, dtype, rows_sweep, pdl_off_sweep):
         if only and only not in label:
             continue
         t0 = time.perf_counter()
@@ -404,8 +412,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="also every gemm_rows tile of KernelConfig.rows_sweep (16 rows, PDL): what tune_rows may pick",
     )
+    ap.add_argument(
+        "--gemv-sweep-without-pdl",
+        action="store_true",
+        help="also every gemv tile without PDL (by default only the default tile: PDL is on wherever sm_90 runs)",
+    )
     args = ap.parse_args(argv)
-    rows = report(args.shape, args.arch, args.dtype, args.only, args.rows_sweep)
+    rows = report(args.shape, args.arch, args.dtype, args.only, args.rows_sweep, args.gemv_sweep_without_pdl)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     print(markdown_table(rows, cols))
     if args.json:
