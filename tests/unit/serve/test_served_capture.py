@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from decode_helpers import overfit_drafter_ttt
+from train_helpers import QUIET_RUN, no_log
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 
@@ -183,24 +184,11 @@ def test_served_store_fine_tunes_the_serving_drafter(served, tmp_path):
         assert rec.record(p, eng.generate(p, NEW, mode=MODES[kind], eos_ids=[]).token_ids)
     rec.close()
     eng.drafter.save_pretrained(tmp_path / "serving")
-    common = dict(
-        target=str(TINY),
-        store=str(tmp_path / "store"),
-        steps=1,
-        ttt_steps=2,
-        batch_tokens=256,
-        warmup=0,
-        eval_fraction=0.0,
-        save_every=0,
-        progress=False,
-        tensorboard=False,
-        plot=False,
-    )
-    quiet = lambda *a, **k: None  # noqa: E731
+    common = dict(target=str(TINY), store=str(tmp_path / "store"), steps=1, ttt_steps=2, batch_tokens=256, **QUIET_RUN)
     first = {}
     for name, extra in (("tuned", dict(init_from=str(tmp_path / "serving"), lr=1e-12)), ("fresh", {})):
         out = tmp_path / name
-        train(target=t, cfg=TrainConfig(out=str(out), **common, **extra), log=quiet)
+        train(target=t, cfg=TrainConfig(out=str(out), **common, **extra), log=no_log)
         first[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["acc"][0]
     assert first["tuned"] > 0.5 > first["fresh"] + 0.3, first
     a, b = (

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import QUIET_RUN
 
 from draftsmith.common.errors import ArtifactMismatchError, DraftsmithError
 
@@ -70,12 +71,7 @@ def _cfg(tiny, out, **kw):
         draft_vocab_size=256,
         batch_tokens=256,
         lr=3e-3,
-        warmup=0,
-        eval_fraction=0.0,
-        save_every=0,
-        progress=False,
-        tensorboard=False,
-        plot=False,
+        **QUIET_RUN,
     )
     base.update(kw)
     return TrainConfig(**base)
