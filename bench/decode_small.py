@@ -32,6 +32,7 @@ import decode as DB  # noqa: E402  (timing and census helpers of bench/decode.py
 import torch  # noqa: E402
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 
 T0 = time.perf_counter()
@@ -60,11 +61,16 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     """config: "torch" (torch kernels, CUDA graphs), or "+"-joined parts: "triton", "compile" (greedy rounds traced
     whole, the default of compile=True), "perfwd" (only the forwards compiled, the rounds' bookkeeping eager: the
     engine before whole-round tracing), "rowsN" (kernel_rows=N: verifies of up to N tokens all through the
-    kernels, experimental.gemm_rows), "moddrafter" (with triton: the drafter as its module, not `KernelDraftStep`)."""
+    kernels, experimental.gemm_rows), "gemv" (with rowsN: those verifies' matmuls through the one-token gemv looped
+    over the rows, `KernelConfig.rows_gemv`), "noembed" (the drafter's first-layer norms and cat in torch, not
+    folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not `KernelDraftStep`)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
-    eng = SpeculativeDecoder(t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows)
+    kc = KernelConfig(rows_gemv="gemv" in parts, embed_fold="noembed" not in parts)
+    eng = SpeculativeDecoder(
+        t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
+    )
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep

@@ -86,6 +86,11 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "K": "i32",
         "stride_w": "i32",
         "eps": "fp32",
+        "T": "i32",
+        "stride_x": "i32",
+        "e_ptr": p,
+        "id_ptr": "*i64",
+        "nw2_ptr": p,
         "HAS_NORM": "constexpr",
         "HAS_BIAS": "constexpr",
         "HAS_RES": "constexpr",
@@ -96,6 +101,8 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "PREFETCH": "constexpr",
         "USE_PDL": "constexpr",
         "GLU": "constexpr",
+        "ROWS": "constexpr",
+        "EMBED": "constexpr",
     }
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
     kinds = {
@@ -106,15 +113,22 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "down": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=False, GLU=False),
         "down act_mul": dict(HAS_NORM=False, HAS_RES=True, ACT_MUL=True, GLU=False),
         "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
+        # a drafter's first-layer qkv: the embedding gather and both input norms folded in (default tile only)
+        "qkv embed": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, EMBED=True),
     }
     default_tile = K.KernelConfig().gemv_default
     for kind, flags in kinds.items():
+        flags = {"EMBED": False, **flags}
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
+            if flags["EMBED"] and (bn, bk, nw, pf) != default_tile:
+                continue
             # programmatic dependent launch (on by default on sm_90) loads the first block before its wait: every
             # tile with it; without it (benchmarks' --pdl off) the default tile, unless --gemv-sweep-without-pdl
-            for pdl in (False, True) if pdl_off_sweep or (bn, bk, nw, pf) == default_tile else (True,):
+            pdls = (False, True) if pdl_off_sweep or (bn, bk, nw, pf) == default_tile else (True,)
+            # the T-row loop (`KernelConfig.rows_gemv`) for the default tile, with PDL
+            for pdl, rows in [(pdl, False) for pdl in pdls] + [(True, True)] * ((bn, bk, nw, pf) == default_tile):
                 yield (
-                    f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}",
+                    f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}{' rows' if rows else ''}",
                     K._gemv_kernel,
                     gemv_sig,
                     dict(
@@ -125,6 +139,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                         NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX),
                         PREFETCH=bool(pf),
                         USE_PDL=pdl,
+                        ROWS=rows,
                     ),
                     nw,
                     aligned,

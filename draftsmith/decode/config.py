@@ -41,6 +41,11 @@ from draftsmith.common.schema import (
 # draftsmith.decode.llama.ATTENTION_IMPLS plus "auto" (that module imports torch; a unit test keeps them equal)
 ATTN_IMPLS = ("auto", "sdpa", "bmm", "split")
 KERNELS = ("torch", "triton")
+# --kernel-rows 0 (auto): the T-row kernels for chain verifies of up to 7 draft tokens on small, launch-bound
+# targets, where they beat cuBLAS in every run (pycode-small, d=384: chain6 1.64x vs 1.39x the fastest plain
+# step, BENCHMARKS.md 2026-12-02); on the 8B shape cuBLAS wins (a 49-row verify 6.97 vs 11.9 ms), so 1 above this.
+AUTO_KERNEL_ROWS = 8
+AUTO_KERNEL_ROWS_MAX_HIDDEN = 1024
 BACKENDS = ("auto", "llama", "hf")
 
 _ATTN_HELP = (
@@ -84,13 +89,15 @@ class EngineConfig:
     attn_impl: str = setting("auto", group="engine", checks=(one_of(*ATTN_IMPLS),), help=_ATTN_HELP)
     kernels: str = setting("torch", group="engine", checks=(one_of(*KERNELS),), help=_KERNELS_HELP)
     kernel_rows: int = setting(
-        1,
+        0,
         group="engine",
-        checks=(between(1, 64),),
+        checks=(between(0, 64),),
+        default_help="0 = auto",
         help="With --kernels triton: target forwards of up to this many tokens (a chain verify: draft tokens + 1) "
         "run all through the kernels, the matmuls as T-row kernels that read the weights once with the norms and "
         "residuals folded in — fewer launches, for small launch-bound targets (pycode-small: BENCHMARKS.md "
-        "'small-target round census'); 1 = the one-token step only (cuBLAS verifies, best on large targets).",
+        "'small-target round census'); 1 = the one-token step only (cuBLAS verifies, best on large targets); "
+        f"0 = auto: {AUTO_KERNEL_ROWS} for hidden sizes up to {AUTO_KERNEL_ROWS_MAX_HIDDEN:,}, else 1.",
     )
 
     def __post_init__(self) -> None:

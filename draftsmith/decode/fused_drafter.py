@@ -221,9 +221,10 @@ class KernelDraftStep:
     through `experimental.gemm_rows` up to `rows` tokens (the engine's `kernel_rows`, the target verify's rule: the
     row kernels win on small shapes and lose to cuBLAS on large ones — an 8B-sized drafter's 8-row tree level took
     0.37 ms through them vs 0.22 ms for one row, BENCHMARKS.md), torch's beyond. The first layer's input,
-    cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over two halves, so it stays torch (one fused
-    kernel when the round is compiled); every other norm is folded into the matmul after it with HF's rounding, so
-    outputs equal the module's up to summation order. Needs a silu MLP and a
+    cat(input_layernorm(embeds), hidden_norm(hidden)), is two norms over two halves: the qkv gemv gathers the
+    embedding and applies both itself (`gemv`'s `embed`, `KernelConfig.embed_fold`; torch's norms and cat where it
+    cannot: norm_before_residual, a hand-off wider than the gemv's rows); every other norm is folded into the matmul
+    after it with HF's rounding, so outputs equal the module's up to summation order. Needs a silu MLP and a
     power-of-two head_dim >= 16 (`supports`)."""
 
     ROWS = 64  # experimental.gemm_rows.ROWS_MAX (not imported here: the module loads triton)
@@ -270,11 +271,12 @@ class KernelDraftStep:
         return True
 
     def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False):
-        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch."""
+        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows` (the gemv with the config's
+        `rows_gemv`), else torch."""
         from draftsmith.decode import kernels as K
 
         T = x.shape[0]
-        if T == 1:
+        if T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv):
             return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
         if T <= self.rows:
             from draftsmith.decode.experimental.gemm_rows import gemm_rows
@@ -289,6 +291,19 @@ class KernelDraftStep:
             g, u = y.chunk(2, -1)
             y = F.silu(g) * u
         return y if residual is None else residual + y
+
+    def _embed_fold(self, L: dict, hidden: torch.Tensor, T: int) -> bool:
+        """Whether the first layer's qkv takes the embedding and both norms in its prologue (`kernels.gemv`'s
+        `embed`): the gemv's rows (one, or up to `rows` with `rows_gemv`), one eps and dtype for both norms, and the
+        residual the raw hidden state (with norm_before_residual the normed one is needed on its own)."""
+        rows_ok = T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv)
+        return (
+            rows_ok
+            and not L["nbr"]
+            and self.embed.dtype == hidden.dtype
+            and L["in_norm"].eps == L["hid_norm"].eps
+            and (self.config is None or self.config.embed_fold)
+        )
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return self._mm(aux.reshape(-1, aux.shape[-1]), self.fc, bias=self.fc_b)
@@ -312,7 +327,20 @@ class KernelDraftStep:
         for L in self.layers:
             nh, nkv, d = L["heads"]
             kc, vc = k_layers[L["idx"]], v_layers[L["idx"]]
-            if L["mid"]:
+            if L["mid"] and self._embed_fold(L, hidden, T):
+                # the embedding gather, both input norms and their concatenation in the qkv gemv's prologue
+                residual = hidden
+                qkv = K.gemv(
+                    hidden,
+                    L["qkv"],
+                    L["in_norm"].weight,
+                    L["in_norm"].eps,
+                    bias=L["qkv_b"],
+                    config=self.config,
+                    embed=(self.embed, ids),
+                    norm_weight2=L["hid_norm"].weight,
+                )
+            elif L["mid"]:
                 normed = L["hid_norm"](hidden)
                 residual = normed if L["nbr"] else hidden
                 e = F.embedding(ids, self.embed)

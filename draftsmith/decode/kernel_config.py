@@ -78,7 +78,11 @@ class KernelConfig:
 
     block_n, block_k, num_warps: the gemv tile for a shape `gemv_tuned` has no entry for (BLOCK_N outputs per
     program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps: the tile of
-    `kernels.gemm_rows` (experimental T-row matmuls). pdl: programmatic dependent launch (used on CUDA sm_90+ where
+    `kernels.gemm_rows` (experimental T-row matmuls). rows_gemv: the T-row forwards' matmuls (`kernel_rows`) through
+    `kernels.gemv` looped over the rows instead (the one-token step's tile and rounding for every row, the weights
+    read once; `gemv_tuned`'s tiles, so `rows_*` are unused). embed_fold: a drafter's first-layer qkv gemv
+    gathers the token embedding and applies both input norms itself (`gemv`'s `embed`: two kernels fewer per draft
+    step; off = the torch norms and cat before it, for A/B measurements). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
     off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows
@@ -92,6 +96,8 @@ class KernelConfig:
     rows_block_n: int = 32
     rows_block_k: int = 128
     rows_num_warps: int = 4
+    rows_gemv: bool = False
+    embed_fold: bool = True
     pdl: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

@@ -60,6 +60,8 @@ except Exception:  # noqa: BLE001
 # owns one, benchmarks pass their own); no module state here changes how a kernel is launched.
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
 NORM_BLOCK_MAX = 8192
+# the most rows one gemv launch takes (a tree verify of 64 nodes; experimental.gemm_rows.ROWS_MAX)
+GEMV_ROWS_MAX = 64
 
 # decode_attention's default plan: keys per block, and at most this many chunks per KV head — the smallest chunk
 # of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan
@@ -149,6 +151,11 @@ if triton is not None:
         K,
         stride_w,
         eps,
+        T,
+        stride_x,
+        e_ptr,
+        id_ptr,
+        nw2_ptr,
         HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr,
@@ -159,27 +166,151 @@ if triton is not None:
         PREFETCH: tl.constexpr,
         USE_PDL: tl.constexpr,
         GLU: tl.constexpr,
+        ROWS: tl.constexpr,
+        EMBED: tl.constexpr,
     ):
+        """One program: BLOCK_N outputs over all of K (`gemv`). With ROWS, x holds T rows `stride_x` apart (y and the
+        residual T rows of N): the program walks them one after another with the same tile and code as one row,
+        its first K block of weights held in registers for all of them (the rest re-read from L1/L2) — a small
+        verify's rows cost one weight read, and each row rounds exactly as the one-token step would round it.
+        With EMBED (an EAGLE-3 drafter's first layer), a row's input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2)
+        of K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in."""
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         row = rn.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
-        out_ty = y_ptr.dtype.element_ty
-        w_mask_n = n_ok[:, None]
+        row2 = row
         if GLU:  # w = cat(gate, up): this program's up rows sit N rows below its gate rows
             row2 = (rn + N).to(tl.int64) * stride_w
+        w_first = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+        w2_first = w_first
         if PREFETCH or USE_PDL:  # the weights are no kernel's output: their first block loads before the wait
             rk0 = tl.arange(0, BLOCK_K)
-            m0 = w_mask_n & (rk0 < K)[None, :]
-            w_next = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=m0, other=0.0)
+            m0 = n_ok[:, None] & (rk0 < K)[None, :]
+            w_first = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=m0, other=0.0)
             if GLU:
-                w2_next = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
+                w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
+        if ROWS:
+            for m in range(T):
+                _gemv_row(
+                    x_ptr + m * stride_x,
+                    w_ptr,
+                    y_ptr + m * N,
+                    nw_ptr,
+                    b_ptr,
+                    r_ptr + m * N,
+                    rn,
+                    n_ok,
+                    row,
+                    row2,
+                    w_first,
+                    w2_first,
+                    N,
+                    K,
+                    eps,
+                    e_ptr,
+                    id_ptr + m,
+                    nw2_ptr,
+                    HAS_NORM,
+                    HAS_BIAS,
+                    HAS_RES,
+                    ACT_MUL,
+                    BLOCK_N,
+                    BLOCK_K,
+                    NORM_BLOCK,
+                    PREFETCH or USE_PDL,
+                    GLU,
+                    EMBED,
+                )
+        else:
+            _gemv_row(
+                x_ptr,
+                w_ptr,
+                y_ptr,
+                nw_ptr,
+                b_ptr,
+                r_ptr,
+                rn,
+                n_ok,
+                row,
+                row2,
+                w_first,
+                w2_first,
+                N,
+                K,
+                eps,
+                e_ptr,
+                id_ptr,
+                nw2_ptr,
+                HAS_NORM,
+                HAS_BIAS,
+                HAS_RES,
+                ACT_MUL,
+                BLOCK_N,
+                BLOCK_K,
+                NORM_BLOCK,
+                PREFETCH or USE_PDL,
+                GLU,
+                EMBED,
+            )
+
+    @triton.jit
+    def _gemv_row(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        nw_ptr,
+        b_ptr,
+        r_ptr,
+        rn,
+        n_ok,
+        row,
+        row2,
+        w_first,
+        w2_first,
+        N,
+        K,
+        eps,
+        e_ptr,
+        id_ptr,
+        nw2_ptr,
+        HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        ACT_MUL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr,
+        PIPELINED: tl.constexpr,
+        GLU: tl.constexpr,
+        EMBED: tl.constexpr,
+    ):
+        """`_gemv_kernel`'s work for one row of x: the norm prologue, the K loop (PIPELINED: w_first is the first
+        block, each iteration issues the next block's load before summing its own), the folds, the store. EMBED:
+        the input is cat(e[id], x) of K // 2 features each, normalised with nw and nw2 respectively."""
+        out_ty = y_ptr.dtype.element_ty
+        w_mask_n = n_ok[:, None]
         rstd = 1.0
-        if HAS_NORM:
+        rstd2 = 1.0
+        e_row = e_ptr
+        if EMBED:  # the row's token embedding; each half's own 1/rms, over its K // 2 features
+            E = K // 2
+            e_row = e_ptr + tl.load(id_ptr).to(tl.int64) * E
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            ss2 = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for k0 in range(0, E, NORM_BLOCK):
+                rk = k0 + tl.arange(0, NORM_BLOCK)
+                ev = tl.load(e_row + rk, mask=rk < E, other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + rk, mask=rk < E, other=0.0).to(tl.float32)
+                ss += ev * ev
+                ss2 += xv * xv
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / E + eps)
+            rstd2 = 1.0 / tl.sqrt(tl.sum(ss2, axis=0) / E + eps)
+        elif HAS_NORM:
             ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
             for k0 in range(0, K, NORM_BLOCK):
                 rk = k0 + tl.arange(0, NORM_BLOCK)
@@ -187,12 +318,13 @@ if triton is not None:
                 ss += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if GLU:
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # up's products with GLU (else unused)
+        w_next = w_first
+        w2_next = w2_first
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            if PREFETCH or USE_PDL:  # this block's weights were loaded last iteration; issue the next block's now
+            if PIPELINED:  # this block's weights were loaded last iteration; issue the next block's now
                 w = w_next
                 rk1 = rk + BLOCK_K
                 m1 = w_mask_n & (rk1 < K)[None, :]
@@ -204,9 +336,20 @@ if triton is not None:
                 w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
                 if GLU:
                     w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
-            xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
-            if HAS_NORM:
-                xv = _rms_apply(xv, rstd, tl.load(nw_ptr + rk, mask=k_ok, other=0.0), out_ty)
+            if EMBED:  # features [0, K/2): the embedding row's, [K/2, K): x's, each with its norm
+                lo = rk < K // 2
+                hi = k_ok & (rk >= K // 2)
+                xv = tl.where(
+                    lo, tl.load(e_row + rk, mask=lo, other=0.0), tl.load(x_ptr + rk - K // 2, mask=hi, other=0.0)
+                )
+                nwv = tl.where(
+                    lo, tl.load(nw_ptr + rk, mask=lo, other=0.0), tl.load(nw2_ptr + rk - K // 2, mask=hi, other=0.0)
+                )
+                xv = _rms_apply(xv, tl.where(lo, rstd, rstd2), nwv, out_ty)
+            else:
+                xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+                if HAS_NORM:
+                    xv = _rms_apply(xv, rstd, tl.load(nw_ptr + rk, mask=k_ok, other=0.0), out_ty)
             if ACT_MUL:  # x = cat(gate, up) of 2K values
                 u = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
                 xv = _silu_mul(xv.to(tl.float32), u, out_ty)
@@ -551,21 +694,63 @@ def gemv(
     prefetch: int | None = None,
     glu: bool = False,
     config: KernelConfig | None = None,
+    embed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_weight2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in x's
-    dtype. The tile: the arguments, else `config`'s tuned one for this shape, else its default. See the module
-    docstring. Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
+    """x [T, K] or [K] (with `act_mul`: [T, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [T, N] in x's
+    dtype, T <= GEMV_ROWS_MAX: more than one row is the rows of a small verify through the one-token step's tile
+    (each row computed, and rounded, exactly as alone; the weights read once — `KernelConfig.rows_gemv`). The
+    tile: the arguments, else `config`'s tuned one for this shape, else its default. See the module docstring.
+    `embed` = (table [V, K/2], ids [T]) with `norm_weight2` (an EAGLE-3 drafter's first layer): the input rows are
+    cat(rmsnorm(table[ids]) * norm_weight, rmsnorm(x) * norm_weight2), x [T, K/2] — the gather, both norms and the
+    concatenation in the matmul's prologue, rounded as the two HF RMSNorms and torch.cat would.
+    Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
     _need()
+    table, ids = embed if embed is not None else (None, None)
     if _tracing() and block_n is None and block_k is None and num_warps is None and prefetch is None:
-        return _gemv_op(x, w, norm_weight, float(eps), bias, residual, bool(act_mul), bool(glu), config_key(config))
+        return _gemv_op(
+            x,
+            w,
+            norm_weight,
+            float(eps),
+            bias,
+            residual,
+            bool(act_mul),
+            bool(glu),
+            config_key(config),
+            table,
+            ids,
+            norm_weight2,
+        )
     cfg = config if config is not None else KernelConfig()
     K = w.shape[1]
     N = w.shape[0] // 2 if glu else w.shape[0]
     if act_mul and (norm_weight is not None or glu):
         raise ValueError("gemv: act_mul combines with neither norm_weight nor glu")
+    if embed is not None:
+        E = K // 2
+        if (
+            act_mul
+            or norm_weight is None
+            or norm_weight2 is None
+            or K % 2
+            or tuple(table.shape[1:]) != (E,)
+            or table.stride(1) != 1
+            or table.dtype != x.dtype
+            or x.shape[-1] != E
+            or ids.numel() != x.numel() // E
+        ):
+            raise ValueError(
+                f"gemv: embed needs a [V, {K // 2}] table of x's dtype, one id per row of x [T, {K // 2}], "
+                f"both norm weights and no act_mul (got table {tuple(table.shape)} {table.dtype}, x "
+                f"{tuple(x.shape)} {x.dtype}, {ids.numel()} ids)"
+            )
+        x_features = E
+    else:
+        x_features = 2 * K if act_mul else K
     if glu and w.shape[0] % 2:
         raise ValueError(f"gemv: glu needs cat(gate, up) weights, an even number of rows, not {w.shape[0]}")
-    if x.shape[-1] != (2 * K if act_mul else K) or w.stride(1) != 1:
+    if x.shape[-1] != x_features or w.stride(1) != 1:
         raise ValueError(
             f"gemv: weight {tuple(w.shape)} (strides {w.stride()}) does not fit x of {x.shape[-1]} "
             f"features{' (act_mul: 2K)' if act_mul else ''}"
@@ -574,8 +759,13 @@ def gemv(
     bn, bk, nw, pf = cfg.gemv_tuned.get(key, cfg.gemv_default)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     pf = pf if prefetch is None else prefetch
-    xf = x.reshape(-1).contiguous()
-    y = torch.empty(N, dtype=x.dtype, device=x.device)
+    xf = x.reshape(-1, x.shape[-1])
+    T = xf.shape[0]
+    if not 1 <= T <= GEMV_ROWS_MAX:
+        raise ValueError(f"gemv: {T} rows (at most {GEMV_ROWS_MAX})")
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
     grid = (triton.cdiv(N, bn),)
     _gemv_kernel[grid](
@@ -584,24 +774,31 @@ def gemv(
         y,
         norm_weight if norm_weight is not None else dummy,
         bias if bias is not None else dummy,
-        residual.reshape(N).contiguous() if residual is not None else dummy,
+        residual.reshape(T, N).contiguous() if residual is not None else dummy,
         N,
         K,
         w.stride(0),
         float(eps),
+        T,
+        xf.stride(0),
+        table if table is not None else dummy,
+        ids.reshape(-1).contiguous() if ids is not None else dummy,
+        norm_weight2 if norm_weight2 is not None else dummy,
         HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         ACT_MUL=bool(act_mul),
         BLOCK_N=bn,
         BLOCK_K=bk,
-        NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK_MAX),
+        NORM_BLOCK=min(triton.next_power_of_2(K // 2 if embed is not None else K), NORM_BLOCK_MAX),
         PREFETCH=bool(pf),
         num_warps=nw,
         GLU=bool(glu),
+        ROWS=T > 1,
+        EMBED=embed is not None,
         **_pdl(x, cfg.pdl),
     )
-    return y[None]
+    return y
 
 
 def tune_gemv(
@@ -1006,12 +1203,28 @@ if triton is not None:
         act_mul: bool,
         glu: bool,
         config: int,
+        table: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+        norm_weight2: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return gemv(x, w, norm_weight, eps, bias, residual, act_mul, glu=glu, config=config_for(config))
+        embed = None if table is None else (table, ids)
+        return gemv(
+            x,
+            w,
+            norm_weight,
+            eps,
+            bias,
+            residual,
+            act_mul,
+            glu=glu,
+            config=config_for(config),
+            embed=embed,
+            norm_weight2=norm_weight2,
+        )
 
     @_gemv_op.register_fake
-    def _(x, w, norm_weight, eps, bias, residual, act_mul, glu, config):
-        return x.new_empty(1, w.shape[0] // 2 if glu else w.shape[0])
+    def _(x, w, norm_weight, eps, bias, residual, act_mul, glu, config, table=None, ids=None, norm_weight2=None):
+        return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
     @torch.library.custom_op("draftsmith::rope_and_cache", mutates_args=("k_cache", "v_cache"))
     def _rope_and_cache_op(

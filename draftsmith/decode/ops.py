@@ -9,7 +9,7 @@ where. Implementations:
   TritonAttnOps     TorchOps with the attention through `kernels.rows_attention` (verify / hand-off widths)
   TritonStepOps     the one-token step through `draftsmith.decode.kernels` (gemv with its folds, rope_and_cache,
                     decode_attention); each op of TRITON_OPS not routed stays TorchOps'
-  TritonRowsOps     the experimental T-row step (`experimental.gemm_rows` for the matmuls, rows_attention)
+  TritonRowsOps     the T-row step (matmuls: `experimental.gemm_rows`, or the gemv over rows; rows_attention)
 
 The split between torch and kernels is made in the constructors (`TritonStepOps` binds each routed op's kernel
 method over TorchOps' once), so every op of a plan runs the same launches, in the same order, as the op-by-op
@@ -318,14 +318,16 @@ class TritonStepOps(TorchOps):
 
 
 class TritonRowsOps(TritonStepOps):
-    """The experimental T-row step (`LlamaFamilyForward.triton_max_rows > 1`: correct but slower than cuBLAS so far,
-    docs/LOG.md): the matmuls through `experimental.gemm_rows`, the attention through `kernels.rows_attention`;
-    silu(gate) * up is never folded into down (the one-row gemv's prologue only)."""
+    """The T-row step (`LlamaFamilyForward.triton_max_rows > 1`): the matmuls through `experimental.gemm_rows` (or,
+    with `KernelConfig.rows_gemv`, `kernels.gemv` over the rows), the attention through `kernels.rows_attention`;
+    silu(gate) * up is folded into gate/up's epilogue (glu), never into down's prologue."""
 
     name = "triton_rows"
     one_row = False
 
     def _launcher(self):
+        if self.config.rows_gemv:  # the one-token step's gemv, looped over the rows in each program
+            return self.K.gemv
         from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
         return gemm_rows

@@ -56,10 +56,12 @@ def build_engine(
     compile: bool = False,
     attn_impl: str = "auto",
     kernels: str = "torch",
-    kernel_rows: int = 1,
+    kernel_rows: int = 0,
 ):
     from draftsmith.decode.engine import SpeculativeDecoder
 
+    if not kernel_rows:
+        kernel_rows = auto_kernel_rows(t, kernels)
     try:
         return SpeculativeDecoder(
             t,
@@ -74,6 +76,15 @@ def build_engine(
         )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
+
+
+def auto_kernel_rows(t, kernels: str) -> int:
+    """--kernel-rows 0: AUTO_KERNEL_ROWS with the Triton kernels on a target of hidden size up to
+    AUTO_KERNEL_ROWS_MAX_HIDDEN (launch-bound: the row kernels win), else 1 (cuBLAS verifies)."""
+    from draftsmith.decode.config import AUTO_KERNEL_ROWS, AUTO_KERNEL_ROWS_MAX_HIDDEN
+
+    hidden = int(getattr(text_config(t.config), "hidden_size", 1 << 30))
+    return AUTO_KERNEL_ROWS if kernels == "triton" and hidden <= AUTO_KERNEL_ROWS_MAX_HIDDEN else 1
 
 
 def max_positions(t) -> int:

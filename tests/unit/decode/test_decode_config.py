@@ -30,7 +30,7 @@ ENGINE_FLAGS = {
     "--compile": False,
     "--attn-impl": "auto",
     "--kernels": "torch",
-    "--kernel-rows": 1,
+    "--kernel-rows": 0,
 }
 MODE_FLAGS = {"--draft-tokens": 4, "--tree": False, "--top-k-draft": 8, "--depth": 5, "--tree-tokens": 32}
 
@@ -101,7 +101,7 @@ def test_choices_match_the_engine():
         (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "--max-new-tokens: expected an integer, got 'ten'"),
         (["eval", "--drafter", "d", "--prompts", "p", "--temperatures", "0,-1"], "--temperatures: must be"),
         (["eval", "--drafter", "d", "--prompts", "p", "--kernels", "cuda"], "--kernels: must be one of torch, triton"),
-        (["generate", "--prompt", "x", "--kernel-rows", "0"], "--kernel-rows: must be in [1, 64], got 0"),
+        (["generate", "--prompt", "x", "--kernel-rows", "65"], "--kernel-rows: must be in [0, 64], got 65"),
         (["serve", "--device", "gpu"], "--device: must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got 'gpu'"),
         (["serve", "--attn-impl", "flash"], "--attn-impl: must be one of auto, sdpa, bmm, split, got 'flash'"),
         (["serve", "--depth", "300"], "--depth: must be in [1, 250], got 300"),
@@ -156,3 +156,20 @@ def test_pipeline_checks_eval_settings_before_any_stage_runs():
         _dry_parse("p.yaml", "eval", "eval", [*base, "--max-new-tokens", "x"])
     with pytest.raises(DraftsmithError, match=r"section 'eval': --attn-impl: must be one of"):
         _dry_parse("p.yaml", "eval", "eval", [*base, "--attn-impl", "flash"])
+
+
+def test_kernel_rows_auto_follows_the_hidden_size():
+    """--kernel-rows 0 (the default): the T-row kernels (8 rows) with --kernels triton on a small, launch-bound target
+    (hidden <= 1,024), cuBLAS verifies (1) on a large one or with the torch kernels."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode.config import AUTO_KERNEL_ROWS, AUTO_KERNEL_ROWS_MAX_HIDDEN
+    from draftsmith.decode.setup import auto_kernel_rows
+
+    def target(hidden):
+        return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
+
+    assert auto_kernel_rows(target(384), "triton") == AUTO_KERNEL_ROWS == 8
+    assert auto_kernel_rows(target(AUTO_KERNEL_ROWS_MAX_HIDDEN), "triton") == 8
+    assert auto_kernel_rows(target(4096), "triton") == 1
+    assert auto_kernel_rows(target(384), "torch") == 1
