@@ -139,7 +139,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                         NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX),
                         PREFETCH=bool(pf),
                         USE_PDL=pdl,
-                        ROWS=rows,
+                        ROWS=K.GEMV_ROWS_UNROLL if rows else 0,
                     ),
                     nw,
                     aligned,

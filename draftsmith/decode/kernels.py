@@ -62,6 +62,9 @@ except Exception:  # noqa: BLE001
 NORM_BLOCK_MAX = 8192
 # the most rows one gemv launch takes (a tree verify of 64 nodes; experimental.gemm_rows.ROWS_MAX)
 GEMV_ROWS_MAX = 64
+# ... unrolled this many at a time (a runtime loop over the rows ran each row's load -> norm -> sum chain after the
+# last: 0.88-0.96x of plain decoding as a verify, BENCHMARKS.md 2026-12-02 tenth session; unrolled: not yet measured)
+GEMV_ROWS_UNROLL = 8
 
 # decode_attention's default plan: keys per block, and at most this many chunks per KV head — the smallest chunk
 # of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan
@@ -169,10 +172,10 @@ if triton is not None:
         ROWS: tl.constexpr,
         EMBED: tl.constexpr,
     ):
-        """One program: BLOCK_N outputs over all of K (`gemv`). With ROWS, x holds T rows `stride_x` apart (y and the
-        residual T rows of N): the program walks them one after another with the same tile and code as one row,
-        its first K block of weights held in registers for all of them (the rest re-read from L1/L2) — a small
-        verify's rows cost one weight read, and each row rounds exactly as the one-token step would round it.
+        """One program: BLOCK_N outputs over all of K (`gemv`). With ROWS > 1, x holds T rows `stride_x` apart (y and
+        the residual T rows of N): the program walks them ROWS at a time (unrolled) with the same tile and code as
+        one row, its first K block of weights held in registers for all of them (the rest re-read from L1/L2) — a
+        small verify's rows cost one weight read, and each row rounds exactly as the one-token step would round it.
         With EMBED (an EAGLE-3 drafter's first layer), a row's input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2)
         of K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in."""
         if USE_PDL:
@@ -194,38 +197,40 @@ if triton is not None:
                 w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
-        if ROWS:
-            for m in range(T):
-                _gemv_row(
-                    x_ptr + m * stride_x,
-                    w_ptr,
-                    y_ptr + m * N,
-                    nw_ptr,
-                    b_ptr,
-                    r_ptr + m * N,
-                    rn,
-                    n_ok,
-                    row,
-                    row2,
-                    w_first,
-                    w2_first,
-                    N,
-                    K,
-                    eps,
-                    e_ptr,
-                    id_ptr + m,
-                    nw2_ptr,
-                    HAS_NORM,
-                    HAS_BIAS,
-                    HAS_RES,
-                    ACT_MUL,
-                    BLOCK_N,
-                    BLOCK_K,
-                    NORM_BLOCK,
-                    PREFETCH or USE_PDL,
-                    GLU,
-                    EMBED,
-                )
+        if ROWS > 1:  # chunks of ROWS rows, unrolled: every row's loads can issue before the first row's sums
+            for c0 in range(0, T, ROWS):
+                for j in tl.static_range(ROWS):
+                    m = tl.minimum(c0 + j, T - 1)  # past the last row: recompute it, store nothing
+                    _gemv_row(
+                        x_ptr + m * stride_x,
+                        w_ptr,
+                        y_ptr + m * N,
+                        nw_ptr,
+                        b_ptr,
+                        r_ptr + m * N,
+                        rn,
+                        n_ok & (rn * 0 + c0 + j < T),
+                        row,
+                        row2,
+                        w_first,
+                        w2_first,
+                        N,
+                        K,
+                        eps,
+                        e_ptr,
+                        id_ptr + m,
+                        nw2_ptr,
+                        HAS_NORM,
+                        HAS_BIAS,
+                        HAS_RES,
+                        ACT_MUL,
+                        BLOCK_N,
+                        BLOCK_K,
+                        NORM_BLOCK,
+                        PREFETCH or USE_PDL,
+                        GLU,
+                        EMBED,
+                    )
         else:
             _gemv_row(
                 x_ptr,
@@ -794,7 +799,7 @@ def gemv(
         PREFETCH=bool(pf),
         num_warps=nw,
         GLU=bool(glu),
-        ROWS=T > 1,
+        ROWS=0 if T == 1 else min(triton.next_power_of_2(T), GEMV_ROWS_UNROLL),
         EMBED=embed is not None,
         **_pdl(x, cfg.pdl),
     )
