@@ -606,14 +606,21 @@ def test_engine_kernels_argument():
             K._INTERPRET = was
 
 
+# the target of the engine tests below: three layers, not tiny_qwen3's four (each layer is a set of kernel launches,
+# slow in the interpreter: a quarter less time); the drafter's aux layers stay [0, 1, 2], three distinct ones as with
+# four layers
+_ENGINE_LAYERS = 3
+
+
 @pytest.mark.parametrize("setup", ["one-token", "rows", "built"])
 def test_greedy_equal_with_triton_kernels(setup):
     """Decoding through the engine with the kernels on gives, token for token, the plain torch path's greedy output
     (tiny Qwen3, fp32, peaky logits: no near-ties). one-token: the runner's one-token steps through the kernels
     (plain, chain); rows: the verify forwards through the T-row matmul kernels too (chain, tree); built: an engine
     made with kernels="triton" — the drafter through the kernels (`KernelDraftStep`) and its tree levels' top-k
-    through topk_logprobs as well (chain, tree). All in triton's interpreter on CPU, hence few prompts."""
-    m = tiny_qwen3().to(DEV)
+    through topk_logprobs as well (chain, tree). All in triton's interpreter on CPU, hence few prompts and three
+    layers (`_ENGINE_LAYERS`)."""
+    m = tiny_qwen3(layers=_ENGINE_LAYERS).to(DEV)
     d = random_drafter(m, seed=1).to(DEV)
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -650,7 +657,7 @@ def test_triton_kernels_with_compiled_rounds():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    m = tiny_qwen3().to(DEV)
+    m = tiny_qwen3(layers=_ENGINE_LAYERS).to(DEV)
     d = random_drafter(m, seed=2).to(DEV)
     p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
     want = SpeculativeDecoder(m, d, max_len=48).generate(p, 8, mode=DecodeMode("plain")).token_ids

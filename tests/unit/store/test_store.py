@@ -204,20 +204,34 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     }
 
 
-def _cli_crashing_at(point: str, args):
-    """The CLI run by tests/capture_crash.py, which SIGKILLs it at one commit point (test-only fault injection)."""
+def _cli_crashing_at_each(outs: dict[str, Path], args) -> tuple[dict[str, int], str]:
+    """The CLI run by tests/capture_crash.py once per commit point, each run in a process of its own (forked after
+    the imports) that SIGKILLs itself at that point with `--out outs[point]` (test-only fault injection): the return
+    code of each run, and their stderr."""
     e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, str(REPO / "tests" / "capture_crash.py"), point, *args],
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "capture_crash.py"), *(f"{p}={o}" for p, o in outs.items()), *args],
         cwd=REPO,
         env=e,
         capture_output=True,
         text=True,
     )
+    rows = [line.split() for line in r.stdout.splitlines()]
+    return {row[0]: int(row[1]) for row in rows if len(row) == 2 and row[0] in outs}, r.stderr
+
+
+def _cli_here(args):
+    """The same command in this process (typer's runner: no ~5 s interpreter start-up and imports). The caller holds
+    one intra-op thread (`one_thread`), as the subprocesses' OMP_NUM_THREADS=1, so the bytes are comparable."""
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    return CliRunner().invoke(app, args)
 
 
 @pytest.mark.slow
-def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, corpus, tmp_path):
+def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, corpus, tmp_path, one_thread):
     args = [
         "capture",
         "--target",
@@ -237,24 +251,25 @@ def test_kill9_at_every_commit_point_then_resume_is_byte_identical(tiny_path, co
         "-q",
     ]
     ref = tmp_path / "ref"
-    _cli([*args, "--out", str(ref)])
+    r = _cli_here([*args, "--out", str(ref)])
+    assert r.exit_code == 0, r.output[-3000:]
     want = _tree_bytes(ref)
     points = ["before_shard:0", "after_shard:1", "after_progress:0", "before_shard:2", "before_finalize:0"]
-    for point in points:
-        out = tmp_path / point.replace(":", "_")
-        r = _cli_crashing_at(point, [*args, "--out", str(out)])
-        assert r.returncode == -9, (point, r.stderr[-2000:])
+    outs = {point: tmp_path / point.replace(":", "_") for point in points}
+    codes, stderr = _cli_crashing_at_each(outs, args)
+    assert codes == {point: -9 for point in points}, (codes, stderr[-2000:])  # every run killed at its point
+    for point, out in outs.items():
         assert not (out / "manifest.json").exists()
-        r = _cli([*args, "--out", str(out)], check=False)  # the same command resumes
-        assert r.returncode == 0, (point, r.stderr[-3000:])
+        r = _cli_here([*args, "--out", str(out)])  # the same command resumes
+        assert r.exit_code == 0, (point, r.output[-3000:])
         assert _tree_bytes(out) == want, point
     # an already complete store: rerunning is a no-op
-    r = _cli([*args, "--out", str(ref)])
-    assert "already complete" in r.stderr and _tree_bytes(ref) == want
+    r = _cli_here([*args, "--out", str(ref)])
+    assert r.exit_code == 0 and "already complete" in r.stderr and _tree_bytes(ref) == want
 
 
 @pytest.mark.slow
-def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
+def test_random_kill9_then_resume(tiny_path, corpus, tmp_path, one_thread):
     import time
 
     args = [
@@ -274,7 +289,7 @@ def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
         "-q",
     ]
     ref = tmp_path / "ref"
-    _cli([*args, "--out", str(ref)])
+    assert _cli_here([*args, "--out", str(ref)]).exit_code == 0
     out = tmp_path / "killed"
     e = dict(os.environ, OMP_NUM_THREADS="1")
     for delay in (0.3, 1.5):  # seconds after the plan is written, i.e. while shards are being captured
@@ -290,7 +305,8 @@ def test_random_kill9_then_resume(tiny_path, corpus, tmp_path):
         time.sleep(delay)
         p.kill()
         p.wait()
-    _cli([*args, "--out", str(out)])
+    r = _cli_here([*args, "--out", str(out)])  # the same command resumes
+    assert r.exit_code == 0, r.output[-3000:]
     assert _tree_bytes(out) == _tree_bytes(ref)
 
 
