@@ -79,6 +79,27 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     return eng
 
 
+def tiles_chosen(eng) -> dict:
+    """'N x K folds' -> 'BLOCK_N/BLOCK_K/warps[/prefetch]' of the engine's tuned gemv and gemm_rows tiles (gemm_rows
+    tiles under 16 outputs run its CUDA-core products: 'fma')."""
+    cfg = getattr(eng.runner, "kernel_config", None)
+    if cfg is None:
+        return {}
+
+    def label(key):
+        N, K, _, *folds = key
+        names = ("norm", "bias", "res", "act_mul", "glu")
+        return f"{N}x{K}" + "".join(f"+{n}" for n, f in zip(names, folds) if f)
+
+    out = {f"gemv {label(k)}": "/".join(map(str, v)) for k, v in cfg.gemv_tuned.items()}
+    for k, v in cfg.rows_tuned.items():
+        N, K, dt, norm, bias, res, glu = k
+        out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = "/".join(map(str, v)) + (
+            " fma" if v[0] < 16 else ""
+        )
+    return out
+
+
 @torch.no_grad()
 def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, bw: float, rows: list) -> None:
     eng = make_engine(t, d, config)
@@ -117,6 +138,8 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
         if key in taus:
             row["tau"] = taus[key]
             row["projected_speedup"] = taus[key] * t_plain / per
+        if m.kind == "plain":  # the tiles the engine's tuning chose (which row-kernel path a verify runs)
+            row["tiles"] = tiles_chosen(eng)
         rows.append(row)
         log(
             f"{config} {key}: {per * 1e3:.3f} ms = {per / t_plain:.2f} plain steps, {cen['kernels']} kernels "
@@ -287,6 +310,9 @@ def main() -> None:
                 ],
             ),
         ]
+    for r in rows:
+        if r.get("tiles"):
+            body.append(f"\n{r['config']} tiles: " + "; ".join(f"{k} {v}" for k, v in r["tiles"].items()))
     if spd:
         body += [
             "",
