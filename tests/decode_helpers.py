@@ -248,3 +248,33 @@ def overfit_drafter_ttt(
         opt.step()
     drafter.eval()
     return float(loss.detach())
+
+
+def assert_tree_verify_matches_torch(configure, device) -> None:
+    """A tree-verify-shaped forward (T=7 tokens after a 9-token prefill, a non-causal mask, three logits rows) of a
+    compact forward that `configure(f)` sets up (its kernels, its row settings) equals the torch path's: logits, aux
+    and both caches."""
+    from draftsmith.decode.engine import causal_mask
+    from draftsmith.decode.llama import LlamaFamilyForward
+
+    model = tiny_qwen3().to(device)
+    n = model.config.num_hidden_layers
+    ref, kf = (LlamaFamilyForward.from_hf(model, [0, n - 1], 48) for _ in range(2))
+    configure(kf)
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(device)
+    pos = torch.arange(16, device=device)
+    ar = torch.arange(48, device=device)
+    node = torch.arange(7, device=device)
+    # tree: every node sees the context (0..8) and the even-offset nodes before it
+    tree = (ar[None, :] < 9) | (
+        (ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) & ((node[:, None] - (ar[None, :] - 9)) % 2 == 0)
+    )
+    with torch.no_grad():
+        for f in (ref, kf):
+            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], device))
+        rows = torch.tensor([0, 3, 6], device=device)
+        (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
+    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)

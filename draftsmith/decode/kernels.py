@@ -197,71 +197,42 @@ if triton is not None:
                 w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
-        if ROWS > 1:  # chunks of ROWS rows, unrolled: every row's loads can issue before the first row's sums
-            for c0 in range(0, T, ROWS):
-                for j in tl.static_range(ROWS):
-                    m = tl.minimum(c0 + j, T - 1)  # past the last row: recompute it, store nothing
-                    _gemv_row(
-                        x_ptr + m * stride_x,
-                        w_ptr,
-                        y_ptr + m * N,
-                        nw_ptr,
-                        b_ptr,
-                        r_ptr + m * N,
-                        rn,
-                        n_ok & (rn * 0 + c0 + j < T),
-                        row,
-                        row2,
-                        w_first,
-                        w2_first,
-                        N,
-                        K,
-                        eps,
-                        e_ptr,
-                        id_ptr + m,
-                        nw2_ptr,
-                        HAS_NORM,
-                        HAS_BIAS,
-                        HAS_RES,
-                        ACT_MUL,
-                        BLOCK_N,
-                        BLOCK_K,
-                        NORM_BLOCK,
-                        PREFETCH or USE_PDL,
-                        GLU,
-                        EMBED,
-                    )
-        else:
-            _gemv_row(
-                x_ptr,
-                w_ptr,
-                y_ptr,
-                nw_ptr,
-                b_ptr,
-                r_ptr,
-                rn,
-                n_ok,
-                row,
-                row2,
-                w_first,
-                w2_first,
-                N,
-                K,
-                eps,
-                e_ptr,
-                id_ptr,
-                nw2_ptr,
-                HAS_NORM,
-                HAS_BIAS,
-                HAS_RES,
-                ACT_MUL,
-                BLOCK_N,
-                BLOCK_K,
-                NORM_BLOCK,
-                PREFETCH or USE_PDL,
-                GLU,
-                EMBED,
-            )
+        # ROWS rows at a time, unrolled, so that every row's loads can issue before the first row's sums (one row:
+        # T == 1, which the launcher specialises as a constant, so the loop and the row mask fold away)
+        NR: tl.constexpr = ROWS if ROWS > 1 else 1
+        for c0 in range(0, T, NR):
+            for j in tl.static_range(NR):
+                m = tl.minimum(c0 + j, T - 1)  # past the last row: recompute it, store nothing
+                _gemv_row(
+                    x_ptr + m * stride_x,
+                    w_ptr,
+                    y_ptr + m * N,
+                    nw_ptr,
+                    b_ptr,
+                    r_ptr + m * N,
+                    rn,
+                    n_ok & (rn * 0 + c0 + j < T),
+                    row,
+                    row2,
+                    w_first,
+                    w2_first,
+                    N,
+                    K,
+                    eps,
+                    e_ptr,
+                    id_ptr + m,
+                    nw2_ptr,
+                    HAS_NORM,
+                    HAS_BIAS,
+                    HAS_RES,
+                    ACT_MUL,
+                    BLOCK_N,
+                    BLOCK_K,
+                    NORM_BLOCK,
+                    PREFETCH or USE_PDL,
+                    GLU,
+                    EMBED,
+                )
 
     @triton.jit
     def _gemv_row(

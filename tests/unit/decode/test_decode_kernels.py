@@ -18,7 +18,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from decode_helpers import random_drafter, tiny_llama, tiny_qwen3, tree_mask  # noqa: E402
+from decode_helpers import (  # noqa: E402
+    assert_tree_verify_matches_torch,
+    random_drafter,
+    tiny_llama,
+    tiny_qwen3,
+    tree_mask,
+)
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask  # noqa: E402
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
@@ -484,29 +490,13 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
 def test_verify_forward_through_row_kernels_equals_torch_path():
     """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows on: gemm_rows for the
     matmuls, rope_and_cache per token, rows_attention — logits, aux and both caches equal the torch path's."""
-    model = tiny_qwen3().to(DEV)
-    n = model.config.num_hidden_layers
-    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
-    kf.kernels, kf.triton_max_rows = "triton", 64
-    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn"})
-    assert kf.triton_ops_for(257) == frozenset() and kf.triton_step(7) and not kf.triton_step(65)
-    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
-    pos = torch.arange(16, device=DEV)
-    ar = torch.arange(48, device=DEV)
-    node = torch.arange(7, device=DEV)
-    # tree: every node sees the context (0..8) and the even-offset nodes before it
-    tree = (ar[None, :] < 9) | (
-        (ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) & ((node[:, None] - (ar[None, :] - 9)) % 2 == 0)
-    )
-    with torch.no_grad():
-        for f in (ref, kf):
-            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
-        rows = torch.tensor([0, 3, 6], device=DEV)
-        (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
-    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+    def configure(kf):
+        kf.kernels, kf.triton_max_rows = "triton", 64
+        assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn"})
+        assert kf.triton_ops_for(257) == frozenset() and kf.triton_step(7) and not kf.triton_step(65)
+
+    assert_tree_verify_matches_torch(configure, DEV)
 
 
 def test_gemv_rejects_a_mismatched_weight():
@@ -671,13 +661,16 @@ def test_triton_kernels_with_compiled_rounds():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("T,rows", [(1, 1), (4, 1), (4, 8)])
-def test_kernel_draft_step_equals_module(T, rows, monkeypatch):
+@pytest.mark.parametrize("T,rows,rows_gemv", [(1, 1, False), (4, 1, False), (4, 8, False), (4, 8, True)])
+def test_kernel_draft_step_equals_module(T, rows, rows_gemv, monkeypatch):
     """kernels="triton" runs the drafter through the kernels (`KernelDraftStep`: gemv / gemm_rows with the norm,
-    silu*up and residual folds, rope_and_cache into the drafter cache, decode_attention / rows_attention): its
+    silu*up and residual folds, rope_and_cache into the drafter cache, decode_attention / rows_attention; the first
+    layer's embedding, both input norms and their cat folded into its qkv gemv where the gemv takes the rows): its
     forward over T tokens after a prefill, its fc and its head equal the module path's (fp32, two engines on the same
-    prompt). Its multi-row matmuls take the row kernels only up to the engine's kernel_rows (cuBLAS beyond)."""
+    prompt). Its multi-row matmuls take the row kernels only up to the engine's kernel_rows (cuBLAS beyond), the gemv
+    over the rows instead of gemm_rows with rows_gemv."""
     from draftsmith.decode.experimental import gemm_rows as GR
+    from draftsmith.decode.kernel_config import KernelConfig
 
     calls = []
     real = GR.gemm_rows
@@ -687,11 +680,15 @@ def test_kernel_draft_step_equals_module(T, rows, monkeypatch):
     p = torch.randint(0, m.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []
     for kernel_drafter in (True, False):
-        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=rows)
+        cfg = KernelConfig(rows_gemv=rows_gemv)
+        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=rows, kernel_config=cfg)
         if not kernel_drafter:
             eng.kernel_drafter = False
             eng._build_drafter_view()
         assert (eng._d_kern is not None) == kernel_drafter
+        if kernel_drafter:  # the embedding fold: one row, or the rows of a gemv over rows
+            folds = eng._d_kern._embed_fold(eng._d_kern.layers[0], torch.zeros(T, 1, device=DEV), T)
+            assert folds == (T == 1 or rows_gemv)
         eng.prefill(p, SamplingParams(), draft=True)
         calls.clear()
         g = torch.Generator().manual_seed(6)
@@ -701,7 +698,7 @@ def test_kernel_draft_step_equals_module(T, rows, monkeypatch):
         h_in = eng.fuse(aux)
         h = eng.draft_forward(ids, h_in, pos, pos, eng.mask(pos))
         outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
-        # fc, qkv, o, gate/up, down, head: through gemm_rows exactly when the rows fit kernel_rows
-        assert calls == ([T] * 6 if kernel_drafter and 1 < T <= rows else []), calls
+        # fc, qkv, o, gate/up, down, head: through gemm_rows exactly when the rows fit kernel_rows (not with rows_gemv)
+        assert calls == ([T] * 6 if kernel_drafter and 1 < T <= rows and not rows_gemv else []), calls
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

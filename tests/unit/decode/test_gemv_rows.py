@@ -1,6 +1,7 @@
 """`kernels.gemv` over T rows (`KernelConfig.rows_gemv`: a small verify's matmuls through the one-token step's
 kernel): every row bit for bit the one-row launch's, the verify forward against the torch path, and greedy decoding
-through an engine that routes its verifies and hand-offs this way against plain decoding.
+through an engine that routes its verifies and hand-offs this way against plain decoding; and `gemv`'s `embed` (a
+drafter's first-layer input built in the qkv gemv) against torch's norms and cat.
 
 On a machine without CUDA the kernels run in triton's interpreter (TRITON_INTERPRET=1, set below before the kernels
 are compiled); skipped where triton is not installed."""
@@ -17,12 +18,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from decode_helpers import random_drafter, tiny_qwen3  # noqa: E402
+from decode_helpers import assert_tree_verify_matches_torch, random_drafter, tiny_qwen3  # noqa: E402
 
-from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask  # noqa: E402
+from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
 from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.kernels import GEMV_ROWS_MAX, gemv  # noqa: E402
-from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward  # noqa: E402
+from draftsmith.decode.llama import TRITON_OPS  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,30 +70,14 @@ def test_gemv_rows_equal_one_row_launches(dtype, fold, block_k, prefetch, T):
 def test_verify_forward_through_gemv_rows_equals_torch_path():
     """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows and rows_gemv: the gemv over
     the rows for every matmul, rope_and_cache, rows_attention — logits, aux and both caches equal the torch path's."""
-    model = tiny_qwen3().to(DEV)
-    n = model.config.num_hidden_layers
-    ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
-    kf.kernel_config = KernelConfig(rows_gemv=True)
-    kf.kernels, kf.triton_max_rows = "triton", 8
-    assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_step(7) and not kf.triton_step(9)
-    assert kf.plan(7).lin.func.__name__ == "gemv"
-    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
-    pos = torch.arange(16, device=DEV)
-    ar = torch.arange(48, device=DEV)
-    node = torch.arange(7, device=DEV)
-    # tree: every node sees the context (0..8) and the even-offset nodes before it
-    tree = (ar[None, :] < 9) | (
-        (ar[None, :] >= 9) & (ar[None, :] - 9 <= node[:, None]) & ((node[:, None] - (ar[None, :] - 9)) % 2 == 0)
-    )
-    with torch.no_grad():
-        for f in (ref, kf):
-            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
-        rows = torch.tensor([0, 3, 6], device=DEV)
-        (lr, ar_), (lk, ak) = (f(ids[9:], pos[9:], pos[9:], tree, logits_rows=rows) for f in (ref, kf))
-    torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ak, ar_, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kf.k_cache, ref.k_cache, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kf.v_cache, ref.v_cache, atol=1e-5, rtol=1e-5)
+
+    def configure(kf):
+        kf.kernel_config = KernelConfig(rows_gemv=True)
+        kf.kernels, kf.triton_max_rows = "triton", 8
+        assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_step(7) and not kf.triton_step(9)
+        assert kf.plan(7).lin.func.__name__ == "gemv"
+
+    assert_tree_verify_matches_torch(configure, DEV)
 
 
 def test_greedy_equal_with_gemv_rows(monkeypatch):
@@ -138,36 +123,3 @@ def test_gemv_embed_fold_equals_norms_and_cat(dtype, T):
     torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="embed needs"):
         gemv(x, w, None, 1e-5, embed=(table, ids), norm_weight2=w2)  # both norms are required
-
-
-@pytest.mark.parametrize("T", [1, 4])
-def test_kernel_draft_step_with_gemv_rows_equals_module(T):
-    """The drafter through the kernels with rows_gemv (one row, and a 4-row hand-off within kernel_rows): the first
-    layer's qkv takes the embedding and both norms in the gemv (`embed`), and the forward over T tokens after a
-    prefill, the cache it writes and its head equal the module path's (fp32)."""
-    from draftsmith.decode.sampling import SamplingParams
-
-    m = tiny_qwen3().to(DEV)
-    d = random_drafter(m, seed=4).to(DEV)
-    p = torch.randint(0, m.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-    outs = []
-    for kernel_drafter in (True, False):
-        eng = SpeculativeDecoder(
-            m, d, max_len=48, kernels="triton", kernel_rows=8, kernel_config=KernelConfig(rows_gemv=True)
-        )
-        if not kernel_drafter:
-            eng.kernel_drafter = False
-            eng._build_drafter_view()
-        else:
-            L0 = eng._d_kern.layers[0]
-            assert eng._d_kern._embed_fold(L0, torch.zeros(T, 1, device=DEV), T)
-        eng.prefill(p, SamplingParams(), draft=True)
-        g = torch.Generator().manual_seed(6)
-        aux = torch.randn(T, d.fc.in_features, generator=g).to(DEV)
-        ids = torch.randint(0, m.config.vocab_size, (T,), generator=g).to(DEV)
-        pos = torch.arange(len(p), len(p) + T, device=DEV)
-        h_in = eng.fuse(aux)
-        h = eng.draft_forward(ids, h_in, pos, pos, eng.mask(pos))
-        outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
