@@ -1,5 +1,5 @@
 """`draftsmith regenerate`: user turns kept exactly, answers from the target, loss mask on exactly those answers,
-bad records, resume after kill -9 (a real subprocess)."""
+bad records, resume after kill -9 (a real SIGKILL of a process of its own)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import cli_here, exit_code, fork_cli
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.regenerate import RegenerateConfig, run_regenerate
@@ -180,17 +179,23 @@ def test_rerun_with_other_settings_is_refused(regenerated, chat_target):
     assert rep["records"] == 0 and out.read_bytes() == before
 
 
+def _consumed(prog: Path) -> int:
+    """The input records a run's progress file counts (0 while it is being replaced)."""
+    try:
+        return json.loads(prog.read_text())["consumed"]
+    except (ValueError, KeyError):
+        return 0
+
+
 @pytest.mark.slow
-def test_resume_after_kill_9(chat_target, tmp_path):
-    """A subprocess killed mid-run, then the same command again: every input record exactly once, in order, each
-    line a complete record."""
+def test_resume_after_kill_9(chat_target, tmp_path, one_thread):
+    """A run SIGKILLed mid-run (a child forked from this process: a process of its own, killed by the test), then
+    the same command again (in this process: typer's runner): every input record exactly once, in order, each line
+    a complete record."""
     n = 12
     data = _write(tmp_path / "in.jsonl", _records(n))
     out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "draftsmith",
+    args = [
         "regenerate",
         "--target",
         str(chat_target),
@@ -206,28 +211,28 @@ def test_resume_after_kill_9(chat_target, tmp_path):
         "cpu",
         "-q",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "killed.log"
+    pid = fork_cli(args, log, env={"TOKENIZERS_PARALLELISM": "false"})
     prog = progress_path(out)
     deadline = time.time() + 120
-    consumed = 0
-    while time.time() < deadline and proc.poll() is None:
-        if prog.is_file():
-            try:
-                consumed = json.loads(prog.read_text())["consumed"]
-            except (ValueError, KeyError):
-                consumed = 0
-            if consumed >= 2:
+    code = None  # the child's return code once it ended (and was reaped)
+    try:
+        while time.time() < deadline:
+            code = exit_code(pid, block=False)
+            if code is not None or (prog.is_file() and _consumed(prog) >= 2):
                 break
-        time.sleep(0.01)
-    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+            time.sleep(0.01)
+        assert code is None, f"the run ended ({code}) before 2 records: {log.read_text()[-2000:]}"
+    finally:
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            code = exit_code(pid)
+    assert code == -9, log.read_text()[-2000:]
     assert 2 <= json.loads(prog.read_text())["consumed"] < n
     with open(out, "ab") as f:  # what a kill between a record's write and the progress update leaves behind
         f.write(b'{"messages": [{"role": "user", "content": "partial')
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli_here(args)
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
     lines = out.read_text().splitlines()
     recs = [json.loads(x) for x in lines]  # the partial line was cut away: every line parses
     assert [r["provenance"]["source"] for r in recs] == [f"{data}:{i}" for i in range(1, n + 1)]
