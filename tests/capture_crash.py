@@ -76,29 +76,9 @@ def install(spec: str) -> None:
 
 def _run_forked(point: str, argv: list[str]) -> int:
     """`draftsmith ARGV` in a forked child that installs POINT; the child's exit status as a return code."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the parent's loop
-        code = 1
-        try:
-            install(point)
-            from draftsmith.cli import main
+    from cli_helpers import exit_code, fork_cli
 
-            main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return exit_code(fork_cli(argv, None, prepare=lambda: install(point)))
 
 
 if __name__ == "__main__":

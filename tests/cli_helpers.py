@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -32,12 +33,19 @@ def cli_here(args: list[str]):
         torch.random.set_rng_state(rng)
 
 
-def fork_cli(args: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+def fork_cli(
+    args: list[str], log: Path | None, env: dict[str, str] | None = None, prepare: Callable[[], None] | None = None
+) -> int:
     """Start `draftsmith ARGS` in a forked child with ENV added to its environment (the child's only) and its
-    stdout/stderr in LOG; the child's pid."""
+    stdout/stderr in LOG (None: this process's); PREPARE runs in the child first (e.g. installs a crash point). The
+    child's pid."""
     import torch
 
     if torch.cuda.is_initialized():  # a forked child cannot use CUDA once the parent has: a fresh interpreter then
+        if prepare is not None or log is None:
+            raise RuntimeError(
+                "fork_cli: CUDA is initialised here; a fresh interpreter takes neither prepare nor log=None"
+            )
         import subprocess
 
         child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -50,12 +58,15 @@ def fork_cli(args: list[str], log: Path, env: dict[str, str] | None = None) -> i
     if pid == 0:  # the child: always ends here, by os._exit (or by a signal)
         code = 1
         try:
-            f = open(log, "w", buffering=1)
-            os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
-            sys.stdout = sys.stderr = f
+            if log is not None:
+                f = open(log, "w", buffering=1)
+                os.dup2(f.fileno(), 1)
+                os.dup2(f.fileno(), 2)
+                sys.stdout = sys.stderr = f
             os.environ.update(env or {})
             torch.set_num_threads(1)
+            if prepare is not None:
+                prepare()
             from draftsmith.cli import main
 
             main(args)
@@ -69,6 +80,7 @@ def fork_cli(args: list[str], log: Path, env: dict[str, str] | None = None) -> i
         finally:
             try:
                 sys.stdout.flush()
+                sys.stderr.flush()
             finally:
                 os._exit(code)
     return pid
