@@ -276,7 +276,7 @@ class KernelDraftStep:
         from draftsmith.decode import kernels as K
 
         T = x.shape[0]
-        if T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv):
+        if self._gemv_takes(T):
             return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
         if T <= self.rows:
             from draftsmith.decode.experimental.gemm_rows import gemm_rows
@@ -292,13 +292,16 @@ class KernelDraftStep:
             y = F.silu(g) * u
         return y if residual is None else residual + y
 
+    def _gemv_takes(self, T: int) -> bool:
+        """Whether a T-row matmul runs through `kernels.gemv`: one row, or up to `rows` with `rows_gemv`."""
+        return T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv)
+
     def _embed_fold(self, L: dict, hidden: torch.Tensor, T: int) -> bool:
         """Whether the first layer's qkv takes the embedding and both norms in its prologue (`kernels.gemv`'s
-        `embed`): the gemv's rows (one, or up to `rows` with `rows_gemv`), one eps and dtype for both norms, and the
-        residual the raw hidden state (with norm_before_residual the normed one is needed on its own)."""
-        rows_ok = T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv)
+        `embed`): the gemv's rows, one eps and dtype for both norms, and the residual the raw hidden state (with
+        norm_before_residual the normed one is needed on its own)."""
         return (
-            rows_ok
+            self._gemv_takes(T)
             and not L["nbr"]
             and self.embed.dtype == hidden.dtype
             and L["in_norm"].eps == L["hid_norm"].eps
