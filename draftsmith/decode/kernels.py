@@ -770,7 +770,7 @@ def gemv(
         PREFETCH=bool(pf),
         num_warps=nw,
         GLU=bool(glu),
-        ROWS=0 if T == 1 else min(triton.next_power_of_2(T), GEMV_ROWS_UNROLL),
+        ROWS=0 if T == 1 else min(T, GEMV_ROWS_UNROLL),  # T itself up to 8: no row computed twice
         EMBED=embed is not None,
         **_pdl(x, cfg.pdl),
     )
