@@ -63,7 +63,9 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     engine before whole-round tracing), "rowsN" (kernel_rows=N: verifies of up to N tokens all through the
     kernels, experimental.gemm_rows), "gemv" (with rowsN: those verifies' matmuls through the one-token gemv looped
     over the rows, `KernelConfig.rows_gemv`), "noembed" (the drafter's first-layer norms and cat in torch, not
-    folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not `KernelDraftStep`)."""
+    folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not
+    `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
+    `lookahead`; only the speed section sees it)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
@@ -71,6 +73,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     eng = SpeculativeDecoder(
         t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
     )
+    eng.lookahead = "nolook" not in parts and eng.device.type == "cuda"
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep

@@ -39,6 +39,32 @@ from draftsmith.common.hf import text_config
 from draftsmith.decode.sampling import SamplingParams, chain_accept, choose, sample, warp
 
 
+class _HostStage:
+    """Two host slots a unit of decoding's results (tokens; with margins, floats) are copied into without a sync:
+    pinned memory and an event per slot on CUDA, so the copy is queued behind the unit and the host waits only when
+    it reads the slot (`SpeculativeDecoder._decode_ahead`)."""
+
+    def __init__(self, device: torch.device, n: int):
+        pin = device.type == "cuda"
+        self.ints = [torch.empty(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.floats = [torch.empty(2 * n, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
+
+    def put(self, slot: int, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> None:
+        for dst, srcs in ((self.ints[slot], ints), (self.floats[slot], floats)):
+            o = 0
+            for t in srcs:
+                dst[o : o + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+                o += t.numel()
+        if self.events[slot] is not None:
+            self.events[slot].record()
+
+    def get(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return self.ints[slot], self.floats[slot]
+
+
 @dataclass(frozen=True)
 class DecodeMode:
     kind: str = "chain"  # "plain" | "chain" | "tree"
@@ -322,6 +348,10 @@ class SpeculativeDecoder:
         )
         self.out_gap = torch.zeros(256, dtype=torch.float32, device=dev)
         self.out_top = torch.zeros(256, dtype=torch.float32, device=dev)
+        # `generate(lookahead=)`'s default: the next round launched before the host reads the last one (a GPU's
+        # gain; on the CPU every op is synchronous and a stopping generation would only pay one round more)
+        self.lookahead = dev.type == "cuda"
+        self._stage: _HostStage | None = None
         self.prefill_margin: tuple[float, float] | None = None
         if drafter is not None:
             dc = drafter.config
@@ -1110,13 +1140,20 @@ class SpeculativeDecoder:
         trace: bool = False,
         sync_every: int = 8,
         on_tokens=None,
+        lookahead: bool | None = None,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens after prompt_ids. Returns new tokens only.
 
         `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
         checks), for streaming; returning False ends the generation there with finish_reason "cancelled" (a
         disconnected client frees the engine within one round). On the CPU it runs under `cpu_threads` torch threads
-        (the process's setting is restored after)."""
+        (the process's setting is restored after).
+
+        `lookahead` (default: on for a CUDA engine, `self.lookahead`): launch the next round (or batch of plain steps)
+        before reading the one in flight, so the GPU never waits for the host's read, stop checks and relaunch
+        (~75 us a round on pycode-small, docs/LOG.md 2026-12-02 eleventh session). The tokens are the same; a
+        generation that stops has run at most one round more than it keeps (its writes lie past the committed
+        length)."""
         threads = self.cpu_threads if self.device.type == "cpu" else None
         if threads and threads != torch.get_num_threads():
             prev = torch.get_num_threads()
@@ -1133,6 +1170,7 @@ class SpeculativeDecoder:
                     trace,
                     sync_every,
                     on_tokens,
+                    lookahead,
                 )
             finally:
                 torch.set_num_threads(prev)
@@ -1180,6 +1218,10 @@ class SpeculativeDecoder:
 
         finished = emit([first])
         budget = mode.cache_need + 1
+        if (self.lookahead if lookahead is None else lookahead) and not trace and not finished:
+            finished, L_host = self._decode_ahead(
+                res, mode, step, plain, emit, L_host, budget, max_new_tokens, sync_every
+            )
         while not finished:
             if mode.kind != "plain" and L_host + budget <= self.max_len:
                 step()
@@ -1235,6 +1277,75 @@ class SpeculativeDecoder:
         if self.tokenizer is not None:
             res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
         return res
+
+    def _decode_ahead(self, res, mode, step, plain, emit, L_host, budget, max_new, sync_every):
+        """`generate`'s loop one unit ahead: a unit (a round, or up to `sync_every` plain steps) is launched, its
+        results copied to a pinned host slot (no sync), and the next unit launched before the host waits for the
+        first. The host's turnaround (the copy's wait, the stop checks, the next launch) then overlaps a unit on the
+        GPU instead of leaving the GPU idle between units. Bounds: a unit is launched only when, with every unit in
+        flight at its largest advance (a round: max_accept + 1 slots), it still fits the cache and tokens are still
+        wanted. Returns (finished, L_host); (False, L_host) hands the rest (the plain steps that end a nearly full
+        cache) to the synchronous loop."""
+        spec = mode.kind != "plain"
+        A = mode.max_accept
+        rec = self.record_margins
+        stage = self._host_stage()
+        pending: list = []  # (slot, tokens in the unit: None for a round)
+        launched = 0
+        while True:
+            while len(pending) < 2:
+                L_max = L_host + sum(A + 1 if m is None else m for _, m in pending)
+                n_min = len(res.token_ids) + sum(1 if m is None else m for _, m in pending)
+                if n_min >= max_new:
+                    break
+                slot = launched % 2
+                if spec:
+                    if L_max + budget > self.max_len:
+                        break
+                    step()
+                    ints = [self.n_emit.view(1), self.out[: A + 1]]
+                    floats = [self.out_gap[: A + 1], self.out_top[: A + 1]] if rec else []
+                    m = None
+                else:
+                    m = min(sync_every, self.out.numel(), max_new - n_min, self.max_len - 1 - L_max)
+                    if m < 1:
+                        break
+                    buf, gaps = [], []
+                    for _ in range(m):
+                        plain()
+                        buf.append(self.out[:1].clone())
+                        if rec:
+                            gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
+                    ints = [torch.cat(buf)]
+                    floats = [torch.stack(gaps, 1).reshape(-1)] if rec else []
+                stage.put(slot, ints, floats)
+                pending.append((slot, m))
+                launched += 1
+            if not pending:
+                return False, L_host
+            slot, m = pending.pop(0)
+            ints, floats = stage.get(slot)
+            if m is None:
+                k = int(ints[0])
+                toks = ints[1 : 1 + k].tolist()
+                if rec:
+                    res.margins += list(zip(floats[:k].tolist(), floats[A + 1 : A + 1 + k].tolist()))
+                res.accepted.append(k - 1)
+                res.rounds += 1
+            else:
+                k = m
+                toks = ints[:m].tolist()
+                if rec:
+                    res.margins += list(zip(floats[:m].tolist(), floats[m : 2 * m].tolist()))
+                res.rounds += m
+            L_host += k
+            if emit(toks):
+                return True, L_host
+
+    def _host_stage(self) -> _HostStage:
+        if self._stage is None:
+            self._stage = _HostStage(self.device, self.out.numel() + 1)
+        return self._stage
 
     def _emit(self, res: GenerationResult, toks, eos, stop_strings, max_new) -> bool:
         for t in toks:

@@ -94,11 +94,14 @@ def test_graph_rounds_equal_hf_greedy(setup, refs, mode):
         eng.warmup(mode)
         eng.warmup(DecodeMode("plain"))
     eager = SpeculativeDecoder(t, d, max_len=160, cuda_graphs=False)
+    assert eng.lookahead  # a CUDA engine's default: the next round launched before the last is read
     for p, ref in refs:
         r = eng.generate(p, 32, mode=mode)
         assert r.token_ids == ref
         e = eager.generate(p, 32, mode=mode)
         assert e.token_ids == ref and e.accepted == r.accepted  # graph replay == eager rounds
+        s = eng.generate(p, 32, mode=mode, lookahead=False)  # read before the next launch: the same rounds
+        assert s.token_ids == ref and s.accepted == r.accepted and s.rounds == r.rounds
 
 
 @pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
@@ -115,6 +118,8 @@ def test_graph_sampling_reproducible_with_seed(setup, mode):
     a = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
     b = g.generate(p, 40, sampling=sp, mode=mode, seed=7)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    s = g.generate(p, 40, sampling=sp, mode=mode, seed=7, lookahead=False)  # the same draws, read synchronously
+    assert s.token_ids == a.token_ids and s.accepted == a.accepted
     # capturing in the first call must not shift the RNG stream either (warm-up rounds draw random numbers)
     g2 = SpeculativeDecoder(t, d, max_len=160)
     c = g2.generate(p, 40, sampling=sp, mode=mode, seed=7)

@@ -387,76 +387,89 @@ def test_greedy_equal_trained_checkpoint():
     assert sum(taus) / len(taus) > 1.3
 
 
-@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
-def test_stops_exactly_on_eos_and_length(qwen3, mode):
-    """EOS inside an accepted run of draft tokens cuts the output right after it; max_new_tokens is exact."""
+@pytest.fixture(scope="module")
+def qwen3_overfit(qwen3):
     m, prompts, refs = qwen3
     d = random_drafter(m, seed=1)
     eng = SpeculativeDecoder(m, d, max_len=64)
     overfit_drafter(eng, d, [p + r for p, r in zip(prompts[:10], refs[:10])], steps=80, lr=1e-2)
-    for p, ref in zip(prompts[:10], refs[:10]):
-        for n in (1, 5, NEW):
-            assert eng.generate(p, n, mode=mode).token_ids == ref[:n]
+    return eng, prompts[:10], refs[:10]
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "lookahead"])
+@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
+def test_stops_exactly_on_eos_and_length(qwen3_overfit, mode, lookahead):
+    """EOS inside an accepted run of draft tokens cuts the output right after it; max_new_tokens is exact — with
+    the next round launched before the last is read (`lookahead`, a GPU's default) as without."""
+    eng, prompts, refs = qwen3_overfit
+    for p, ref in zip(prompts, refs):
+        for n in (1, 2, 5, NEW):
+            assert eng.generate(p, n, mode=mode, lookahead=lookahead).token_ids == ref[:n]
         eos = ref[len(ref) // 2]
         cut = ref.index(eos) + 1
-        r = eng.generate(p, NEW, mode=mode, eos_ids=[eos])
+        r = eng.generate(p, NEW, mode=mode, eos_ids=[eos], lookahead=lookahead)
         assert r.token_ids == ref[:cut] and r.finish_reason == "eos"
-    assert eng.generate(prompts[0], 0, mode=mode).token_ids == []
+    assert eng.generate(prompts[0], 0, mode=mode, lookahead=lookahead).token_ids == []
 
 
-def test_bench_script_smoke(tmp_path):
-    """bench/decode.py --smoke runs every section's code path on CPU (tiny shapes)."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
+def test_lookahead_keeps_every_result_field(qwen3_overfit, mode):
+    """`generate(lookahead=True)` (the next unit launched before the host reads the last) returns what the
+    synchronous loop does — tokens, per-round acceptance, round count, margins, finish reason, streamed batches, a
+    cancellation — and really runs ahead: it launches one unit more than it keeps when it stops early."""
+    eng, prompts, refs = qwen3_overfit
+    launches = {"n": 0}
+    real = eng._runner_for
 
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[3])
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "bench", "decode.py"), "--smoke", "--sections", "P1,P2a,P2b"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert not res["errors"], res["errors"]
-    assert {"P1", "P2a", "P2b"} <= set(res["sections"])
+    def counting(*a, **k):
+        fn = real(*a, **k)
+
+        def run():
+            launches["n"] += 1
+            return fn()
+
+        return run
+
+    ran_ahead = 0
+    eng.record_margins = True
+    try:
+        for p in prompts:
+            for n, every in ((NEW, 8), (NEW, 3), (7, 8)):
+                got = {}
+                for la in (False, True):
+                    batches = []
+                    eng._runner_for = counting
+                    launches["n"] = 0
+                    r = eng.generate(p, n, mode=mode, lookahead=la, on_tokens=batches.append, sync_every=every)
+                    eng._runner_for = real
+                    got[la] = (r.token_ids, r.accepted, r.rounds, r.margins, r.finish_reason, batches, launches["n"])
+                assert got[True][:6] == got[False][:6]
+                extra = got[True][6] - got[False][6]
+                assert 0 <= extra <= (1 if mode.kind != "plain" else every)
+                ran_ahead += extra > 0
+            # a consumer that cancels after its second batch: the same tokens, "cancelled", either way
+            res = []
+            for la in (False, True):
+                seen = []
+                r = eng.generate(p, NEW, mode=mode, lookahead=la, on_tokens=lambda t: seen.append(t) or len(seen) < 2)
+                res.append((r.token_ids, r.finish_reason, seen))
+            assert res[0] == res[1] and res[0][1] == "cancelled"
+    finally:
+        eng.record_margins = False
+        eng._runner_for = real
+    if mode.kind != "plain":  # rounds stopped by length mid-flight: the one launched ahead was run and dropped
+        assert ran_ahead > 0
 
 
-def test_decode_kernels_bench_smoke(tmp_path):
-    """bench/decode_kernels.py --smoke: every attention implementation through the engine, the kernel census and
-    the matmul floor, on CPU; its section goes to $OUT and to the file named by DRAFTSMITH_BENCHMARKS."""
-    import subprocess
-    import sys
-
-    md = tmp_path / "BENCH.md"
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(md))
-    root = str(Path(__file__).resolve().parents[3])
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "bench", "decode_kernels.py"), "--smoke", "--compile", "off"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads((tmp_path / "decode_kernels.json").read_text())
-    assert {row["attention"] for row in res["rows"]} == {"sdpa", "bmm", "split"}
-    assert all(row["kernels"] > 0 and row["ms/step"] > 0 for row in res["rows"]) and res["matmul_floor_ms"] > 0
-    assert "decode kernels" in md.read_text()
-
-
-def test_cache_end_falls_back_to_plain_steps(qwen3):
+@pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "lookahead"])
+def test_cache_end_falls_back_to_plain_steps(qwen3, lookahead):
     """When a round no longer fits the cache, decoding continues with plain steps, then stops ('cache')."""
     m, prompts, _ = qwen3
     eng = SpeculativeDecoder(m, random_drafter(m), max_len=32)
     p = prompts[0][:8]
     ref = _hf_greedy(m, p, 40)
-    for mode in (CHAIN, TREE):
-        r = eng.generate(p, 40, mode=mode)
+    for mode in (CHAIN, TREE, DecodeMode("plain")):
+        r = eng.generate(p, 40, mode=mode, lookahead=lookahead)
         assert r.finish_reason == "cache" and 16 <= len(r.token_ids) < 40
         assert r.token_ids == ref[: len(r.token_ids)]
 
