@@ -65,7 +65,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     over the rows, `KernelConfig.rows_gemv`), "noembed" (the drafter's first-layer norms and cat in torch, not
     folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not
     `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
-    `lookahead`; only the speed section sees it)."""
+    `lookahead`; only the speed section sees it), "pfgraph" (prompts prefill padded to a length bucket from one CUDA
+    graph each: `prefill_graphs`; the speed section's prefill_ms / e2e_tok_s columns)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
@@ -74,6 +75,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
         t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
     )
     eng.lookahead = "nolook" not in parts and eng.device.type == "cuda"
+    eng.prefill_graphs = "pfgraph" in parts
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep
@@ -167,11 +169,12 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
     for m in modes:
         key = name(m) if m.kind != "plain" else "plain"
         eng.generate(prompts[0], 16, mode=m)  # warm
-        toks = secs = acc = rounds = differ = 0
+        toks = secs = acc = rounds = differ = pre = 0
         for i, p in enumerate(prompts):
             r = eng.generate(p, new_tokens, mode=m)
             toks += max(len(r.token_ids) - 1, 0)
             secs += r.decode_s
+            pre += r.prefill_s
             acc += sum(r.accepted) + len(r.accepted)
             rounds += len(r.accepted)
             if m.kind == "plain":
@@ -179,6 +182,9 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
             else:
                 differ += r.token_ids != plain_out[i]
         row = {"config": config, "setting": key, "tok_s": toks / secs, "tau": acc / rounds if rounds else 1.0}
+        # with the prefill (time to first token) counted too: what `draftsmith eval`'s "tok/s" reports
+        row["prefill_ms"] = 1e3 * pre / len(prompts)
+        row["e2e_tok_s"] = (toks + len(prompts)) / (secs + pre)
         row["differ"] = differ if m.kind != "plain" else None
         rows.append(row)
         log(f"speed {config} {key}: {row['tok_s']:.0f} tok/s, tau {row['tau']:.2f}, differ {row['differ']}")
@@ -324,7 +330,18 @@ def main() -> None:
             "run; differ = prompts whose output is not plain decoding's (bf16 near ties: see the certificate).",
             "",
             common.markdown_table(
-                spd, ["config", "setting", "tok_s", "tau", "differ", "x_own_plain", "x_fastest_plain"]
+                spd,
+                [
+                    "config",
+                    "setting",
+                    "tok_s",
+                    "tau",
+                    "differ",
+                    "x_own_plain",
+                    "x_fastest_plain",
+                    "prefill_ms",
+                    "e2e_tok_s",
+                ],
             ),
         ]
     if cert:

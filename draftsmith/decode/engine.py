@@ -209,6 +209,10 @@ class SpeculativeDecoder:
     step only.
     """
 
+    # prompt lengths a graphed prefill pads to (`prefill_graphs`): fine steps above 64 so a prompt pays at most
+    # 63 padding rows; longer prompts prefill eagerly (their forward is not launch-bound)
+    PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+
     # "auto" attention. On CUDA the masked SDPA kernel gives each KV head (per query block) one CTA that walks
     # all S cache slots, so its time grows with S x head_dim at one SM's pace (8B shape, bs=1, d=128: 0.29
     # ms/step over 208 slots, 1.54 ms over 2,128); two cuBLAS batched matmuls tile over the keys but cost ~4
@@ -323,6 +327,7 @@ class SpeculativeDecoder:
             cuda_graphs = self.device.type == "cuda" and self.backend == "llama"
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and self.backend == "llama"
         self._graphs: dict = {}
+        self._pf_graphs: dict = {}  # graphed prefills (`prefill_graphs`): (bucket, draft, sampling, margins) -> replay
         # device state
         dev = self.device
         self.L = torch.zeros((), dtype=torch.long, device=dev)
@@ -352,6 +357,14 @@ class SpeculativeDecoder:
         # gain; on the CPU every op is synchronous and a stopping generation would only pay one round more)
         self.lookahead = dev.type == "cuda"
         self._stage: _HostStage | None = None
+        # `prefill_graphs` (opt-in until measured on a GPU, dev/DEVICE_RUNS.md): prompts of up to the largest
+        # PREFILL_BUCKETS entry prefill padded to a bucket, from one CUDA graph per bucket. Why: a small target's
+        # eager prefill is ~1,700 torch calls (pycode-small, 77 tokens), ~9 ms of host time on the H200 against
+        # ~28 ms for 200 decoded tokens (eval, 2026-12-02 eleventh session)
+        self.prefill_graphs = False
+        self._pf_ids = torch.zeros(self.PREFILL_BUCKETS[-1], dtype=torch.long, device=dev)
+        self._pf_n = torch.ones((), dtype=torch.long, device=dev)
+        self._pf_margin = torch.zeros(2, dtype=torch.float32, device=dev)
         self.prefill_margin: tuple[float, float] | None = None
         if drafter is not None:
             dc = drafter.config
@@ -462,6 +475,7 @@ class SpeculativeDecoder:
             # with kernels="triton" the log-softmax and top-k are topk_logprobs's two)
             self._d_topk = torch.compile(self._draft_topk, dynamic=False, mode=self.compile_mode)
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     def _build_cpu_draft_step(self) -> None:
         """The CPU's draft step (`fused_drafter.CpuDraftStep`: no module calls, fewer ops) where it applies."""
@@ -528,6 +542,7 @@ class SpeculativeDecoder:
         if self.states is not None:
             self.set_state_recording(True)
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     def set_state_recording(self, on: bool) -> None:
         """Capture while serving (`draftsmith.serve.recorder`): with `on`, every target forward also writes its rows'
@@ -542,6 +557,7 @@ class SpeculativeDecoder:
             cols = (len(self.aux_layers) + 1) * int(self.config.hidden_size)
             self.states = torch.zeros(self.max_len, cols, dtype=self.dtype, device=self.device)
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     # ------------------------------------------------------------------ primitives
     def _target(self, ids, positions, slots, mask, logits_rows=None, want_aux=True, eager=False):
@@ -637,6 +653,16 @@ class SpeculativeDecoder:
         n = len(prompt_ids)
         dev = self.device
         draft = draft and self.drafter is not None
+        B = self._prefill_bucket(n)
+        if B is not None:
+            run = self._prefill_runner(B, draft, sp)
+            self._pf_ids[:n].copy_(torch.tensor(list(prompt_ids), dtype=torch.long))
+            self._pf_n.fill_(n)
+            run()
+            if self.record_margins:
+                gap, top = self._pf_margin.tolist()
+                self.prefill_margin = (gap, top)
+            return int(self.root)
         ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)
         mask = self._mask(pos)
@@ -652,6 +678,48 @@ class SpeculativeDecoder:
             h = self._draft_fwd(d_ids, self._fuse(aux), pos, pos, mask, eager=True)
             self.h_last.copy_(h[-1])
         return int(root)
+
+    def _prefill_bucket(self, n: int) -> int | None:
+        if not self.prefill_graphs:
+            return None
+        return next((b for b in self.PREFILL_BUCKETS if n <= b <= self.max_len), None)
+
+    def _prefill_runner(self, B: int, draft: bool, sp: SamplingParams):
+        """The padded prefill of bucket B: a CUDA graph when graphs are on (captured on first use), else the eager
+        body (the CPU runs it for the tests)."""
+        fn = functools.partial(self._prefill_padded, B, draft, sp)
+        if not self.cuda_graphs:
+            return fn
+        key = (B, draft, sp, self.record_margins)
+        if key not in self._pf_graphs:
+            try:
+                self._pf_graphs[key] = self._capture(fn)
+            except Exception as e:  # pragma: no cover - GPU only
+                warnings.warn(
+                    f"prefill graph capture failed ({type(e).__name__}: {e}); prefilling eagerly", stacklevel=2
+                )
+                self._pf_graphs[key] = fn
+        return self._pf_graphs[key]
+
+    def _prefill_padded(self, B: int, draft: bool, sp: SamplingParams) -> None:
+        """`prefill` over `_pf_ids[:B]`, the prompt's `_pf_n` tokens first: static shapes, no host sync (graph-safe).
+        Rows past the prompt are causal padding: no real row sees them (row t sees slots <= t), their K/V and
+        drafter entries land at slots >= L, which every later forward rewrites before it reads them."""
+        ids = self._pf_ids[:B]
+        pos = self._ar[:B]
+        mask = self._mask(pos)
+        last = (self._pf_n - 1).view(1)
+        logits, aux = self._target(ids, pos, pos, mask, logits_rows=last, want_aux=draft, eager=True)
+        root = choose(logits[0], sp)
+        if self.record_margins:
+            gap, top = _top2(logits[:1])
+            self._pf_margin.copy_(torch.cat([gap, top]))
+        self.root.copy_(root)
+        self.L.copy_(self._pf_n)
+        if draft:
+            d_ids = torch.cat([ids[1:], ids[:1]]).index_copy(0, last, root.view(1))
+            h = self._draft_fwd(d_ids, self._fuse(aux), pos, pos, mask, eager=True)
+            self.h_last.copy_(h.index_select(0, last)[0])
 
     # ------------------------------------------------------------------ rounds (static shapes, no syncs)
     def _plain_step(self, sp: SamplingParams, eager: bool = False):
@@ -738,6 +806,7 @@ class SpeculativeDecoder:
             c = functools.partial(c, mode=self.compile_mode)
         self._c_round = c(self._traced_round)
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     def _traced_round(self, mode: DecodeMode, sp: SamplingParams):
         """A whole round (or plain step) for torch.compile (`_c_round`): every forward inside it traced inline, the
@@ -1107,6 +1176,7 @@ class SpeculativeDecoder:
         else:
             self._d_cpu = None
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     @property
     def drafter_kernel_limits(self) -> dict:
@@ -1125,6 +1195,7 @@ class SpeculativeDecoder:
         """Forget every captured round (after changing kernel settings under the engine: the next `step_fn`
         captures anew)."""
         self._graphs.clear()
+        self._pf_graphs.clear()
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()

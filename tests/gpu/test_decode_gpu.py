@@ -104,6 +104,20 @@ def test_graph_rounds_equal_hf_greedy(setup, refs, mode):
         assert s.token_ids == ref and s.accepted == r.accepted and s.rounds == r.rounds
 
 
+@pytest.mark.parametrize("mode", MODES, ids=[m.kind for m in MODES])
+def test_graphed_prefill_equal_hf_greedy(setup, refs, mode):
+    """`prefill_graphs`: prompts prefill padded to a length bucket from one captured CUDA graph each (no capture
+    falls back to eager), and greedy decoding after it is HF's, token for token."""
+    t, d = setup
+    eng = SpeculativeDecoder(t, d, max_len=160)
+    eng.prefill_graphs = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for p, ref in refs:
+            assert eng.generate(p, 32, mode=mode).token_ids == ref
+    assert eng._pf_graphs and all(isinstance(g.__self__, torch.cuda.CUDAGraph) for g in eng._pf_graphs.values())
+
+
 @pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
 def test_graph_sampling_reproducible_with_seed(setup, mode):
     t, d = setup

@@ -555,3 +555,36 @@ def test_cpu_draft_step_matches_the_drafter_module(trained):
     with torch.no_grad():
         own = eng.draft_forward(ids, eng.fuse(aux), pos, pos, only)
     torch.testing.assert_close(own, ref_direct, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
+def test_padded_prefill_equals_eager_prefill(qwen3_overfit, mode):
+    """`prefill_graphs` (a prompt padded to a length bucket: one CUDA graph per bucket on a GPU, the same body eagerly
+    here): the same first token, tokens, acceptance and margins as the unpadded prefill, and the same drafter state
+    after it; prompts past the largest bucket or the cache prefill unpadded."""
+    from draftsmith.decode.sampling import SamplingParams
+
+    eng0, prompts, _ = qwen3_overfit
+    eng = SpeculativeDecoder(eng0.model, eng0.drafter, max_len=576)
+    g = torch.Generator().manual_seed(3)
+    longer = [torch.randint(0, eng.vocab_size, (n,), generator=g).tolist() for n in (16, 17, 64, 65, 300, 512, 513)]
+    eng.record_margins = True
+    try:
+        for p in prompts[:4] + longer:
+            res = {}
+            for padded in (False, True):
+                eng.prefill_graphs = padded
+                assert (eng._prefill_bucket(len(p)) is not None) == (padded and len(p) <= 512)
+                r = eng.generate(p, NEW, mode=mode)
+                first = eng.prefill(p, SamplingParams(), draft=mode.kind != "plain")
+                res[padded] = (r, first, eng.h_last.clone(), int(eng.L), eng.prefill_margin)
+            (a, fa, ha, La, ma), (b, fb, hb, Lb, mb) = res[False], res[True]
+            assert a.token_ids == b.token_ids and a.accepted == b.accepted
+            assert fa == fb and La == Lb == len(p)
+            assert [x[0] for x in a.margins] == pytest.approx([x[0] for x in b.margins], abs=1e-4)
+            assert ma == pytest.approx(mb, abs=1e-4)
+            if mode.kind != "plain":
+                torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-4)
+    finally:
+        eng.record_margins = False
+        eng.prefill_graphs = False
