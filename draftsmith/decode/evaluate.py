@@ -213,6 +213,11 @@ def run_eval(
             "speculative": s,
             "plain": {k: pl[k] for k in ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s")},
             "speedup": statistics.median(ratios) if None not in ratios else ratio,
+            # the same ratio without the prefill (time to first token): what a long generation tends to; on a small
+            # target the eager prefill is a large share of a short one (BENCHMARKS.md 2026-12-02: 1.28x vs 1.56x)
+            "decode_speedup": (s["decode_tokens_per_s"] / pl["decode_tokens_per_s"])
+            if s["decode_tokens_per_s"] and pl["decode_tokens_per_s"]
+            else None,
             "eval_wall_s": time.perf_counter() - t0,
         }
         if int(passes) > 1:
@@ -298,7 +303,18 @@ def print_table(report: dict, console=None) -> None:
         else f"tree top_k={m['top_k']} depth={m['depth']} tokens={m['tree_tokens']}"
     )
     t = Table(title=f"draftsmith eval — {title} ({report['device']}, {report['backend']})")
-    for c in ("T", "τ", "accept rate", "per-position (≥i)", "spec tok/s", "plain tok/s", "speedup", "greedy ok"):
+    cols = (
+        "T",
+        "τ",
+        "accept rate",
+        "per-position (≥i)",
+        "spec tok/s",
+        "plain tok/s",
+        "speedup",
+        "decode only",
+        "greedy ok",
+    )
+    for c in cols:
         t.add_column(c, justify="right")
     for temp, e in report["temperatures"].items():
         s = e["speculative"]
@@ -320,6 +336,7 @@ def print_table(report: dict, console=None) -> None:
             f(s["tokens_per_s"], 1),
             f(e["plain"]["tokens_per_s"], 1),
             f(e["speedup"]) + "×" + _spread(e.get("speedup_passes")),
+            f(e.get("decode_speedup")) + "×",
             ok,
         )
     console.print(t)

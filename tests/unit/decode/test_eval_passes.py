@@ -41,11 +41,14 @@ def test_speedup_is_the_median_of_the_passes(engine_and_prompts, one_thread):
         # the first pass is the one the summaries describe: its ratio is theirs
         s, pl = e["speculative"], e["plain"]
         assert ps[0] == pytest.approx(s["tokens_per_s"] / pl["tokens_per_s"])
+        # and the decode-only ratio leaves the prefill out of both
+        assert e["decode_speedup"] == pytest.approx(s["decode_tokens_per_s"] / pl["decode_tokens_per_s"])
     from rich.console import Console
 
     console = Console(record=True, width=200)
     print_table(rep, console)
-    assert "median of 3" in console.export_text()
+    text = console.export_text()
+    assert "median of 3" in text and "decode only" in text
 
 
 def test_passes_below_one_are_refused(engine_and_prompts):
