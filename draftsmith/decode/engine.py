@@ -46,6 +46,7 @@ class _HostStage:
 
     def __init__(self, device: torch.device, n: int):
         pin = device.type == "cuda"
+        self.device = device
         self.ints = [torch.empty(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.floats = [torch.empty(2 * n, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
@@ -56,8 +57,8 @@ class _HostStage:
             for t in srcs:
                 dst[o : o + t.numel()].copy_(t.reshape(-1), non_blocking=True)
                 o += t.numel()
-        if self.events[slot] is not None:
-            self.events[slot].record()
+        if self.events[slot] is not None:  # on the engine's device's stream, wherever the current device is
+            self.events[slot].record(torch.cuda.current_stream(self.device))
 
     def get(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.events[slot] is not None:
@@ -1217,7 +1218,7 @@ class SpeculativeDecoder:
 
         `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
         checks), for streaming; returning False ends the generation there with finish_reason "cancelled" (a
-        disconnected client frees the engine within one round). On the CPU it runs under `cpu_threads` torch threads
+        disconnected client frees the engine within one round; with `lookahead` the round in flight finishes on the GPU). On the CPU it runs under `cpu_threads` torch threads
         (the process's setting is restored after).
 
         `lookahead` (default: on for a CUDA engine, `self.lookahead`): launch the next round (or batch of plain steps)
