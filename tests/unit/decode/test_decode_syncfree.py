@@ -193,6 +193,24 @@ def test_round_has_no_host_sync(eng, mode, sp):
     assert int(eng.n_emit) >= 1
 
 
+@pytest.mark.parametrize("margins", [False, True], ids=["", "margins"])
+@pytest.mark.parametrize("draft", [True, False], ids=["draft", "plain"])
+@pytest.mark.parametrize("sp", SAMPLING[:2], ids=SP_IDS[:2])
+def test_padded_prefill_has_no_host_sync(eng, sp, draft, margins):
+    """`prefill_graphs`' padded prefill body (what a prefill CUDA graph captures) is sync-free and builds no host data;
+    the prompt and its length go in beforehand (`_pf_ids`, `_pf_n`)."""
+    eng.record_margins = margins
+    try:
+        with torch.no_grad():
+            eng._pf_ids[:5].copy_(torch.tensor([1, 2, 3, 4, 5]))
+            eng._pf_n.fill_(5)
+            with no_host_sync():
+                eng._prefill_padded(16, draft, sp)
+    finally:
+        eng.record_margins = False
+    assert int(eng.L) == 5
+
+
 @pytest.mark.parametrize("shape", [(7,), (3, 7)], ids=["1d", "2d"])
 @pytest.mark.parametrize("sp", SAMPLING[1:], ids=SP_IDS[1:])
 def test_warp_has_no_host_data(sp, shape):
