@@ -100,6 +100,14 @@ class EngineConfig:
         f"0 = auto: {AUTO_KERNEL_ROWS} for hidden sizes up to {AUTO_KERNEL_ROWS_MAX_HIDDEN:,}, else 1.",
     )
 
+    prefill_graphs: bool = setting(
+        False,
+        group="engine",
+        help="Prefill prompts of up to 512 tokens padded to a length bucket, from one CUDA graph per bucket (compact "
+        "forward, CUDA graphs on): a small target's eager prefill is mostly host time (pycode-small: ~9 ms a prompt "
+        "on an H200). Opt-in until measured on a GPU (BENCHMARKS.md 2026-12-02, eleventh session).",
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
 

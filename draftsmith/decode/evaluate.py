@@ -164,6 +164,7 @@ def run_eval(
         "attn_impl": getattr(engine, "attn_impl", None),
         "compiled": bool(getattr(engine, "_compiled", False)),
         "kernels": getattr(getattr(engine, "runner", None), "kernels", "torch"),
+        "prefill_graphs": bool(getattr(engine, "prefill_graphs", False)),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "temperatures": {},
     }

@@ -57,13 +57,14 @@ def build_engine(
     attn_impl: str = "auto",
     kernels: str = "torch",
     kernel_rows: int = 0,
+    prefill_graphs: bool = False,
 ):
     from draftsmith.decode.engine import SpeculativeDecoder
 
     if not kernel_rows:
         kernel_rows = auto_kernel_rows(t, kernels)
     try:
-        return SpeculativeDecoder(
+        eng = SpeculativeDecoder(
             t,
             d,
             max_len=max_len,
@@ -76,6 +77,8 @@ def build_engine(
         )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
+    eng.prefill_graphs = bool(prefill_graphs)
+    return eng
 
 
 def auto_kernel_rows(t, kernels: str) -> int:
@@ -109,5 +112,14 @@ def mode_from(cfg: ModeConfig, drafter=True):
 
 def engine_from(t, d, max_len: int, cfg: EngineConfig):
     return build_engine(
-        t, d, max_len, cfg.backend, cfg.cuda_graphs, cfg.compile, cfg.attn_impl, cfg.kernels, cfg.kernel_rows
+        t,
+        d,
+        max_len,
+        cfg.backend,
+        cfg.cuda_graphs,
+        cfg.compile,
+        cfg.attn_impl,
+        cfg.kernels,
+        cfg.kernel_rows,
+        cfg.prefill_graphs,
     )

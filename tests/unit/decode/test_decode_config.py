@@ -173,3 +173,16 @@ def test_kernel_rows_auto_follows_the_hidden_size():
     assert auto_kernel_rows(target(AUTO_KERNEL_ROWS_MAX_HIDDEN), "triton") == 8
     assert auto_kernel_rows(target(4096), "triton") == 1
     assert auto_kernel_rows(target(384), "torch") == 1
+
+
+def test_prefill_graphs_flag_reaches_the_engine():
+    """--prefill-graphs (EngineConfig.prefill_graphs) sets the engine's `prefill_graphs`; off by default."""
+    from decode_helpers import tiny_qwen3
+
+    from draftsmith.decode.setup import engine_from
+
+    m = tiny_qwen3()
+    assert EngineConfig().prefill_graphs is False
+    assert engine_from(m, None, 64, EngineConfig(device="cpu")).prefill_graphs is False
+    eng = engine_from(m, None, 64, EngineConfig(device="cpu", prefill_graphs=True))
+    assert eng.prefill_graphs and eng._prefill_bucket(10) == 16 and eng._prefill_bucket(65) is None  # max_len 64
