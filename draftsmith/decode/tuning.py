@@ -188,6 +188,12 @@ def tune(
         raise ValueError(
             f"no calibration prompt fits the engine's cache ({engine.max_len} tokens) with {max_new_tokens} new tokens"
         )
+    # one untimed prefill per prompt length first: the first prefill of a new length pays one-time costs (kernel
+    # selection, allocator growth) that would land on plain, measured first (eval does the same before its pass)
+    warm = [DecodeMode("plain")] + (cands[:1] if engine.drafter is not None else [])  # with and without the drafter
+    for n in sorted({len(p) for p in usable}):
+        for m in warm:
+            engine.generate(next(p for p in usable if len(p) == n), 1, sampling=sp, mode=m, seed=seed)
     rows = [_measure(engine, usable, DecodeMode("plain"), sp, max_new_tokens, seed)]
     if progress:
         progress(rows[-1])
