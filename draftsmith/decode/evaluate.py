@@ -304,17 +304,10 @@ def print_table(report: dict, console=None) -> None:
         else f"tree top_k={m['top_k']} depth={m['depth']} tokens={m['tree_tokens']}"
     )
     t = Table(title=f"draftsmith eval — {title} ({report['device']}, {report['backend']})")
-    cols = (
-        "T",
-        "τ",
-        "accept rate",
-        "per-position (≥i)",
-        "spec tok/s",
-        "plain tok/s",
-        "speedup",
-        "decode only",
-        "greedy ok",
-    )
+    # the decode-only ratio gets its own column where the terminal is wide enough, else a line under the table
+    wide = console.width >= 100
+    cols = ("T", "τ", "accept rate", "per-position (≥i)", "spec tok/s", "plain tok/s", "speedup")
+    cols += ("decode only", "greedy ok") if wide else ("greedy ok",)
     for c in cols:
         t.add_column(c, justify="right")
     for temp, e in report["temperatures"].items():
@@ -328,7 +321,7 @@ def print_table(report: dict, console=None) -> None:
         gd = e.get("greedy_divergences")
         if gd and (gd["near_tie"] or gd["real"]):
             ok += f" ({gd['near_tie']} near-tie, {gd['real']} real; ε={gd['epsilon']:.3g})"
-        f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+        f = _num
         t.add_row(
             temp,
             f(s["tau"]),
@@ -337,10 +330,19 @@ def print_table(report: dict, console=None) -> None:
             f(s["tokens_per_s"], 1),
             f(e["plain"]["tokens_per_s"], 1),
             f(e["speedup"]) + "×" + _spread(e.get("speedup_passes")),
-            f(e.get("decode_speedup")) + "×",
+            *((f(e.get("decode_speedup")) + "×",) if wide else ()),
             ok,
         )
     console.print(t)
+    if not wide:
+        console.print(
+            "speedup without the prefill (decode only): "
+            + ", ".join(f"{_num(e.get('decode_speedup'))}× (T={temp})" for temp, e in report["temperatures"].items())
+        )
+
+
+def _num(x, d: int = 2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
 
 
 def _spread(passes) -> str:

@@ -49,6 +49,9 @@ def test_speedup_is_the_median_of_the_passes(engine_and_prompts, one_thread):
     print_table(rep, console)
     text = console.export_text()
     assert "median of 3" in text and "decode only" in text
+    narrow = Console(record=True, width=80)  # the decode-only ratio moves under the table
+    print_table(rep, narrow)
+    assert "speedup without the prefill (decode only): " in narrow.export_text()
 
 
 def test_passes_below_one_are_refused(engine_and_prompts):
