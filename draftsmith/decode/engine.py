@@ -1218,8 +1218,8 @@ class SpeculativeDecoder:
 
         `on_tokens(new_ids)`: called on this thread with each batch of emitted tokens (once per round, after the stop
         checks), for streaming; returning False ends the generation there with finish_reason "cancelled" (a
-        disconnected client frees the engine within one round; with `lookahead` the round in flight finishes on the GPU). On the CPU it runs under `cpu_threads` torch threads
-        (the process's setting is restored after).
+        disconnected client frees the engine within one round; with `lookahead` the round in flight still finishes on
+        the GPU). On the CPU it runs under `cpu_threads` torch threads (the process's setting is restored after).
 
         `lookahead` (default: on for a CUDA engine, `self.lookahead`): launch the next round (or batch of plain steps)
         before reading the one in flight, so the GPU never waits for the host's read, stop checks and relaunch
