@@ -169,7 +169,7 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
     for m in modes:
         key = name(m) if m.kind != "plain" else "plain"
         eng.generate(prompts[0], 16, mode=m)  # warm
-        toks = secs = acc = rounds = differ = pre = 0
+        toks = secs = acc = rounds = differ = pre = units = 0
         for i, p in enumerate(prompts):
             r = eng.generate(p, new_tokens, mode=m)
             toks += max(len(r.token_ids) - 1, 0)
@@ -177,6 +177,7 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
             pre += r.prefill_s
             acc += sum(r.accepted) + len(r.accepted)
             rounds += len(r.accepted)
+            units += r.rounds  # rounds, plain steps for plain decoding (and a round's cache-end fallback steps)
             if m.kind == "plain":
                 plain_out[i] = r.token_ids
             else:
@@ -185,6 +186,8 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
         # with the prefill (time to first token) counted too: what `draftsmith eval`'s "tok/s" reports
         row["prefill_ms"] = 1e3 * pre / len(prompts)
         row["e2e_tok_s"] = (toks + len(prompts)) / (secs + pre)
+        # a round's (a plain step's) wall time in generate: against the census's graph-replay time, what the host adds
+        row["ms_per_round"] = 1e3 * secs / units if units else None
         row["differ"] = differ if m.kind != "plain" else None
         rows.append(row)
         log(f"speed {config} {key}: {row['tok_s']:.0f} tok/s, tau {row['tau']:.2f}, differ {row['differ']}")
@@ -289,6 +292,9 @@ def main() -> None:
             own = next(x["tok_s"] for x in spd if x["config"] == r["config"] and x["setting"] == "plain")
             r["x_own_plain"] = r["tok_s"] / own
             r["x_fastest_plain"] = r["tok_s"] / fastest
+            cen = next((x for x in rows if x["config"] == r["config"] and x["setting"] == r["setting"]), None)
+            if cen is not None and r["ms_per_round"]:  # both sections in this run: the host's share of a round
+                r["x_census"] = r["ms_per_round"] / cen["ms"]
     if "certificate" in a.sections:
         try:
             certificate(t, prompts[: a.cert_prompts], dev, a.cert_tokens, cert)
@@ -341,6 +347,8 @@ def main() -> None:
                     "x_fastest_plain",
                     "prefill_ms",
                     "e2e_tok_s",
+                    "ms_per_round",
+                    "x_census",
                 ],
             ),
         ]
