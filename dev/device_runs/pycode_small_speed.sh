@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 tar xJf .carry8/small.tar.xz -C .carry8 || exit 1
 python3 bench/decode_small.py --target .carry8/pycode-small --drafter .carry8/final --prompts .carry8/humaneval.jsonl \
-  --sections speed --configs triton+compile+rows8,triton+compile+rows8+pfgraph --settings chain6,chain7 \
+  --sections census,speed --configs triton+compile+rows8,triton+compile+rows8+pfgraph --settings chain6,chain7 \
   --speed-prompts 12 --speed-tokens 200 2>&1 | tee $OUT/bench.log | grep -v Loading
 cp BENCHMARKS.md $OUT/
 timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_decode_gpu.py \
