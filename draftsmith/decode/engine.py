@@ -1326,16 +1326,10 @@ class SpeculativeDecoder:
                         self.max_len - 1 - L_host,
                     ),
                 )
-                buf = []
-                gaps = []
-                for _ in range(m):
-                    plain()
-                    buf.append(self.out[:1].clone())
-                    if rec:
-                        gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
-                toks = torch.cat(buf).tolist()
+                toks, gaps = self._plain_batch(plain, m, rec)
+                toks = toks.tolist()
                 if rec:
-                    res.margins += [tuple(g) for g in torch.stack(gaps).tolist()]
+                    res.margins += [tuple(g) for g in gaps.tolist()]
                 res.rounds += m
                 L_host += m
                 finished = emit(toks)
@@ -1382,14 +1376,9 @@ class SpeculativeDecoder:
                     m = min(sync_every, self.out.numel(), max_new - n_min, self.max_len - 1 - L_max)
                     if m < 1:
                         break
-                    buf, gaps = [], []
-                    for _ in range(m):
-                        plain()
-                        buf.append(self.out[:1].clone())
-                        if rec:
-                            gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
-                    ints = [torch.cat(buf)]
-                    floats = [torch.stack(gaps, 1).reshape(-1)] if rec else []
+                    toks, gaps = self._plain_batch(plain, m, rec)
+                    ints = [toks]
+                    floats = [gaps.t().reshape(-1)] if rec else []  # the m gaps, then the m top logits
                 stage.put(slot, ints, floats)
                 pending.append((slot, m))
                 launched += 1
@@ -1413,6 +1402,16 @@ class SpeculativeDecoder:
             L_host += k
             if emit(toks):
                 return True, L_host
+
+    def _plain_batch(self, plain, m: int, rec: bool):
+        """m plain steps without a sync -> (their tokens [m], with margins their (gap, top) rows [m, 2], else None)."""
+        buf, gaps = [], []
+        for _ in range(m):
+            plain()
+            buf.append(self.out[:1].clone())
+            if rec:
+                gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
+        return torch.cat(buf), (torch.stack(gaps) if rec else None)
 
     def _host_stage(self) -> _HostStage:
         if self._stage is None:

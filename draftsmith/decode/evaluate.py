@@ -321,16 +321,15 @@ def print_table(report: dict, console=None) -> None:
         gd = e.get("greedy_divergences")
         if gd and (gd["near_tie"] or gd["real"]):
             ok += f" ({gd['near_tie']} near-tie, {gd['real']} real; ε={gd['epsilon']:.3g})"
-        f = _num
         t.add_row(
             temp,
-            f(s["tau"]),
-            f(s["acceptance_rate"]),
+            _num(s["tau"]),
+            _num(s["acceptance_rate"]),
             per,
-            f(s["tokens_per_s"], 1),
-            f(e["plain"]["tokens_per_s"], 1),
-            f(e["speedup"]) + "×" + _spread(e.get("speedup_passes")),
-            *((f(e.get("decode_speedup")) + "×",) if wide else ()),
+            _num(s["tokens_per_s"], 1),
+            _num(e["plain"]["tokens_per_s"], 1),
+            _num(e["speedup"]) + "×" + _spread(e.get("speedup_passes")),
+            *((_num(e.get("decode_speedup")) + "×",) if wide else ()),
             ok,
         )
     console.print(t)
