@@ -65,17 +65,22 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     over the rows, `KernelConfig.rows_gemv`), "noembed" (the drafter's first-layer norms and cat in torch, not
     folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not
     `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
-    `lookahead`; only the speed section sees it), "pfgraph" (prompts prefill padded to a length bucket from one CUDA
-    graph each: `prefill_graphs`; the speed section's prefill_ms / e2e_tok_s columns)."""
+    `lookahead`; only the speed section sees it), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
+    from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
+    e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "dotrows" (gemm_rows tuned over
+    its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
     kc = KernelConfig(rows_gemv="gemv" in parts, embed_fold="noembed" not in parts)
+    if "dotrows" in parts:
+        kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
     eng = SpeculativeDecoder(
         t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
     )
     eng.lookahead = "nolook" not in parts and eng.device.type == "cuda"
-    eng.prefill_graphs = "pfgraph" in parts
+    if "pfgraph" in parts or "nopfgraph" in parts:
+        eng.prefill_graphs = "pfgraph" in parts
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep
@@ -86,7 +91,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
 
 def tiles_chosen(eng) -> dict:
     """'N x K folds' -> 'BLOCK_N/BLOCK_K/warps[/prefetch]' of the engine's tuned gemv and gemm_rows tiles (gemm_rows
-    tiles under 16 outputs run its CUDA-core products: 'fma')."""
+    tiles under 16 outputs run its CUDA-core products: 'fma'), with the microseconds a matrix each took when tuned."""
     cfg = getattr(eng.runner, "kernel_config", None)
     if cfg is None:
         return {}
@@ -96,11 +101,14 @@ def tiles_chosen(eng) -> dict:
         names = ("norm", "bias", "res", "act_mul", "glu")
         return f"{N}x{K}" + "".join(f"+{n}" for n, f in zip(names, folds) if f)
 
-    out = {f"gemv {label(k)}": "/".join(map(str, v)) for k, v in cfg.gemv_tuned.items()}
+    def us(k):  # the chosen tile's microseconds a matrix at tuning time
+        return f" {cfg.tuned_us[k]:.2f}us" if k in getattr(cfg, "tuned_us", {}) else ""
+
+    out = {f"gemv {label(k)}": "/".join(map(str, v)) + us(k) for k, v in cfg.gemv_tuned.items()}
     for k, v in cfg.rows_tuned.items():
         N, K, dt, norm, bias, res, glu = k
-        out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = "/".join(map(str, v)) + (
-            " fma" if v[0] < 16 else ""
+        out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = (
+            "/".join(map(str, v)) + (" fma" if v[0] < 16 else "") + us(k)
         )
     return out
 

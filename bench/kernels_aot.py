@@ -166,6 +166,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "BLOCK_K": "constexpr",
         "IEEE": "constexpr",
         "FMA": "constexpr",
+        "ONE_K": "constexpr",
         "USE_PDL": "constexpr",
     }
     rows_kinds = {
@@ -197,6 +198,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                     BLOCK_K=bk,
                     IEEE=dtype == "fp32",
                     FMA=fma,
+                    ONE_K=bk >= (inter if kind == "down" else H),  # the launcher's rule for this shape's K
                     USE_PDL=pdl,
                 ),
                 nw,

@@ -101,11 +101,13 @@ class EngineConfig:
     )
 
     prefill_graphs: bool = setting(
-        False,
+        True,
         group="engine",
-        help="Prefill prompts of up to 512 tokens padded to a length bucket, from one CUDA graph per bucket (compact "
-        "forward, CUDA graphs on): a small target's eager prefill is mostly host time (pycode-small: ~9 ms a prompt "
-        "on an H200). Opt-in until measured on a GPU (BENCHMARKS.md 2026-12-02, eleventh session).",
+        default_help="on with CUDA graphs",
+        help="Prefill prompts of up to 512 tokens padded to a length bucket, from one CUDA graph per bucket (captured "
+        "on its first use, ~50 ms): a small target's eager prefill is mostly host time (pycode-small on an H200: "
+        "~8 ms a prompt eager, ~1 ms from its graph; BENCHMARKS.md 2026-12-02, twelfth session). No effect without "
+        "CUDA graphs.",
     )
 
     def __post_init__(self) -> None:

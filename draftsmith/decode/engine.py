@@ -358,11 +358,12 @@ class SpeculativeDecoder:
         # gain; on the CPU every op is synchronous and a stopping generation would only pay one round more)
         self.lookahead = dev.type == "cuda"
         self._stage: _HostStage | None = None
-        # `prefill_graphs` (opt-in until measured on a GPU, dev/DEVICE_RUNS.md): prompts of up to the largest
-        # PREFILL_BUCKETS entry prefill padded to a bucket, from one CUDA graph per bucket. Why: a small target's
-        # eager prefill is ~1,700 torch calls (pycode-small, 77 tokens), ~9 ms of host time on the H200 against
-        # ~28 ms for 200 decoded tokens (eval, 2026-12-02 eleventh session)
-        self.prefill_graphs = False
+        # `prefill_graphs` (on with CUDA graphs): prompts of up to the largest PREFILL_BUCKETS entry prefill padded
+        # to a bucket, from one CUDA graph per bucket. Why: a small target's eager prefill is ~1,700 torch calls
+        # (pycode-small, 77 tokens), ~8-9 ms of host time on the H200 against ~28 ms for 200 decoded tokens; from its
+        # graph ~1 ms (BENCHMARKS.md, 2026-12-02 twelfth session). On the CPU (no graphs) the padded body would
+        # only add rows: tests turn it on there to check that body against the unpadded prefill.
+        self.prefill_graphs = self.cuda_graphs
         self._pf_ids = torch.zeros(self.PREFILL_BUCKETS[-1], dtype=torch.long, device=dev)
         self._pf_n = torch.ones((), dtype=torch.long, device=dev)
         self._pf_margin = torch.zeros(2, dtype=torch.float32, device=dev)
@@ -656,10 +657,11 @@ class SpeculativeDecoder:
         draft = draft and self.drafter is not None
         B = self._prefill_bucket(n)
         if B is not None:
-            run = self._prefill_runner(B, draft, sp)
+            # the prompt first: a graph's first use runs the body to warm up and capture, and a longer prompt's
+            # length left in `_pf_n` would index past this bucket (a device-side assert on the H200, docs/LOG.md)
             self._pf_ids[:n].copy_(torch.tensor(list(prompt_ids), dtype=torch.long))
             self._pf_n.fill_(n)
-            run()
+            self._prefill_runner(B, draft, sp)()
             if self.record_margins:
                 gap, top = self._pf_margin.tolist()
                 self.prefill_margin = (gap, top)

@@ -175,14 +175,17 @@ def run_eval(
         if prompts:  # one untimed pass of each path (allocator, caches, first-call overheads)
             engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=mode, seed=seed)
             engine.generate(prompts[0], min(8, max_new_tokens), sampling=sp, mode=DecodeMode("plain"), seed=seed)
-        # Prefill runs eagerly, and the first prefill of a new prompt length pays one-time costs (kernel selection,
-        # allocator growth) that a timed pass would charge to whichever path ran first -- plain, below: on the
-        # GPU it made the first setting's plain rate ~30% low (2026-11-29). One untimed prefill per new length.
+        # The first prefill of a new prompt length pays one-time costs that a timed pass would charge to whichever
+        # path ran first -- plain, below: eagerly, kernel selection and allocator growth (the first setting's plain
+        # rate ~30% low on the GPU, 2026-11-29); with `prefill_graphs`, a graph captured per (length bucket, with
+        # or without the drafter, sampling) on its first use, ~50 ms (plain's captures alone lifted a 1.58x decode
+        # ratio to 1.74x, 2026-12-02). One untimed prefill per new length, sampling setting and path.
         warm = engine.__dict__.setdefault("_eval_warm_lengths", set())
         for p in prompts:
-            if len(p) not in warm:
-                engine.generate(p, 1, sampling=sp, mode=mode, seed=seed)
-                warm.add(len(p))
+            if (len(p), sp) not in warm:
+                for m in (DecodeMode("plain"), mode):
+                    engine.generate(p, 1, sampling=sp, mode=m, seed=seed)
+                warm.add((len(p), sp))
         spec, plain = [], []
         mismatches = 0
         differing = []

@@ -63,12 +63,15 @@ ROWS_CONFIGS = (
     (64, 128, 4),
     (64, 128, 8),
     (128, 64, 8),
+    (1, 512, 4),
+    (2, 256, 4),
     (2, 512, 4),
+    (4, 128, 4),
     (4, 256, 4),
-    (4, 512, 4),
-    (4, 1024, 8),
-    (8, 256, 4),
-    (8, 512, 8),
+    (4, 512, 8),
+    (8, 64, 4),
+    (8, 128, 4),
+    (8, 256, 8),
 )
 
 
@@ -86,7 +89,8 @@ class KernelConfig:
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
     off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows
-    ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps), `experimental.gemm_rows.tune_rows`). attn_plans: (S, n_kv, G, head_dim, dtype) ->
+    ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps), `experimental.gemm_rows.tune_rows`). tuned_us: a tuned
+    key of either -> its tile's microseconds a matrix when it was chosen (benchmarks report them). attn_plans: (S, n_kv, G, head_dim, dtype) ->
     (split_len, BLOCK_S, num_warps) of `kernels.decode_attention`, overriding its rule (benchmarks forcing a plan,
     `kernels.tune_attention(keep=True)`)."""
 
@@ -103,6 +107,7 @@ class KernelConfig:
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, int, int], ...] = ROWS_CONFIGS
     rows_tuned: dict = field(default_factory=dict)
+    tuned_us: dict = field(default_factory=dict)
     attn_plans: dict = field(default_factory=dict)
 
     @property

@@ -834,13 +834,17 @@ def tune_gemv(
         reps,
         cfg.gemv_tuned,
         key,
+        cfg.tuned_us,
     )
 
 
-def sweep_tiles(tiles, names, launch, per: int, reps: int, table: dict, key) -> list[dict]:
+def sweep_tiles(
+    tiles, names, launch, per: int, reps: int, table: dict, key, us_table: dict | None = None
+) -> list[dict]:
     """Time `launch(tile)` (CUDA graph replays, `per` matrices a launch) for every tile and keep the fastest in
-    `table[key]`: the sweep of `tune_gemv` and `experimental.gemm_rows.tune_rows`. One row per tile (its fields named
-    by `names`, `us` per matrix or None with `error`); a table untouched when no tile ran."""
+    `table[key]` (and its microseconds a matrix in `us_table[key]`): the sweep of `tune_gemv` and
+    `experimental.gemm_rows.tune_rows`. One row per tile (its fields named by `names`, `us` per matrix or None with
+    `error`); the tables untouched when no tile ran."""
     rows = []
     for tile in tiles:
         us, err = _time_graph(lambda: launch(tile), per, reps)
@@ -849,19 +853,32 @@ def sweep_tiles(tiles, names, launch, per: int, reps: int, table: dict, key) -> 
     if ok:
         top = min(ok, key=lambda row: row["us"])
         table[key] = tuple(top[n] for n in names)
+        if us_table is not None:
+            us_table[key] = top["us"]
     return rows
+
+
+# The fewest kernels one timed graph replay holds (`_time_graph`): a replay's own launch and the events' resolution
+# (~several us) must not decide between tiles of ~2 us. With a 1-matrix launch (an lm_head) timed alone, the chosen
+# tile's time varied 9.7-16.5 us between engines built in one run, and so did the engine's plain step (2026-12-02).
+TIME_MIN_KERNELS = 32
 
 
 def _time_graph(run, per: int, reps: int) -> tuple[float | None, str]:
     """Best microseconds per `per` calls of `run` (CUDA) replayed as one CUDA graph, as the step runs: launched
-    from Python, dozens of ~10 us kernels would time the host's launch rate instead. (None, error) when the
-    variant does not run on this GPU (registers, shared memory)."""
+    from Python, dozens of ~10 us kernels would time the host's launch rate instead. The graph repeats `run` until
+    it holds TIME_MIN_KERNELS kernels. (None, error) when the variant does not run on this GPU (registers, shared
+    memory)."""
+    copies = max(1, -(-TIME_MIN_KERNELS // per))
+    per *= copies
+    reps = max(reps, 10)
     try:
         run()  # compiles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run()
+            for _ in range(copies):
+                run()
         graph.replay()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run: skip it

@@ -57,7 +57,7 @@ def build_engine(
     attn_impl: str = "auto",
     kernels: str = "torch",
     kernel_rows: int = 0,
-    prefill_graphs: bool = False,
+    prefill_graphs: bool = True,
 ):
     from draftsmith.decode.engine import SpeculativeDecoder
 
@@ -77,7 +77,7 @@ def build_engine(
         )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
-    eng.prefill_graphs = bool(prefill_graphs)
+    eng.prefill_graphs = bool(prefill_graphs) and eng.cuda_graphs
     return eng
 
 

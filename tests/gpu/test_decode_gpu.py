@@ -111,10 +111,17 @@ def test_graphed_prefill_equal_hf_greedy(setup, refs, mode):
     t, d = setup
     eng = SpeculativeDecoder(t, d, max_len=160)
     eng.prefill_graphs = True
+    eager = SpeculativeDecoder(t, d, max_len=160)
+    eager.prefill_graphs = False  # (on by default with CUDA graphs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for p, ref in refs:
             assert eng.generate(p, 32, mode=mode).token_ids == ref
+        # shorter prompts after longer ones: each bucket's first use captures with its own prompt's length
+        long = max((p for p, _ in refs), key=len)
+        for n in (len(long), 40, 20, 9):
+            q = long[:n]
+            assert eng.generate(q, 16, mode=mode).token_ids == eager.generate(q, 16, mode=mode).token_ids
     assert eng._pf_graphs and all(isinstance(g.__self__, torch.cuda.CUDAGraph) for g in eng._pf_graphs.values())
 
 

@@ -222,7 +222,9 @@ def test_eval_humaneval_jsonl(app, drafter_dir, tmp_path):
 
 
 def test_run_eval_warms_each_prompt_length_once_before_timing():
-    """The first prefill of a prompt length pays one-time costs; run_eval pays them untimed, once per engine."""
+    """The first prefill of a prompt length pays one-time costs (with `prefill_graphs` a capture per length bucket,
+    with and without the drafter, per sampling setting); run_eval pays them untimed, once per engine, for both
+    paths and every temperature."""
     from types import SimpleNamespace
 
     from draftsmith.decode import DecodeMode
@@ -245,12 +247,15 @@ def test_run_eval_warms_each_prompt_length_once_before_timing():
     prompts = [[1] * 5, [1] * 7, [2] * 5]
     run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16, certificate=False)
     warm = [c for c in eng.calls if c[1] == 1]
-    assert sorted(c[0] for c in warm) == [5, 7]  # one untimed prefill per distinct length
+    # one untimed prefill per distinct length and path (plain: the target alone; chain: with the drafter)
+    assert sorted((c[0], c[2]) for c in warm) == [(5, "chain"), (5, "plain"), (7, "chain"), (7, "plain")]
     first_timed = next(i for i, c in enumerate(eng.calls) if c[1] == 16)
     assert all(eng.calls.index(c) < first_timed for c in warm)
     eng.calls.clear()
     run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.0,), max_new_tokens=16, certificate=False)
     assert not [c for c in eng.calls if c[1] == 1]  # already warm
+    run_eval(eng, prompts, DecodeMode("chain", draft_tokens=2), (0.7,), max_new_tokens=16, certificate=False)
+    assert len([c for c in eng.calls if c[1] == 1]) == 4  # a new sampling setting: its own graphs
 
 
 def _main_error(argv, capsys) -> str:

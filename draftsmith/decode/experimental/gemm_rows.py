@@ -29,20 +29,36 @@ if triton is not None:
         return xv
 
     @triton.jit
-    def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T: one tl.dot (exact fp32 products for
-        fp32), or with FMA on the CUDA cores, row by row (each a gemv over the block: tiles under tl.dot's 16)."""
+        fp32); with FMA (tiles under tl.dot's 16, on the CUDA cores) acc is [BLOCK_M, BLOCK_N, BLOCK_K] and takes every
+        row's products elementwise, as the gemv does for one row: `_rows_sum` reduces over K once, after the K loop
+        (a reduction per row, serialised, lost to tl.dot: docs/LOG.md)."""
+        # (one return after the branches: triton compiles the statements after a constexpr branch's return too, and
+        # a tl.dot of the 3-D accumulator does not compile)
         if FMA:
-            xf = xv.to(tl.float32)
-            wf = w.to(tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                pick = (tl.arange(0, BLOCK_M) == m)[:, None]
-                xm = tl.sum(tl.where(pick, xf, 0.0), axis=0)  # row m [BLOCK_K]
-                acc += tl.where(pick, tl.sum(wf * xm[None, :], axis=1)[None, :], 0.0)
-            return acc
-        if IEEE:
-            return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(xv, tl.trans(w), acc)
+            out = acc + xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif IEEE:
+            out = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            out = tl.dot(xv, tl.trans(w), acc)
+        return out
+
+    @triton.jit
+    def _rows_acc0(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
+        if FMA:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _rows_sum(acc, FMA: tl.constexpr):
+        if FMA:
+            out = tl.sum(acc, axis=2)
+        else:
+            out = acc
+        return out
 
     @triton.jit
     def _rows_first_block(w_ptr, N, K, stride_w, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -83,6 +99,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
         FMA: tl.constexpr,
+        ONE_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
@@ -101,22 +118,30 @@ if triton is not None:
         rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(w_ptr, N, K, stride_w, GLU, BLOCK_N, BLOCK_K)
         if USE_PDL:
             gdc_wait()  # x and the residual are the previous kernels' outputs
-        rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
-        # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
-        xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
-        acc = _rows_mac(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xv, w, IEEE, FMA, BLOCK_M)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # up's sums with GLU (else unused)
+        if ONE_K and HAS_NORM:  # the whole row is one block: its 1/rms from the same load, not a second pass
+            xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xf = xv.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+            xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+        else:
+            rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
+            # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
+            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
+        acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA), xv, w, IEEE, FMA)
+        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA)  # up's sums with GLU (else unused)
         if GLU:
-            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, BLOCK_M)
+            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _rows_mac(acc, xv, w, IEEE, FMA, BLOCK_M)
+            acc = _rows_mac(acc, xv, w, IEEE, FMA)
             if GLU:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, BLOCK_M)
+                acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
+        acc = _rows_sum(acc, FMA)
+        acc2 = _rows_sum(acc2, FMA)
         _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
 
     @triton.jit
@@ -252,6 +277,7 @@ def gemm_rows(
         BLOCK_K=bk,
         IEEE=x.dtype == torch.float32 or _INTERPRET,
         FMA=fma,
+        ONE_K=bk >= K,
         num_warps=nw,
         num_stages=1 if fma else _rows_stages(bm, bn, bk, glu, x.element_size()),
         **_pdl(x, cfg.pdl),
@@ -298,7 +324,9 @@ def tune_rows(
         for w in mats:
             gemm_rows(x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw)
 
-    out = sweep_tiles(sweep, ("BLOCK_N", "BLOCK_K", "warps"), launch, len(mats), reps, cfg.rows_tuned, key)
+    out = sweep_tiles(
+        sweep, ("BLOCK_N", "BLOCK_K", "warps"), launch, len(mats), reps, cfg.rows_tuned, key, cfg.tuned_us
+    )
     return [{**row, "rows": rows} for row in out]
 
 

@@ -175,14 +175,26 @@ def test_kernel_rows_auto_follows_the_hidden_size():
     assert auto_kernel_rows(target(384), "torch") == 1
 
 
-def test_prefill_graphs_flag_reaches_the_engine():
-    """--prefill-graphs (EngineConfig.prefill_graphs) sets the engine's `prefill_graphs`; off by default."""
+def test_prefill_graphs_flag_reaches_the_engine(monkeypatch):
+    """--prefill-graphs / --no-prefill-graphs (EngineConfig.prefill_graphs, on by default) set the engine's
+    `prefill_graphs` where it has CUDA graphs; without them (the CPU) it stays off: the padded body alone only adds
+    rows."""
     from decode_helpers import tiny_qwen3
 
+    from draftsmith.decode.engine import SpeculativeDecoder
     from draftsmith.decode.setup import engine_from
 
     m = tiny_qwen3()
-    assert EngineConfig().prefill_graphs is False
+    assert EngineConfig().prefill_graphs is True
     assert engine_from(m, None, 64, EngineConfig(device="cpu")).prefill_graphs is False
-    eng = engine_from(m, None, 64, EngineConfig(device="cpu", prefill_graphs=True))
+    assert SpeculativeDecoder(m, None, max_len=64).prefill_graphs is False  # the engine's own default: cuda_graphs
+    init = SpeculativeDecoder.__init__
+
+    def with_graphs(self, *a, **k):  # as on a GPU
+        init(self, *a, **k)
+        self.cuda_graphs = True
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", with_graphs)
+    eng = engine_from(m, None, 64, EngineConfig(device="cpu"))
     assert eng.prefill_graphs and eng._prefill_bucket(10) == 16 and eng._prefill_bucket(65) is None  # max_len 64
+    assert engine_from(m, None, 64, EngineConfig(device="cpu", prefill_graphs=False)).prefill_graphs is False

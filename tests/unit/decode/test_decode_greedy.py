@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -588,3 +589,33 @@ def test_padded_prefill_equals_eager_prefill(qwen3_overfit, mode):
     finally:
         eng.record_margins = False
         eng.prefill_graphs = False
+
+
+def test_padded_prefill_capture_sees_its_own_prompt(qwen3_overfit):
+    """A prefill graph's first use runs its body (warm-up, capture) before the replay: the body must already see the
+    prompt being prefilled. Longer prompts first, so a longer one's length left behind would index past a smaller
+    bucket (it did: a device-side assert on the H200, 2026-12-02). The capture here is a stand-in that runs the body
+    once and replays it eagerly."""
+    from draftsmith.decode.sampling import SamplingParams
+
+    eng0, _, _ = qwen3_overfit
+    eng = SpeculativeDecoder(eng0.model, eng0.drafter, max_len=576)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, eng.vocab_size, (n,), generator=g).tolist() for n in (300, 100, 20, 9)]
+    want = []
+    for p in prompts:
+        want.append((eng.prefill(p, SamplingParams()), eng.h_last.clone()))
+    warmed = []
+
+    def capture(fn):
+        fn()
+        warmed.append(int(eng._pf_n))
+        return fn
+
+    eng.prefill_graphs, eng.cuda_graphs, eng._capture = True, True, capture
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture falls back to eager with a warning: none may fail
+        for p, (first, h) in zip(prompts, want):
+            assert eng.prefill(p, SamplingParams()) == first and int(eng.L) == len(p)
+            torch.testing.assert_close(eng.h_last, h, atol=1e-5, rtol=1e-4)
+    assert warmed == [len(p) for p in prompts]  # one capture per bucket (320, 128, 32, 16), each with its own prompt

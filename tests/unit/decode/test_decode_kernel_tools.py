@@ -98,3 +98,38 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
         if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention"))
     )
     assert r.returncode == 0
+
+
+def test_every_rows_tile_the_tuner_may_pick_compiles(tmp_path):
+    """`tune_rows` times every tile of `KernelConfig.rows_sweep` and silently skips one that does not compile (a GPU
+    without the resources for it): a tile that compiles nowhere is lost without a word. On 2026-12-02 every CUDA-core
+    (FMA) tile failed so on the H200 and the tuner measured none of them. Here each compiles for sm_90 on a small
+    target's shape (its K one block for the wide tiles: the single-pass norm) without spills."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    root = str(Path(__file__).resolve().parents[3])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "aot.json"
+    cmd = ["--shape", "tiny", "--rows-sweep", "--only", "gemm_rows", "--json", str(out)]
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), *cmd],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.exists(), r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    sweep = KernelConfig().rows_sweep
+    assert sum(1 for t in sweep if t[0] < 16) and len(
+        {row["kernel"] for row in rows if row["kernel"].endswith(" fma")}
+    ) == 4 * sum(1 for t in sweep if t[0] < 16)  # every CUDA-core tile, for each of the four matrices of a layer
+    bad = [row for row in rows if row["error"] or row["local B"] != 0]
+    assert not bad, bad
