@@ -61,8 +61,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     """config: "torch" (torch kernels, CUDA graphs), or "+"-joined parts: "triton", "compile" (greedy rounds traced
     whole, the default of compile=True), "perfwd" (only the forwards compiled, the rounds' bookkeeping eager: the
     engine before whole-round tracing), "rowsN" (kernel_rows=N: verifies of up to N tokens all through the
-    kernels, experimental.gemm_rows), "gemv" (with rowsN: those verifies' matmuls through the one-token gemv looped
-    over the rows, `KernelConfig.rows_gemv`), "noembed" (the drafter's first-layer norms and cat in torch, not
+    kernels, experimental.gemm_rows), "noembed" (the drafter's first-layer norms and cat in torch, not
     folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not
     `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
     `lookahead`; only the speed section sees it), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
@@ -72,7 +71,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
-    kc = KernelConfig(rows_gemv="gemv" in parts, embed_fold="noembed" not in parts)
+    kc = KernelConfig(embed_fold="noembed" not in parts)
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
     eng = SpeculativeDecoder(

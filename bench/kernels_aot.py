@@ -86,8 +86,6 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "K": "i32",
         "stride_w": "i32",
         "eps": "fp32",
-        "T": "i32",
-        "stride_x": "i32",
         "e_ptr": p,
         "id_ptr": "*i64",
         "nw2_ptr": p,
@@ -101,7 +99,6 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "PREFETCH": "constexpr",
         "USE_PDL": "constexpr",
         "GLU": "constexpr",
-        "ROWS": "constexpr",
         "EMBED": "constexpr",
     }
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
@@ -125,10 +122,9 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
             # programmatic dependent launch (on by default on sm_90) loads the first block before its wait: every
             # tile with it; without it (benchmarks' --pdl off) the default tile, unless --gemv-sweep-without-pdl
             pdls = (False, True) if pdl_off_sweep or (bn, bk, nw, pf) == default_tile else (True,)
-            # the T-row loop (`KernelConfig.rows_gemv`) for the default tile, with PDL
-            for pdl, rows in [(pdl, False) for pdl in pdls] + [(True, True)] * ((bn, bk, nw, pf) == default_tile):
+            for pdl in pdls:
                 yield (
-                    f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}{' rows' if rows else ''}",
+                    f"gemv {kind} {bn}/{bk}/{nw}/{pf}{' pdl' if pdl else ''}",
                     K._gemv_kernel,
                     gemv_sig,
                     dict(
@@ -139,7 +135,6 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                         NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX),
                         PREFETCH=bool(pf),
                         USE_PDL=pdl,
-                        ROWS=K.GEMV_ROWS_UNROLL if rows else 0,
                     ),
                     nw,
                     aligned,

@@ -23,8 +23,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
   echo TRAIN_DONE
 ) > $OUT/train.log 2>&1 &
 TP=$!
-timeout 280 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_gemv_rows.py \
-  tests/gpu/test_decode_gpu.py -k "gemv_rows or embed or draft_step or triton_kernels" > $OUT/tests.log 2>&1
+timeout 280 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_kernels.py \
+  tests/gpu/test_decode_gpu.py -k "embed or draft_step or triton_kernels" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -25 $OUT/tests.log
 timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_traced.py > $OUT/tests2.log 2>&1
 echo "traced rc $?"; tail -15 $OUT/tests2.log

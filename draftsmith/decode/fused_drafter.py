@@ -271,12 +271,11 @@ class KernelDraftStep:
         return True
 
     def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False):
-        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows` (the gemv with the config's
-        `rows_gemv`), else torch."""
+        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch."""
         from draftsmith.decode import kernels as K
 
         T = x.shape[0]
-        if self._gemv_takes(T):
+        if T == 1:
             return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
         if T <= self.rows:
             from draftsmith.decode.experimental.gemm_rows import gemm_rows
@@ -292,16 +291,12 @@ class KernelDraftStep:
             y = F.silu(g) * u
         return y if residual is None else residual + y
 
-    def _gemv_takes(self, T: int) -> bool:
-        """Whether a T-row matmul runs through `kernels.gemv`: one row, or up to `rows` with `rows_gemv`."""
-        return T == 1 or (T <= self.rows and self.config is not None and self.config.rows_gemv)
-
     def _embed_fold(self, L: dict, hidden: torch.Tensor, T: int) -> bool:
         """Whether the first layer's qkv takes the embedding and both norms in its prologue (`kernels.gemv`'s
-        `embed`): the gemv's rows, one eps and dtype for both norms, and the residual the raw hidden state (with
+        `embed`): one row (the gemv's), one eps and dtype for both norms, and the residual the raw hidden state (with
         norm_before_residual the normed one is needed on its own)."""
         return (
-            self._gemv_takes(T)
+            T == 1
             and not L["nbr"]
             and self.embed.dtype == hidden.dtype
             and L["in_norm"].eps == L["hid_norm"].eps

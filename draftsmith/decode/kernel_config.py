@@ -81,9 +81,7 @@ class KernelConfig:
 
     block_n, block_k, num_warps: the gemv tile for a shape `gemv_tuned` has no entry for (BLOCK_N outputs per
     program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps: the tile of
-    `kernels.gemm_rows` (experimental T-row matmuls). rows_gemv: the T-row forwards' matmuls (`kernel_rows`) through
-    `kernels.gemv` looped over the rows instead (the one-token step's tile and rounding for every row, the weights
-    read once; `gemv_tuned`'s tiles, so `rows_*` are unused). embed_fold: a drafter's first-layer qkv gemv
+    `kernels.gemm_rows` (experimental T-row matmuls). embed_fold: a drafter's first-layer qkv gemv
     gathers the token embedding and applies both input norms itself (`gemv`'s `embed`: two kernels fewer per draft
     step; off = the torch norms and cat before it, for A/B measurements). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
@@ -100,7 +98,6 @@ class KernelConfig:
     rows_block_n: int = 32
     rows_block_k: int = 128
     rows_num_warps: int = 4
-    rows_gemv: bool = False
     embed_fold: bool = True
     pdl: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS

@@ -60,11 +60,6 @@ except Exception:  # noqa: BLE001
 # owns one, benchmarks pass their own); no module state here changes how a kernel is launched.
 # the norm prologue reads x in blocks of up to this many values (one L2 round trip for a 4k-8k hidden size)
 NORM_BLOCK_MAX = 8192
-# the most rows one gemv launch takes (a tree verify of 64 nodes; experimental.gemm_rows.ROWS_MAX)
-GEMV_ROWS_MAX = 64
-# ... unrolled this many at a time (a runtime loop over the rows ran each row's load -> norm -> sum chain after the
-# last: 0.88-0.96x of plain decoding as a verify, BENCHMARKS.md 2026-12-02 tenth session; unrolled: not yet measured)
-GEMV_ROWS_UNROLL = 8
 
 # decode_attention's default plan: keys per block, and at most this many chunks per KV head — the smallest chunk
 # of ATTN_BLOCK_S * 2^j keys that keeps within it. Chosen from whole-step timings of every plan
@@ -154,8 +149,6 @@ if triton is not None:
         K,
         stride_w,
         eps,
-        T,
-        stride_x,
         e_ptr,
         id_ptr,
         nw2_ptr,
@@ -169,15 +162,12 @@ if triton is not None:
         PREFETCH: tl.constexpr,
         USE_PDL: tl.constexpr,
         GLU: tl.constexpr,
-        ROWS: tl.constexpr,
         EMBED: tl.constexpr,
     ):
-        """One program: BLOCK_N outputs over all of K (`gemv`). With ROWS > 1, x holds T rows `stride_x` apart (y and
-        the residual T rows of N): the program walks them ROWS at a time (unrolled) with the same tile and code as
-        one row, its first K block of weights held in registers for all of them (the rest re-read from L1/L2) — a
-        small verify's rows cost one weight read, and each row rounds exactly as the one-token step would round it.
-        With EMBED (an EAGLE-3 drafter's first layer), a row's input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2)
-        of K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in."""
+        """One program: BLOCK_N outputs of the one row x over all of K (`gemv`): the norm prologue, the K loop
+        (PIPELINED: each iteration issues the next block's weight load before summing its own), the folds, the store.
+        With EMBED (an EAGLE-3 drafter's first layer), the input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2) of
+        K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in."""
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -189,7 +179,8 @@ if triton is not None:
             row2 = (rn + N).to(tl.int64) * stride_w
         w_first = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
         w2_first = w_first
-        if PREFETCH or USE_PDL:  # the weights are no kernel's output: their first block loads before the wait
+        PIPELINED: tl.constexpr = PREFETCH or USE_PDL
+        if PIPELINED:  # the weights are no kernel's output: their first block loads before the wait
             rk0 = tl.arange(0, BLOCK_K)
             m0 = n_ok[:, None] & (rk0 < K)[None, :]
             w_first = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=m0, other=0.0)
@@ -197,77 +188,6 @@ if triton is not None:
                 w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
-        # ROWS rows at a time, unrolled, so that every row's loads can issue before the first row's sums (one row:
-        # T == 1, which the launcher specialises as a constant, so the loop and the row mask fold away)
-        NR: tl.constexpr = ROWS if ROWS > 1 else 1
-        for c0 in range(0, T, NR):
-            for j in tl.static_range(NR):
-                m = tl.minimum(c0 + j, T - 1)  # past the last row: recompute it, store nothing
-                _gemv_row(
-                    x_ptr + m * stride_x,
-                    w_ptr,
-                    y_ptr + m * N,
-                    nw_ptr,
-                    b_ptr,
-                    r_ptr + m * N,
-                    rn,
-                    n_ok & (rn * 0 + c0 + j < T),
-                    row,
-                    row2,
-                    w_first,
-                    w2_first,
-                    N,
-                    K,
-                    eps,
-                    e_ptr,
-                    id_ptr + m,
-                    nw2_ptr,
-                    HAS_NORM,
-                    HAS_BIAS,
-                    HAS_RES,
-                    ACT_MUL,
-                    BLOCK_N,
-                    BLOCK_K,
-                    NORM_BLOCK,
-                    PREFETCH or USE_PDL,
-                    GLU,
-                    EMBED,
-                )
-
-    @triton.jit
-    def _gemv_row(
-        x_ptr,
-        w_ptr,
-        y_ptr,
-        nw_ptr,
-        b_ptr,
-        r_ptr,
-        rn,
-        n_ok,
-        row,
-        row2,
-        w_first,
-        w2_first,
-        N,
-        K,
-        eps,
-        e_ptr,
-        id_ptr,
-        nw2_ptr,
-        HAS_NORM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_RES: tl.constexpr,
-        ACT_MUL: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        NORM_BLOCK: tl.constexpr,
-        PIPELINED: tl.constexpr,
-        GLU: tl.constexpr,
-        EMBED: tl.constexpr,
-    ):
-        """`_gemv_kernel`'s work for one row of x: the norm prologue, the K loop (PIPELINED: w_first is the first
-        block, each iteration issues the next block's load before summing its own), the folds, the store. EMBED:
-        the input is cat(e[id], x) of K // 2 features each, normalised with nw and nw2 respectively."""
         out_ty = y_ptr.dtype.element_ty
         w_mask_n = n_ok[:, None]
         rstd = 1.0
@@ -673,13 +593,13 @@ def gemv(
     embed: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_weight2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, K] or [K] (with `act_mul`: [T, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [T, N] in x's
-    dtype, T <= GEMV_ROWS_MAX: more than one row is the rows of a small verify through the one-token step's tile
-    (each row computed, and rounded, exactly as alone; the weights read once — `KernelConfig.rows_gemv`). The
-    tile: the arguments, else `config`'s tuned one for this shape, else its default. See the module docstring.
-    `embed` = (table [V, K/2], ids [T]) with `norm_weight2` (an EAGLE-3 drafter's first layer): the input rows are
-    cat(rmsnorm(table[ids]) * norm_weight, rmsnorm(x) * norm_weight2), x [T, K/2] — the gather, both norms and the
-    concatenation in the matmul's prologue, rounded as the two HF RMSNorms and torch.cat would.
+    """One token: x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in
+    x's dtype (several rows are `experimental.gemm_rows`'; the gemv looped over a verify's rows lost to it twice,
+    docs/LOG.md 2026-12-02). The tile: the arguments, else `config`'s tuned one for this shape, else its default.
+    See the module docstring. `embed` = (table [V, K/2], ids [1]) with `norm_weight2` (an EAGLE-3 drafter's first
+    layer): the input row is cat(rmsnorm(table[ids]) * norm_weight, rmsnorm(x) * norm_weight2), x [1, K/2] — the
+    gather, both norms and the concatenation in the matmul's prologue, rounded as the two HF RMSNorms and torch.cat
+    would.
     Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
     _need()
     table, ids = embed if embed is not None else (None, None)
@@ -736,12 +656,11 @@ def gemv(
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     pf = pf if prefetch is None else prefetch
     xf = x.reshape(-1, x.shape[-1])
-    T = xf.shape[0]
-    if not 1 <= T <= GEMV_ROWS_MAX:
-        raise ValueError(f"gemv: {T} rows (at most {GEMV_ROWS_MAX})")
+    if xf.shape[0] != 1:
+        raise ValueError(f"gemv: one token, not {xf.shape[0]} rows (a verify's rows: experimental.gemm_rows)")
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
     grid = (triton.cdiv(N, bn),)
     _gemv_kernel[grid](
@@ -750,13 +669,11 @@ def gemv(
         y,
         norm_weight if norm_weight is not None else dummy,
         bias if bias is not None else dummy,
-        residual.reshape(T, N).contiguous() if residual is not None else dummy,
+        residual.reshape(1, N).contiguous() if residual is not None else dummy,
         N,
         K,
         w.stride(0),
         float(eps),
-        T,
-        xf.stride(0),
         table if table is not None else dummy,
         ids.reshape(-1).contiguous() if ids is not None else dummy,
         norm_weight2 if norm_weight2 is not None else dummy,
@@ -770,7 +687,6 @@ def gemv(
         PREFETCH=bool(pf),
         num_warps=nw,
         GLU=bool(glu),
-        ROWS=0 if T == 1 else min(T, GEMV_ROWS_UNROLL),  # T itself up to 8: no row computed twice
         EMBED=embed is not None,
         **_pdl(x, cfg.pdl),
     )

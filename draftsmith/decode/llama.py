@@ -510,8 +510,8 @@ class LlamaFamilyForward(torch.nn.Module):
             for kind, (mats, kw) in self.gemv_kinds().items()
             for r in K.tune_gemv(mats, **kw, config=cfg)
         ]
-        # the row kernels' tile too, at the widest all-kernel width (<= 16 timed); rows_gemv takes the gemv's tiles
-        if self._kernel_rows() > 1 and not cfg.rows_gemv:
+        # the row kernels' tile too, at the widest all-kernel width (<= 16 timed)
+        if self._kernel_rows() > 1:
             from draftsmith.decode.experimental.gemm_rows import tune_rows
 
             rows = min(self._kernel_rows(), 16)

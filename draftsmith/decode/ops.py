@@ -318,16 +318,14 @@ class TritonStepOps(TorchOps):
 
 
 class TritonRowsOps(TritonStepOps):
-    """The T-row step (`LlamaFamilyForward.triton_max_rows > 1`): the matmuls through `experimental.gemm_rows` (or,
-    with `KernelConfig.rows_gemv`, `kernels.gemv` over the rows), the attention through `kernels.rows_attention`;
-    silu(gate) * up is folded into gate/up's epilogue (glu), never into down's prologue."""
+    """The T-row step (`LlamaFamilyForward.triton_max_rows > 1`): the matmuls through `experimental.gemm_rows`, the
+    attention through `kernels.rows_attention`; silu(gate) * up is folded into gate/up's epilogue (glu), never into
+    down's prologue."""
 
     name = "triton_rows"
     one_row = False
 
     def _launcher(self):
-        if self.config.rows_gemv:  # the one-token step's gemv, looped over the rows in each program
-            return self.K.gemv
         from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
         return gemm_rows

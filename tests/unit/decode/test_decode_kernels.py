@@ -661,16 +661,14 @@ def test_triton_kernels_with_compiled_rounds():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("T,rows,rows_gemv", [(1, 1, False), (4, 1, False), (4, 8, False), (4, 8, True)])
-def test_kernel_draft_step_equals_module(T, rows, rows_gemv, monkeypatch):
+@pytest.mark.parametrize("T,rows", [(1, 1), (4, 1), (4, 8)])
+def test_kernel_draft_step_equals_module(T, rows, monkeypatch):
     """kernels="triton" runs the drafter through the kernels (`KernelDraftStep`: gemv / gemm_rows with the norm,
     silu*up and residual folds, rope_and_cache into the drafter cache, decode_attention / rows_attention; the first
-    layer's embedding, both input norms and their cat folded into its qkv gemv where the gemv takes the rows): its
-    forward over T tokens after a prefill, its fc and its head equal the module path's (fp32, two engines on the same
-    prompt). Its multi-row matmuls take the row kernels only up to the engine's kernel_rows (cuBLAS beyond), the gemv
-    over the rows instead of gemm_rows with rows_gemv."""
+    layer's embedding, both input norms and their cat folded into its qkv gemv for one token): its forward over T
+    tokens after a prefill, its fc and its head equal the module path's (fp32, two engines on the same prompt). Its
+    multi-row matmuls take the row kernels only up to the engine's kernel_rows (cuBLAS beyond)."""
     from draftsmith.decode.experimental import gemm_rows as GR
-    from draftsmith.decode.kernel_config import KernelConfig
 
     calls = []
     real = GR.gemm_rows
@@ -680,15 +678,14 @@ def test_kernel_draft_step_equals_module(T, rows, rows_gemv, monkeypatch):
     p = torch.randint(0, m.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []
     for kernel_drafter in (True, False):
-        cfg = KernelConfig(rows_gemv=rows_gemv)
-        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=rows, kernel_config=cfg)
+        eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=rows)
         if not kernel_drafter:
             eng.kernel_drafter = False
             eng._build_drafter_view()
         assert (eng._d_kern is not None) == kernel_drafter
-        if kernel_drafter:  # the embedding fold: one row, or the rows of a gemv over rows
+        if kernel_drafter:  # the embedding fold: one row (the gemv's)
             folds = eng._d_kern._embed_fold(eng._d_kern.layers[0], torch.zeros(T, 1, device=DEV), T)
-            assert folds == (T == 1 or rows_gemv)
+            assert folds == (T == 1)
         eng.prefill(p, SamplingParams(), draft=True)
         calls.clear()
         g = torch.Generator().manual_seed(6)
@@ -698,7 +695,31 @@ def test_kernel_draft_step_equals_module(T, rows, rows_gemv, monkeypatch):
         h_in = eng.fuse(aux)
         h = eng.draft_forward(ids, h_in, pos, pos, eng.mask(pos))
         outs.append((h_in, h, eng.draft_logits(h), eng.dk[:, :, :, : len(p) + T].clone()))
-        # fc, qkv, o, gate/up, down, head: through gemm_rows exactly when the rows fit kernel_rows (not with rows_gemv)
-        assert calls == ([T] * 6 if kernel_drafter and 1 < T <= rows and not rows_gemv else []), calls
+        # fc, qkv, o, gate/up, down, head: through gemm_rows exactly when the rows fit kernel_rows
+        assert calls == ([T] * 6 if kernel_drafter and 1 < T <= rows else []), calls
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_embed_fold_equals_norms_and_cat(dtype):
+    """`embed`: the qkv of an EAGLE-3 drafter's first layer over cat(rmsnorm(E[id]) * w1, rmsnorm(x) * w2), the gather,
+    both norms and the cat in the gemv's prologue, against torch doing them first (and with bias); the gemv takes
+    one token and says so for more (a verify's rows are gemm_rows')."""
+    g = torch.Generator().manual_seed(3)
+    V, H, N = 50, 96, 40
+    table = torch.randn(V, H, generator=g).to(DEV, dtype)
+    ids = torch.randint(0, V, (1,), generator=g).to(DEV)
+    x = (torch.randn(1, H, generator=g) * 3).to(DEV, dtype)
+    w = (torch.randn(N, 2 * H, generator=g) * 0.05).to(DEV, dtype)
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    w1, w2 = ((torch.rand(H, generator=g) + 0.5).to(DEV, dtype) for _ in range(2))
+    y = gemv(x, w, w1, 1e-5, bias=b, embed=(table, ids), norm_weight2=w2, block_n=8, block_k=64, prefetch=1)
+    ref = F.linear(torch.cat((hf_rms_norm(table[ids], w1, 1e-5), hf_rms_norm(x, w2, 1e-5)), -1), w, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert y.shape == (1, N)
+    torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="embed needs"):
+        gemv(x, w, None, 1e-5, embed=(table, ids), norm_weight2=w2)  # both norms are required
+    with pytest.raises(ValueError, match="one token, not 3 rows"):
+        gemv(torch.randn(3, 2 * H, device=DEV, dtype=dtype), w)
