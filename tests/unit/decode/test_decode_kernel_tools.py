@@ -58,10 +58,9 @@ def test_bench_decode_kernels_triton_smoke(tmp_path):
     assert {r["cache S"] for r in res["attn_sweep"]} == {r["cache S"] for r in res["rows"]}  # every plan, each S
 
 
-def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
-    """Every kernel a decode step launches compiles ahead of time for sm_90 (the H200) with the 8B shape's
-    constants, without local memory (register spills), and the gemv and attention read memory with 16-byte vector
-    loads. No GPU needed (bench/kernels_aot.py, in a subprocess: the interpreter mode above replaces the kernels)."""
+def _aot(tmp_path, *args: str) -> tuple[list[dict], int]:
+    """bench/kernels_aot.py's rows (and its exit code) for these arguments, run in a subprocess (the interpreter mode
+    of this file's other tests replaces the kernels in-process)."""
     import json
     import subprocess
     import sys
@@ -72,7 +71,7 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "aot.json"
     r = subprocess.run(
-        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), "--only", "", "--json", str(out)],
+        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), *args, "--json", str(out)],
         cwd=root,
         env=env,
         capture_output=True,
@@ -80,7 +79,14 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
         timeout=600,
     )
     assert out.exists(), r.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    return json.loads(out.read_text()), r.returncode
+
+
+def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
+    """Every kernel a decode step launches compiles ahead of time for sm_90 (the H200) with the 8B shape's
+    constants, without local memory (register spills), and the gemv and attention read memory with 16-byte vector
+    loads. No GPU needed (bench/kernels_aot.py)."""
+    rows, rc = _aot(tmp_path, "--only", "")
     from draftsmith.decode import kernels as K
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
@@ -97,7 +103,7 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
         for row in rows
         if row["kernel"].startswith(("gemv", "gemm_rows", "decode_attention split", "rows_attention"))
     )
-    assert r.returncode == 0
+    assert rc == 0
 
 
 def test_every_rows_tile_the_tuner_may_pick_compiles(tmp_path):
@@ -105,31 +111,11 @@ def test_every_rows_tile_the_tuner_may_pick_compiles(tmp_path):
     without the resources for it): a tile that compiles nowhere is lost without a word. On 2026-12-02 every CUDA-core
     (FMA) tile failed so on the H200 and the tuner measured none of them. Here each compiles for sm_90 on a small
     target's shape (its K one block for the wide tiles: the single-pass norm) without spills."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
     from draftsmith.decode.kernel_config import KernelConfig
 
-    root = str(Path(__file__).resolve().parents[3])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    out = tmp_path / "aot.json"
-    cmd = ["--shape", "tiny", "--rows-sweep", "--only", "gemm_rows", "--json", str(out)]
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), *cmd],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.exists(), r.stderr[-2000:]
-    rows = json.loads(out.read_text())
-    sweep = KernelConfig().rows_sweep
-    assert sum(1 for t in sweep if t[0] < 16) and len(
-        {row["kernel"] for row in rows if row["kernel"].endswith(" fma")}
-    ) == 4 * sum(1 for t in sweep if t[0] < 16)  # every CUDA-core tile, for each of the four matrices of a layer
+    rows, _ = _aot(tmp_path, "--shape", "tiny", "--rows-sweep", "--only", "gemm_rows")
+    fma_tiles = sum(1 for t in KernelConfig().rows_sweep if t[0] < 16)
+    # every CUDA-core tile, for each of the four matrices of a layer
+    assert fma_tiles and len({row["kernel"] for row in rows if row["kernel"].endswith(" fma")}) == 4 * fma_tiles
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
