@@ -90,7 +90,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
 
 def tiles_chosen(eng) -> dict:
     """'N x K folds' -> 'BLOCK_N/BLOCK_K/warps[/prefetch]' of the engine's tuned gemv and gemm_rows tiles (gemm_rows
-    tiles under 16 outputs run its CUDA-core products: 'fma'), with the microseconds a matrix each took when tuned."""
+    tiles under 16 outputs run its CUDA-core products: 'fma'), with the microseconds a matrix each took when tuned, and
+    how many timed tiles did not run at all."""
     cfg = getattr(eng.runner, "kernel_config", None)
     if cfg is None:
         return {}
@@ -109,6 +110,11 @@ def tiles_chosen(eng) -> dict:
         out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = (
             "/".join(map(str, v)) + (" fma" if v[0] < 16 else "") + us(k)
         )
+    # tiles the sweep timed none of (they did not compile or run here): silently skipped by the tuner, so say it
+    failed = [r for r in getattr(eng, "kernel_tuning", []) if r.get("us") is None]
+    if failed:
+        fma = sum(1 for r in failed if "rows" in r and r.get("BLOCK_N", 16) < 16)
+        out["tiles that did not run"] = f"{len(failed)} of {len(eng.kernel_tuning)} ({fma} CUDA-core row tiles)"
     return out
 
 

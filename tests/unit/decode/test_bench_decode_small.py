@@ -38,3 +38,35 @@ def test_decode_small_bench_smoke(tmp_path):
     # lossless either way: the same tokens with the lookahead off and the graphed (here: padded) prefill on
     assert speed[("torch", "chain2")]["differ"] == 0 and speed[("torch+nolook+pfgraph", "chain2")]["differ"] == 0
     assert "ms_per_round" in md.read_text()
+
+
+def test_tiles_line_says_which_tiles_did_not_run():
+    """The census's tiles line: each tuned key's tile and its microseconds, and how many timed tiles did not run at
+    all — the tuner skips those silently (every CUDA-core row tile once failed to compile on the H200 unseen)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    spec = importlib.util.spec_from_file_location("decode_small_bench", ROOT / "bench" / "decode_small.py")
+    bench = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(bench)  # (it puts bench/ and tests/ on the path for its own imports)
+    finally:
+        sys.path[:] = path
+    gkey = (640, 384, "torch.bfloat16", True, False, False, False, False)
+    rkey = (640, 384, "torch.bfloat16", True, False, False, False)
+    cfg = KernelConfig(gemv_tuned={gkey: (8, 512, 4, 1)}, rows_tuned={rkey: (4, 512, 4)}, tuned_us={gkey: 1.9})
+    tuning = [
+        {"matrix": "qkv", "BLOCK_N": 8, "us": 1.9, "error": ""},
+        {"matrix": "qkv", "BLOCK_N": 4, "us": None, "error": "CompilationError", "rows": 8},
+        {"matrix": "qkv", "BLOCK_N": 32, "us": 3.1, "error": "", "rows": 8},
+    ]
+    out = bench.tiles_chosen(SimpleNamespace(runner=SimpleNamespace(kernel_config=cfg), kernel_tuning=tuning))
+    assert out["gemv 640x384+norm"] == "8/512/4/1 1.90us" and out["rows 640x384+norm"] == "4/512/4 fma"
+    assert out["tiles that did not run"] == "1 of 3 (1 CUDA-core row tiles)"
+    del tuning[1]
+    assert "tiles that did not run" not in bench.tiles_chosen(
+        SimpleNamespace(runner=SimpleNamespace(kernel_config=cfg), kernel_tuning=tuning)
+    )
