@@ -1095,13 +1095,22 @@ class SpeculativeDecoder:
         for t, v in zip(self._state(), values):
             t.copy_(v)
 
-    def warmup(self, mode: DecodeMode, sp: SamplingParams | None = None) -> None:
-        """Capture the graph for (mode, sp) now (the first generate() would otherwise pay for it).
-        Call it between generations: capturing runs one round at L=0, overwriting cache slots."""
+    def warmup(self, mode: DecodeMode, sp: SamplingParams | None = None, prefill: bool = False) -> None:
+        """Capture the graph for (mode, sp) now (the first generate() would otherwise pay for it); with `prefill`
+        also the prefill graph of every length bucket for this mode (`prefill_graphs`: ~50 ms each on first use,
+        which a server's first requests would otherwise pay). Call it between generations: capturing runs one round
+        at L=0 (a prefill over a whole bucket), overwriting cache slots."""
         sp = sp or SamplingParams()
         with torch.no_grad():
             if self.cuda_graphs:
                 self._runner_for(mode, sp)
+            if prefill and self.prefill_graphs:
+                draft = mode.kind != "plain" and self.drafter is not None
+                for B in self.PREFILL_BUCKETS:
+                    if B > self.max_len:
+                        break
+                    self._pf_n.fill_(B)  # a prompt filling the bucket: every row the body indexes lies inside it
+                    self._prefill_runner(B, draft, sp)
 
     # ------------------------------------------------------------------ public step API
     # gpt-fast's prefill / decode_one_token / speculative_decode, for benchmarks, tests and servers that drive the

@@ -159,7 +159,7 @@ def register(app: typer.Typer) -> None:
                 except ValueError as e:
                     log.warning("capture: %s; recording with one extra target forward per request instead", e)
             greedy = SamplingParams()
-            eng.warmup(dm, greedy)
+            eng.warmup(dm, greedy, prefill=True)  # the prompts' prefill graphs too: not on the first requests
             if dm.kind != "plain":
                 eng.warmup(DecodeMode("plain"), greedy)  # generate's fallback near the end of the cache
             built.update(target=t, limit=limit, mode=dm)

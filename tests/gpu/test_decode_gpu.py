@@ -125,6 +125,23 @@ def test_graphed_prefill_equal_hf_greedy(setup, refs, mode):
     assert eng._pf_graphs and all(isinstance(g.__self__, torch.cuda.CUDAGraph) for g in eng._pf_graphs.values())
 
 
+def test_warmup_captures_the_prefill_graphs(setup, refs):
+    """`warmup(mode, prefill=True)` (serve's start) captures every bucket's prefill graph that fits the cache, and
+    decoding after it is HF's greedy, token for token, with no capture left for the prompts."""
+    t, d = setup
+    mode = MODES[1]
+    eng = SpeculativeDecoder(t, d, max_len=160)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng.warmup(mode, prefill=True)
+    n = len(eng._pf_graphs)
+    assert n == sum(1 for b in eng.PREFILL_BUCKETS if b <= eng.max_len)
+    assert all(isinstance(g.__self__, torch.cuda.CUDAGraph) for g in eng._pf_graphs.values())
+    for p, ref in refs:
+        assert eng.generate(p, 32, mode=mode).token_ids == ref
+    assert len(eng._pf_graphs) == n
+
+
 @pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
 def test_graph_sampling_reproducible_with_seed(setup, mode):
     t, d = setup

@@ -619,3 +619,32 @@ def test_padded_prefill_capture_sees_its_own_prompt(qwen3_overfit):
             assert eng.prefill(p, SamplingParams()) == first and int(eng.L) == len(p)
             torch.testing.assert_close(eng.h_last, h, atol=1e-5, rtol=1e-4)
     assert warmed == [len(p) for p in prompts]  # one capture per bucket (320, 128, 32, 16), each with its own prompt
+
+
+def test_warmup_captures_every_prefill_bucket_for_its_mode(qwen3_overfit):
+    """`warmup(mode, prefill=True)` (a server's start): every length bucket's prefill graph for the mode (with the
+    drafter, or the target alone for plain) is captured then, each with a length that fits its bucket, and a later
+    prefill of any length reuses them — equal to the unpadded prefill. Buckets past the cache are not captured."""
+    from draftsmith.decode.sampling import SamplingParams
+
+    eng0, _, _ = qwen3_overfit
+    eng = SpeculativeDecoder(eng0.model, eng0.drafter, max_len=200)
+    p = torch.randint(0, eng.vocab_size, (70,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = (eng.prefill(p, SamplingParams()), eng.h_last.clone())
+    captured = []
+
+    def capture(fn):
+        fn()  # the capture's warm-up runs the body with the buffers as they are
+        captured.append((fn.args[0], fn.args[1], int(eng._pf_n)))
+        return fn
+
+    eng.prefill_graphs, eng.cuda_graphs, eng._capture = True, True, capture
+    eng._runner_for = lambda mode, sp: None  # (the rounds' graphs are not this test's)
+    eng.warmup(CHAIN, prefill=True)
+    assert [(B, draft) for B, draft, _ in captured] == [(B, True) for B in (16, 32, 64, 128, 192)]  # max_len 200
+    assert all(n <= B for B, _, n in captured)
+    eng.warmup(DecodeMode("plain"), prefill=True)
+    assert [draft for _, draft, _ in captured[5:]] == [False] * 5
+    n = len(captured)
+    assert eng.prefill(p, SamplingParams()) == want[0] and len(captured) == n  # bucket 128, already captured
+    torch.testing.assert_close(eng.h_last, want[1], atol=1e-5, rtol=1e-4)
