@@ -91,6 +91,24 @@ def test_buffer_rows_equal_a_prefill_capture(served, kind):
         assert (got[1:] - want[:-1]).abs().amax() > 1000 * ATOL
 
 
+@pytest.mark.parametrize("kind", ["plain", "chain"])
+def test_buffer_rows_with_the_padded_prefill(served, kind):
+    """The graphed prefill (`prefill_graphs`, on by default with CUDA graphs; its padded body eagerly here) records the
+    same rows: the padding rows' states land past the prompt, where the decode rewrites them before any is kept."""
+    t, eng, prompts, refs = served
+    eng.prefill_graphs = True
+    try:
+        for p, ref in zip(prompts, refs):
+            assert eng._prefill_bucket(len(p)) is not None
+            r = eng.generate(p, NEW, mode=MODES[kind], eos_ids=[])
+            assert r.token_ids == ref
+            seq = p + r.token_ids
+            n = len(seq) - 1
+            torch.testing.assert_close(eng.states[:n].float(), _capture(t, eng.aux_layers, seq)[:n], rtol=0, atol=ATOL)
+    finally:
+        eng.prefill_graphs = False
+
+
 def test_tree_without_compaction_would_be_caught(served):
     """Negative control: the same tree generation with the accepted path's rows left where their nodes were
     verified (no compaction) differs from the capture (so the test above can fail)."""
