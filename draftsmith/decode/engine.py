@@ -742,13 +742,14 @@ class SpeculativeDecoder:
         self.out_gap[: rows.shape[0]] = gap
         self.out_top[: rows.shape[0]] = top
 
-    def _handoff(self, tokens, aux_rows, n_acc, eager: bool = False):
+    def _handoff(self, tokens, aux_rows, n_acc, eager: bool = False, pos=None, mask=None):
         """Drafter re-prefill of the accepted tokens: tokens [M] (accepted drafts + bonus, padded),
-        aux_rows [M, kH] (target aux of root + accepted drafts, padded), rows >= n_acc+1 are padding."""
+        aux_rows [M, kH] (target aux of root + accepted drafts, padded), rows >= n_acc+1 are padding. `pos` / `mask`:
+        L + arange(M) and its causal mask when the round has them already (a chain round: its verify's)."""
         M = tokens.shape[0]
-        dev = self.device
-        pos = self.L + torch.arange(M, device=dev)
-        mask = self._mask(pos)
+        if pos is None:
+            pos = self.L + torch.arange(M, device=self.device)
+            mask = self._mask(pos)
         h = self._draft_fwd(tokens, self._fuse(aux_rows), pos, pos, mask, eager=eager)
         self.h_last.copy_(h.index_select(0, n_acc.view(1))[0])
 
@@ -760,6 +761,15 @@ class SpeculativeDecoder:
         V = self.vocab_size
         drafts, qs = [], []
         h = self.h_last
+        # the verify's positions and mask, made once: draft step i runs at L + i under the verify's row i. Under
+        # torch.compile with the kernels (opaque operators), buffers of their own (`kernels.realize`): else inductor
+        # re-computes a position and a mask row for every step's kernels (two small launches a step)
+        pos = L + self._ar[: K + 1]
+        vmask = self._mask(pos)
+        if self._d_kern is not None:
+            from draftsmith.decode.kernels import realize
+
+            pos, vmask = realize(pos, vmask)
         for i in range(K):
             dl = self._draft_logits(h)
             if sp.greedy:
@@ -771,14 +781,14 @@ class SpeculativeDecoder:
             ti = self.d_ids.gather(0, di.view(1))
             drafts.append(ti)
             if i < K - 1:
-                p = (L + i).view(1)
-                mask = self._mask(p)
-                h = self._draft_fwd(ti, h.view(1, -1), p, p, mask, eager=eager)[0]
+                p = pos[i : i + 1]
+                h = self._draft_fwd(ti, h.view(1, -1), p, p, vmask[i : i + 1], eager=eager)[0]
         ids = torch.cat([self.root.view(1)] + drafts)
-        pos = L + torch.arange(K + 1, device=dev)
-        return ids, pos, self._mask(pos), (torch.stack(qs) if qs else None)
+        return ids, pos, vmask, (torch.stack(qs) if qs else None)
 
-    def _chain_finish(self, K: int, sp: SamplingParams, ids, logits, aux, qs, eager: bool = False) -> None:
+    def _chain_finish(
+        self, K: int, sp: SamplingParams, ids, logits, aux, qs, eager: bool = False, pos=None, mask=None
+    ) -> None:
         """Accept the verified chain (logits [K+1, V] of `ids`), hand the accepted rows to the drafter, commit."""
         draft = ids[1:]
         if sp.greedy:
@@ -788,7 +798,7 @@ class SpeculativeDecoder:
         out = torch.cat([draft, draft[:1]]).index_copy(0, a.view(1), bonus.view(1))
         if self.record_margins:  # emitted token i was chosen by verify row i
             self._record(logits)
-        self._handoff(out, aux, a, eager=eager)
+        self._handoff(out, aux, a, eager=eager, pos=pos, mask=mask)
         self.out[: K + 1] = out
         self.n_emit.copy_(a + 1)
         self.root.copy_(bonus)
@@ -798,7 +808,7 @@ class SpeculativeDecoder:
         K = mode.draft_tokens
         ids, pos, mask, qs = self._chain_draft(K, sp, eager)
         logits, aux = self._target(ids, pos, pos, mask, eager=eager)
-        self._chain_finish(K, sp, ids, logits, aux, qs, eager)
+        self._chain_finish(K, sp, ids, logits, aux, qs, eager, pos, mask)
         self._last_draft = ids
 
     def compile_rounds(self, backend: str = "inductor", fullgraph: bool = False) -> None:

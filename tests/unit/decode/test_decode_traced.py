@@ -78,3 +78,32 @@ def test_traced_forward_makes_its_index_inputs_once():
     assert 1 <= len(launches) <= (1 if DEV == "cpu" else 3), launches
     assert call.count("torch.ops.draftsmith.realize.default(") == 1
     torch._dynamo.reset()
+
+
+def test_traced_chain_round_makes_its_positions_and_mask_once():
+    """A chain round's K-1 draft steps run at L + i under the verify's mask row i: the round makes the verify's
+    positions and mask once (`kernels.realize`) and the steps take rows of them. Else inductor computes a position
+    and a mask row for every step's opaque kernels (rope_and_cache, decode_attention): two small launches a step on
+    the GPU. Here (inductor's C++ backend) no generated kernel feeds those operators, and the round still decodes as
+    plain decoding (the traced-round test above)."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    from draftsmith.decode.sampling import SamplingParams
+
+    torch._dynamo.reset()
+    m = tiny_qwen3().to(DEV)
+    eng = SpeculativeDecoder(m, random_drafter(m, seed=2).to(DEV), max_len=64, kernels="triton", kernel_rows=8)
+    sp, mode = SamplingParams(), DecodeMode("chain", draft_tokens=6)
+    with torch.no_grad():
+        eng.prefill(list(range(1, 10)), sp, draft=True)
+        _, codes = run_and_get_code(torch.compile(eng._traced_round, dynamic=False, fullgraph=True), mode, sp)
+    call = "".join(codes).split("def call(")[-1]
+    kernels = re.findall(r"(cpp_fused\w*|triton_\w+)\.run\(|(cpp_fused\w*)\(", call)
+    names = [a or b for a, b in kernels]
+    feeding = [n for n in names if "decode_attention" in n or "rope_and_cache" in n]
+    assert names and not feeding, feeding
+    assert call.count("torch.ops.draftsmith.realize.default(") == 2  # the round's index tensors, the verify's
+    torch._dynamo.reset()
