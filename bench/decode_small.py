@@ -66,7 +66,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
     `lookahead`; only the speed section sees it), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
     from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
-    e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "dotrows" (gemm_rows tuned over
+    e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "ownpools" (each prefill graph its own memory pool, not one
+    shared: `share_prefill_pool` off; the speed section's graph_mb column), "dotrows" (gemm_rows tuned over
     its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
@@ -80,6 +81,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     eng.lookahead = "nolook" not in parts and eng.device.type == "cuda"
     if "pfgraph" in parts or "nopfgraph" in parts:
         eng.prefill_graphs = "pfgraph" in parts
+    eng.share_prefill_pool = "ownpools" not in parts
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep
@@ -176,8 +178,13 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
     engine: tok/s (decode only), tau, and the prompts whose output differs from plain decoding's."""
     eng = make_engine(t, d, config)
     modes = [DecodeMode("plain")] + settings
-    for m in modes:
-        eng.warmup(m)
+    cuda = eng.device.type == "cuda"
+    mem0 = torch.cuda.memory_reserved(eng.device) if cuda else 0
+    for m in modes:  # every graph before the timed runs: the rounds', and every length bucket's prefill
+        eng.warmup(m, prefill=True)
+    # the GPU memory the graphs took (rounds' and prefills')
+    graph_mb = (torch.cuda.memory_reserved(eng.device) - mem0) / 1e6 if cuda else None
+    log(f"speed {config}: {len(eng._graphs)} round graphs, {len(eng._pf_graphs)} prefill graphs, {graph_mb} MB")
     plain_out = {}
     for m in modes:
         key = name(m) if m.kind != "plain" else "plain"
@@ -202,6 +209,7 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
         # a round's (a plain step's) wall time in generate: against the census's graph-replay time, what the host adds
         row["ms_per_round"] = 1e3 * secs / units if units else None
         row["differ"] = differ if m.kind != "plain" else None
+        row["graph_mb"] = graph_mb
         rows.append(row)
         log(f"speed {config} {key}: {row['tok_s']:.0f} tok/s, tau {row['tau']:.2f}, differ {row['differ']}")
     del eng
@@ -346,7 +354,9 @@ def main() -> None:
             "",
             f"Measured end to end (`generate`, greedy, CUDA graphs): {a.speed_prompts} prompts x {a.speed_tokens} new "
             f"tokens, drafter {a.drafter or 'random'}; x_fastest_plain = tok/s over the fastest plain engine's of this "
-            "run; differ = prompts whose output is not plain decoding's (bf16 near ties: see the certificate).",
+            "run; differ = prompts whose output is not plain decoding's (bf16 near ties: see the certificate); every "
+            "graph (rounds, each length bucket's prefill) captured before the timed runs, graph_mb the GPU memory they "
+            "took (the engine's, the same on each of its rows).",
             "",
             common.markdown_table(
                 spd,
@@ -362,6 +372,7 @@ def main() -> None:
                     "e2e_tok_s",
                     "ms_per_round",
                     "x_census",
+                    "graph_mb",
                 ],
             ),
         ]

@@ -329,6 +329,8 @@ class SpeculativeDecoder:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and self.backend == "llama"
         self._graphs: dict = {}
         self._pf_graphs: dict = {}  # graphed prefills (`prefill_graphs`): (bucket, draft, sampling, margins) -> replay
+        self._pf_pool = None  # their shared CUDA graph memory pool (`_prefill_runner`)
+        self.share_prefill_pool = True  # (off: a pool per graph, for benchmarks to compare)
         # device state
         dev = self.device
         self.L = torch.zeros((), dtype=torch.long, device=dev)
@@ -695,8 +697,15 @@ class SpeculativeDecoder:
             return fn
         key = (B, draft, sp, self.record_margins)
         if key not in self._pf_graphs:
+            # one memory pool for every prefill graph: they never run concurrently and nothing a capture allocates
+            # outlives it (the results go to the engine's own buffers), so a bucket's activations can take the
+            # others' memory; a pool per graph would keep the largest bucket's activations once per bucket (with
+            # bmm attention on an 8B target, [heads, 512, cache] fp32 scores: ~270 MB at a 4k cache). A new pool
+            # with a new set of graphs: the old one goes with the graphs that used it.
+            if not self._pf_graphs and self.share_prefill_pool:
+                self._pf_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
             try:
-                self._pf_graphs[key] = self._capture(fn)
+                self._pf_graphs[key] = self._capture(fn, pool=self._pf_pool)
             except Exception as e:  # pragma: no cover - GPU only
                 warnings.warn(
                     f"prefill graph capture failed ({type(e).__name__}: {e}); prefilling eagerly", stacklevel=2
@@ -1064,7 +1073,7 @@ class SpeculativeDecoder:
             self._graphs[key] = fn
             return fn
 
-    def _capture(self, fn):  # pragma: no cover - GPU only
+    def _capture(self, fn, pool=None):  # pragma: no cover - GPU only
         # the eager warm-up rounds draw from the default CUDA generator (sampling); restore its state so
         # capturing is invisible to the RNG stream (else `generate(seed=s)` differs between its first call,
         # which captures, and later ones). Inside the graph the default generator is graph-safe: capture
@@ -1072,11 +1081,11 @@ class SpeculativeDecoder:
         dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
         rng = torch.cuda.get_rng_state(dev)
         try:
-            return self._capture_graph(fn)
+            return self._capture_graph(fn, pool)
         finally:
             torch.cuda.set_rng_state(rng, dev)
 
-    def _capture_graph(self, fn):  # pragma: no cover - GPU only
+    def _capture_graph(self, fn, pool=None):  # pragma: no cover - GPU only
         saved = [t.clone() for t in self._state()]
         safe = [t.clone() for t in saved]
         safe[0].fill_(0)  # warm up / capture at L = 0: every slot a round touches is in range
@@ -1089,7 +1098,7 @@ class SpeculativeDecoder:
         torch.cuda.current_stream().wait_stream(s)
         self._set_state(safe)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):  # pool: a handle shared with other graphs, or None (its own)
             fn()
         self._set_state(saved)
         torch.cuda.synchronize()

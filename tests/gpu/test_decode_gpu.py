@@ -126,8 +126,9 @@ def test_graphed_prefill_equal_hf_greedy(setup, refs, mode):
 
 
 def test_warmup_captures_the_prefill_graphs(setup, refs):
-    """`warmup(mode, prefill=True)` (serve's start) captures every bucket's prefill graph that fits the cache, and
-    decoding after it is HF's greedy, token for token, with no capture left for the prompts."""
+    """`warmup(mode, prefill=True)` (serve's start) captures every bucket's prefill graph that fits the cache, all in
+    one shared memory pool, and decoding after it is HF's greedy, token for token (prompts of several buckets, each
+    replaying its graph after the others used the pool), with no capture left for the prompts."""
     t, d = setup
     mode = MODES[1]
     eng = SpeculativeDecoder(t, d, max_len=160)
@@ -135,7 +136,7 @@ def test_warmup_captures_the_prefill_graphs(setup, refs):
         warnings.simplefilter("error")
         eng.warmup(mode, prefill=True)
     n = len(eng._pf_graphs)
-    assert n == sum(1 for b in eng.PREFILL_BUCKETS if b <= eng.max_len)
+    assert n == sum(1 for b in eng.PREFILL_BUCKETS if b <= eng.max_len) and eng._pf_pool is not None
     assert all(isinstance(g.__self__, torch.cuda.CUDAGraph) for g in eng._pf_graphs.values())
     for p, ref in refs:
         assert eng.generate(p, 32, mode=mode).token_ids == ref

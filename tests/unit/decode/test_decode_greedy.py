@@ -607,7 +607,7 @@ def test_padded_prefill_capture_sees_its_own_prompt(qwen3_overfit):
         want.append((eng.prefill(p, SamplingParams()), eng.h_last.clone()))
     warmed = []
 
-    def capture(fn):
+    def capture(fn, pool=None):
         fn()
         warmed.append(int(eng._pf_n))
         return fn
@@ -633,7 +633,7 @@ def test_warmup_captures_every_prefill_bucket_for_its_mode(qwen3_overfit):
     want = (eng.prefill(p, SamplingParams()), eng.h_last.clone())
     captured = []
 
-    def capture(fn):
+    def capture(fn, pool=None):
         fn()  # the capture's warm-up runs the body with the buffers as they are
         captured.append((fn.args[0], fn.args[1], int(eng._pf_n)))
         return fn
