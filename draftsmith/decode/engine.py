@@ -330,6 +330,9 @@ class SpeculativeDecoder:
         self._graphs: dict = {}
         self._pf_graphs: dict = {}  # graphed prefills (`prefill_graphs`): (bucket, draft, sampling, margins) -> replay
         self._pf_pool = None  # their shared CUDA graph memory pool (`_prefill_runner`)
+        # the sampling settings that have graphs, least recently used first, at most `max_graph_samplings`
+        self._graph_samplings: dict = {}
+        self.max_graph_samplings = 8
         self.share_prefill_pool = True  # (off: a pool per graph, for benchmarks to compare)
         # device state
         dev = self.device
@@ -692,10 +695,12 @@ class SpeculativeDecoder:
     def _prefill_runner(self, B: int, draft: bool, sp: SamplingParams):
         """The padded prefill of bucket B: a CUDA graph when graphs are on (captured on first use), else the eager
         body (the CPU runs it for the tests)."""
+        sp = sp.canonical()
         fn = functools.partial(self._prefill_padded, B, draft, sp)
         if not self.cuda_graphs:
             return fn
         key = (B, draft, sp, self.record_margins)
+        self._graphs_for(sp)
         if key not in self._pf_graphs:
             # one memory pool for every prefill graph: they never run concurrently and nothing a capture allocates
             # outlives it (the results go to the engine's own buffers), so a bucket's activations can take the
@@ -1058,10 +1063,12 @@ class SpeculativeDecoder:
 
     def _runner_for(self, mode: DecodeMode, sp: SamplingParams):
         self._refresh_drafter_view()
+        sp = sp.canonical()
         fn = self._step_fn(mode, sp)
         if not self.cuda_graphs:
             return fn
         key = (mode.key(), sp, self.record_margins)
+        self._graphs_for(sp)
         if key in self._graphs:
             return self._graphs[key]
         try:
@@ -1072,6 +1079,21 @@ class SpeculativeDecoder:
             warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly", stacklevel=2)
             self._graphs[key] = fn
             return fn
+
+    def _graphs_for(self, sp: SamplingParams) -> None:
+        """Mark `sp` (canonical) as the latest sampling setting with graphs; past `max_graph_samplings` settings,
+        drop the least recently used one's graphs (rounds and prefills). A graph bakes its sampling setting in, and a
+        server's clients send any temperature: without a bound every new one would keep its graphs (and their
+        memory) for good."""
+        lru = self._graph_samplings
+        lru.pop(sp, None)
+        lru[sp] = None
+        while len(lru) > max(1, self.max_graph_samplings):
+            old = next(iter(lru))
+            del lru[old]
+            for graphs, at in ((self._graphs, 1), (self._pf_graphs, 2)):  # where the keys hold the setting
+                for key in [k for k in graphs if k[at] == old]:
+                    del graphs[key]
 
     def _capture(self, fn, pool=None):  # pragma: no cover - GPU only
         # the eager warm-up rounds draw from the default CUDA generator (sampling); restore its state so

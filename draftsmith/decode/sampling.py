@@ -27,6 +27,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def canonical(self) -> SamplingParams:
+        """The same choice rule with the settings that change nothing dropped: greedy ignores top_p / top_k, top_p
+        >= 1 and top_k <= 0 are off. What a captured graph is keyed by (a server's clients send greedy requests
+        with any top_p)."""
+        if self.greedy:
+            return SamplingParams()
+        return SamplingParams(float(self.temperature), min(float(self.top_p), 1.0), max(int(self.top_k), 0))
+
 
 def warp(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k, then top-p (HF's order); logits [..., V] -> probs fp32."""

@@ -648,3 +648,30 @@ def test_warmup_captures_every_prefill_bucket_for_its_mode(qwen3_overfit):
     n = len(captured)
     assert eng.prefill(p, SamplingParams()) == want[0] and len(captured) == n  # bucket 128, already captured
     torch.testing.assert_close(eng.h_last, want[1], atol=1e-5, rtol=1e-4)
+
+
+def test_graphs_are_kept_for_a_bounded_number_of_sampling_settings(qwen3_overfit):
+    """A graph bakes its sampling setting in; a server's clients send any temperature. Graphs are keyed by the
+    canonical setting (greedy with any top_p / top_k is one setting) and kept for at most `max_graph_samplings`
+    settings, the least recently used one's rounds and prefills dropped first. Capture is a stand-in here (the
+    eager round, as on the CPU), so the outputs are the engine's own."""
+    from draftsmith.decode.sampling import SamplingParams
+
+    eng0, prompts, _ = qwen3_overfit
+    eng = SpeculativeDecoder(eng0.model, eng0.drafter, max_len=256)
+    want = eng.generate(prompts[0], 6, mode=CHAIN).token_ids
+    eng.prefill_graphs, eng.cuda_graphs, eng._capture = True, True, lambda fn, pool=None: fn
+    eng.max_graph_samplings = 2
+    p = prompts[0]
+    for sp in (SamplingParams(), SamplingParams(0.0, 0.9, 40), SamplingParams(top_k=-1)):  # all greedy: one setting
+        assert eng.generate(p, 6, mode=CHAIN, sampling=sp).token_ids == want
+    assert {k[1] for k in eng._graphs} == {SamplingParams()} and {k[2] for k in eng._pf_graphs} == {SamplingParams()}
+    hot, warm = SamplingParams(0.8, 0.95, 50), SamplingParams(1.1, 2.0, 0)
+    assert warm.canonical() == SamplingParams(1.1, 1.0, 0)
+    for sp in (hot, warm):
+        eng.generate(p, 6, mode=CHAIN, sampling=sp, seed=1)
+    # three settings seen, two kept: greedy (the least recently used) went, rounds and prefills alike
+    assert {k[1] for k in eng._graphs} == {hot, warm.canonical()}
+    assert {k[2] for k in eng._pf_graphs} == {hot, warm.canonical()}
+    assert eng.generate(p, 6, mode=CHAIN).token_ids == want  # and comes back when asked for
+    assert {k[1] for k in eng._graphs} == {warm.canonical(), SamplingParams()}
