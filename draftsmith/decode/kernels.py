@@ -700,7 +700,7 @@ def tune_gemv(
     residual: bool = False,
     act_mul: bool = False,
     glu: bool = False,
-    reps: int = 5,
+    reps: int = 10,
     configs: list[tuple[int, int, int, int]] | None = None,
     force: bool = False,
     config: KernelConfig | None = None,
@@ -783,11 +783,10 @@ TIME_MIN_KERNELS = 32
 def _time_graph(run, per: int, reps: int) -> tuple[float | None, str]:
     """Best microseconds per `per` calls of `run` (CUDA) replayed as one CUDA graph, as the step runs: launched
     from Python, dozens of ~10 us kernels would time the host's launch rate instead. The graph repeats `run` until
-    it holds TIME_MIN_KERNELS kernels. (None, error) when the variant does not run on this GPU (registers, shared
-    memory)."""
+    it holds TIME_MIN_KERNELS kernels; best of `reps` replays (the tuners' default: 10). (None, error) when the
+    variant does not run on this GPU (registers, shared memory)."""
     copies = max(1, -(-TIME_MIN_KERNELS // per))
     per *= copies
-    reps = max(reps, 10)
     try:
         run()  # compiles
         torch.cuda.synchronize()
@@ -1367,7 +1366,7 @@ def tune_attention(
     n_heads: int,
     S: int,
     scale: float,
-    reps: int = 5,
+    reps: int = 10,
     configs: list[tuple[int, int, int]] | None = None,
     force: bool = False,
     keep: bool = False,

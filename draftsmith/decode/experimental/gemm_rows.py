@@ -292,7 +292,7 @@ def tune_rows(
     bias: torch.Tensor | None = None,
     residual: bool = False,
     glu: bool = False,
-    reps: int = 5,
+    reps: int = 10,
     configs: list[tuple[int, int, int]] | None = None,
     force: bool = False,
     config: KernelConfig | None = None,
