@@ -64,7 +64,10 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     kernels, experimental.gemm_rows), "noembed" (the drafter's first-layer norms and cat in torch, not
     folded into its qkv gemv: `KernelConfig.embed_fold` off), "moddrafter" (with triton: the drafter as its module, not
     `KernelDraftStep`), "nolook" (`generate` reads each round before launching the next: the engine before
-    `lookahead`; only the speed section sees it), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
+    `lookahead`; only the speed section sees it), "alltail" (with the lookahead, a round always launched ahead, also
+    the last of a length-bound generation: `lookahead_tail` off, the engine before 2026-12-02 thirteenth session),
+    "unfused" (greedy drafts' argmax by torch after the lm_head gemv, not in its epilogue: `fused_draft_argmax` off,
+    the engine before 2026-12-02 thirteenth session), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
     from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
     e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "ownpools" (each prefill graph its own memory pool, not one
     shared: `share_prefill_pool` off; the speed section's graph_mb column), "dotrows" (gemm_rows tuned over
@@ -82,6 +85,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     if "pfgraph" in parts or "nopfgraph" in parts:
         eng.prefill_graphs = "pfgraph" in parts
     eng.share_prefill_pool = "ownpools" not in parts
+    eng.lookahead_tail = "alltail" not in parts
+    eng.fused_draft_argmax = "unfused" not in parts
     if "perfwd" in parts:
         eng._c_round = None
     if "moddrafter" in parts:  # the drafter as a module (cuBLAS + elementwise kernels), not KernelDraftStep
@@ -172,17 +177,69 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
         torch.cuda.empty_cache()
 
 
+def loop_timeline(run, dev) -> dict:
+    """One call of `run` (a generate) under the profiler -> where the GPU's time went between its first and last
+    device event: busy_frac (the union of kernels and copies over that span), the idle gaps over GAP_US (count, summed
+    us: the host or a dependency kept the GPU waiting), the device-to-host copies (count, summed us). {} without CUDA
+    events (the CPU, or a profiler that does not see a graph's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dev.type != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    evs = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not evs:
+        return {}
+    busy = gaps = gap_us = 0.0
+    end = evs[0][0]
+    for a, b, _ in evs:
+        if a > end:
+            if a - end > GAP_US:
+                gaps += 1
+                gap_us += a - end
+            busy += b - a
+        elif b > end:
+            busy += b - end
+        end = max(end, b)
+    span = end - evs[0][0]
+    dtoh = [b - a for a, b, n in evs if "DtoH" in n or "Device -> Pageable" in n or "Device -> Pinned" in n]
+    return {
+        "span_us": span,
+        "busy_frac": busy / span,
+        "gaps": gaps,
+        "gap_us": gap_us,
+        "dtoh": len(dtoh),
+        "dtoh_us": sum(dtoh),
+    }
+
+
+# an idle stretch of the GPU longer than this (us) counts as a gap in `loop_timeline` (PDL and graph-internal launch
+# latencies are ~1 us)
+GAP_US = 3.0
+
+
 @torch.no_grad()
-def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> None:
+def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list, loop_profile: bool = False) -> None:
     """End-to-end greedy decoding (`generate`, CUDA graphs) of every prompt with each setting and plainly, on one
     engine: tok/s (decode only), tau, and the prompts whose output differs from plain decoding's."""
     eng = make_engine(t, d, config)
     modes = [DecodeMode("plain")] + settings
     cuda = eng.device.type == "cuda"
+    if cuda:  # the memory the graphs hold, not what tuning and compiling left cached (released on both sides)
+        torch.cuda.empty_cache()
     mem0 = torch.cuda.memory_reserved(eng.device) if cuda else 0
     for m in modes:  # every graph before the timed runs: the rounds', and every length bucket's prefill
         eng.warmup(m, prefill=True)
-    # the GPU memory the graphs took (rounds' and prefills')
+    if cuda:
+        torch.cuda.empty_cache()
+    # the GPU memory the graphs took (rounds' and prefills'; their pools are not released while the graphs live)
     graph_mb = (torch.cuda.memory_reserved(eng.device) - mem0) / 1e6 if cuda else None
     log(f"speed {config}: {len(eng._graphs)} round graphs, {len(eng._pf_graphs)} prefill graphs, {graph_mb} MB")
     plain_out = {}
@@ -210,6 +267,14 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list) -> 
         row["ms_per_round"] = 1e3 * secs / units if units else None
         row["differ"] = differ if m.kind != "plain" else None
         row["graph_mb"] = graph_mb
+        if loop_profile:  # one more generation of prompt 0, profiled (not timed above)
+            got = []
+            tl = loop_timeline(lambda e=eng, m=m: got.append(e.generate(prompts[0], new_tokens, mode=m)), eng.device)
+            n_units = max(got[0].rounds, 1) if got else 1
+            row["gpu_busy"] = tl.get("busy_frac")
+            row["gaps_per_round"] = tl["gaps"] / n_units if tl else None
+            row["gap_us_per_round"] = tl["gap_us"] / n_units if tl else None
+            row["dtoh_us_per_round"] = tl["dtoh_us"] / n_units if tl else None
         rows.append(row)
         log(f"speed {config} {key}: {row['tok_s']:.0f} tok/s, tau {row['tau']:.2f}, differ {row['differ']}")
     del eng
@@ -275,6 +340,12 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=24)
     ap.add_argument("--speed-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the code paths")
+    ap.add_argument(
+        "--loop-profile",
+        action="store_true",
+        help="speed section: profile one more generation per setting and report the GPU's idle gaps and "
+        "device-to-host copies per round (gpu_busy, gaps_per_round, gap_us_per_round, dtoh_us_per_round)",
+    )
     ARGS = a = ap.parse_args()
     dev = torch.device(a.device)
     from draftsmith.drafter import Drafter
@@ -304,7 +375,7 @@ def main() -> None:
     if "speed" in a.sections:
         for config in a.configs.split(","):
             try:
-                speed(t, d, prompts[: a.speed_prompts], config, settings, a.speed_tokens, spd)
+                speed(t, d, prompts[: a.speed_prompts], config, settings, a.speed_tokens, spd, a.loop_profile)
             except Exception as e:  # noqa: BLE001
                 errors[f"speed {config}"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -373,7 +444,8 @@ def main() -> None:
                     "ms_per_round",
                     "x_census",
                     "graph_mb",
-                ],
+                ]
+                + (["gpu_busy", "gaps_per_round", "gap_us_per_round", "dtoh_us_per_round"] if a.loop_profile else []),
             ),
         ]
     if cert:

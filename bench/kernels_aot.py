@@ -89,6 +89,10 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "e_ptr": p,
         "id_ptr": "*i64",
         "nw2_ptr": p,
+        "pv_ptr": "*fp32",
+        "pi_ptr": "*i32",
+        "cnt_ptr": "*i32",
+        "map_ptr": "*i64",
         "HAS_NORM": "constexpr",
         "HAS_BIAS": "constexpr",
         "HAS_RES": "constexpr",
@@ -100,6 +104,8 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "USE_PDL": "constexpr",
         "GLU": "constexpr",
         "EMBED": "constexpr",
+        "ARGMAX": "constexpr",
+        "P_BLOCK": "constexpr",
     }
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
     kinds = {
@@ -112,12 +118,16 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "lm_head": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False),
         # a drafter's first-layer qkv: the embedding gather and both input norms folded in (default tile only)
         "qkv embed": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, EMBED=True),
+        # a greedy draft step's lm_head: the argmax and the id map in the epilogue (`gemv(argmax_map=)`)
+        "lm_head argmax": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, ARGMAX=True),
     }
     default_tile = K.KernelConfig().gemv_default
     for kind, flags in kinds.items():
-        flags = {"EMBED": False, **flags}
+        flags = {"EMBED": False, "ARGMAX": False, **flags}
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
             if flags["EMBED"] and (bn, bk, nw, pf) != default_tile:
+                continue
+            if flags["ARGMAX"] and -(-V // bn) > K.ARGMAX_MAX_PROGRAMS:  # gemv launches the plain tile then
                 continue
             # programmatic dependent launch (on by default on sm_90) loads the first block before its wait: every
             # tile with it; without it (benchmarks' --pdl off) the default tile, unless --gemv-sweep-without-pdl
@@ -135,6 +145,8 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                         NORM_BLOCK=min(1 << (H - 1).bit_length(), K.NORM_BLOCK_MAX),
                         PREFETCH=bool(pf),
                         USE_PDL=pdl,
+                        # the argmax's partials: one a program, reduced in one block (the launcher's next_power_of_2)
+                        P_BLOCK=1 << (-(-V // bn) - 1).bit_length() if flags["ARGMAX"] else 1,
                     ),
                     nw,
                     aligned,

@@ -338,8 +338,9 @@ class SpeculativeDecoder:
         dev = self.device
         self.L = torch.zeros((), dtype=torch.long, device=dev)
         self.root = torch.zeros((), dtype=torch.long, device=dev)
-        self.n_emit = torch.zeros((), dtype=torch.long, device=dev)
-        self.out = torch.zeros(256, dtype=torch.long, device=dev)
+        # a step's or round's result, one buffer: [tokens emitted, token 0, token 1, ...], so that the host reads it
+        # with one copy a round (`generate`'s lookahead), not one per tensor
+        self.emit = torch.zeros(257, dtype=torch.long, device=dev)
         # record_margins (greedy certificate, `draftsmith.decode.certificate`): per emitted token, the top-1 minus
         # top-2 logit of the row that chose it (a plain step's, or the verify row's) and the top-1 logit itself
         self.record_margins = False
@@ -362,6 +363,14 @@ class SpeculativeDecoder:
         # `generate(lookahead=)`'s default: the next round launched before the host reads the last one (a GPU's
         # gain; on the CPU every op is synchronous and a stopping generation would only pay one round more)
         self.lookahead = dev.type == "cuda"
+        # with the lookahead, no round launched ahead while the rounds in flight are expected (at this generation's
+        # mean tokens a round) to reach max_new_tokens: else a length-bound generation's last round is nearly always
+        # run and dropped (one round in ~max_new/tau: 2.4 % of a 200-token generation at tau 4.8); when they fall
+        # short the GPU idles one host turnaround instead. Off: always one round ahead (benchmarks compare both).
+        self.lookahead_tail = True
+        # greedy chain drafts with the kernel drafter: the lm_head gemv takes the argmax and the draft-to-target id
+        # map itself (`KernelDraftStep.greedy_token`); off: logits, then torch's argmax (benchmarks compare both)
+        self.fused_draft_argmax = True
         self._stage: _HostStage | None = None
         # `prefill_graphs` (on with CUDA graphs): prompts of up to the largest PREFILL_BUCKETS entry prefill padded
         # to a bucket, from one CUDA graph per bucket. Why: a small target's eager prefill is ~1,700 torch calls
@@ -746,8 +755,8 @@ class SpeculativeDecoder:
         nxt = choose(logits[0], sp)
         if self.record_margins:
             self._record(logits)
-        self.out[0] = nxt
-        self.n_emit.fill_(1)
+        self.emit[1] = nxt
+        self.emit[0].fill_(1)
         self.root.copy_(nxt)
         self.L.add_(1)
 
@@ -785,14 +794,17 @@ class SpeculativeDecoder:
 
             pos, vmask = realize(pos, vmask)
         for i in range(K):
-            dl = self._draft_logits(h)
-            if sp.greedy:
-                di = torch.argmax(dl, -1)
+            if sp.greedy and self._d_kern is not None and self.fused_draft_argmax:
+                ti = self._d_kern.greedy_token(h, self.d_ids)  # lm_head, argmax and id map: one kernel
             else:
-                qd = warp(dl, sp)
-                di = sample(qd)
-                qs.append(torch.zeros(V, device=dev, dtype=qd.dtype).index_copy(0, self.d_ids, qd))
-            ti = self.d_ids.gather(0, di.view(1))
+                dl = self._draft_logits(h)
+                if sp.greedy:
+                    di = torch.argmax(dl, -1)
+                else:
+                    qd = warp(dl, sp)
+                    di = sample(qd)
+                    qs.append(torch.zeros(V, device=dev, dtype=qd.dtype).index_copy(0, self.d_ids, qd))
+                ti = self.d_ids.gather(0, di.view(1))
             drafts.append(ti)
             if i < K - 1:
                 p = pos[i : i + 1]
@@ -813,8 +825,8 @@ class SpeculativeDecoder:
         if self.record_margins:  # emitted token i was chosen by verify row i
             self._record(logits)
         self._handoff(out, aux, a, eager=eager, pos=pos, mask=mask)
-        self.out[: K + 1] = out
-        self.n_emit.copy_(a + 1)
+        self.emit[1 : K + 2] = out
+        self.emit[0].copy_(a + 1)
         self.root.copy_(bonus)
         self.L.add_(a + 1)
 
@@ -876,8 +888,8 @@ class SpeculativeDecoder:
         p = pos[: a + 1]
         h = self._draft_fwd(out, self._fuse(aux[: a + 1]), p, p, add(L, a + 1))
         self.h_last.copy_(h[a])
-        self.out[: a + 1] = out
-        self.n_emit.fill_(a + 1)
+        self.emit[1 : a + 2] = out
+        self.emit[0].fill_(a + 1)
         self.root.fill_(choice[a])
         self.L.fill_(L + a + 1)
         self._last_draft = ids
@@ -1037,9 +1049,9 @@ class SpeculativeDecoder:
         if self.states is not None:  # the recorded states follow their K/V
             self.states.index_copy_(0, L + c["ar_D1"], self.states.index_select(0, L + path_t))
         self._handoff(out, aux.index_select(0, path_t), a, eager=eager)
-        self.out[: D + 1] = out
+        self.emit[1 : D + 2] = out
         a1 = a + 1
-        self.n_emit.copy_(a1)
+        self.emit[0].copy_(a1)
         self.root.copy_(bonus)
         self.L.add_(a1)
         self._last_tree = (node_tok, node_parent, node_depth, tmask)
@@ -1167,7 +1179,7 @@ class SpeculativeDecoder:
         """A callable that runs one round of `mode` (a plain step for "plain") in place on the device state, without
         a host sync: the CUDA-graph replay when graphs are on (captured here on first use, which runs a round at
         L = 0 and overwrites cache slots: call it between generations), else the eager round. Read the round's
-        tokens from `out[:n_emit]` (one sync)."""
+        tokens from `emit` ([n, token 0, ..., token n-1]: one copy, one sync)."""
         with torch.no_grad():
             return self._runner_for(mode, sp or SamplingParams())
 
@@ -1182,7 +1194,7 @@ class SpeculativeDecoder:
         """One plain decoding step after `prefill` (through `step_fn`: graphed when graphs are on): commits the
         pending token and returns the next one. Syncs once (the returned int)."""
         self._runner_for(DecodeMode("plain"), sp or SamplingParams())()
-        return int(self.out[0])
+        return int(self.emit[1])
 
     @torch.no_grad()
     def speculative_round(self, mode: DecodeMode, sp: SamplingParams | None = None) -> list[int]:
@@ -1190,8 +1202,8 @@ class SpeculativeDecoder:
         emits (accepted drafts + the bonus token). Syncs once (the returned list). The caller checks the cache has
         room (`mode.cache_need` slots past the committed length)."""
         self._runner_for(mode, sp or SamplingParams())()
-        n = int(self.n_emit)
-        return self.out[:n].tolist()
+        vals = self.emit[: mode.max_accept + 2].tolist()
+        return vals[1 : 1 + vals[0]]
 
     def target_forward(self, ids, positions, slots, mask, logits_rows=None, want_aux: bool = True):
         """The target forward a round uses (compiled / kernel-routed as configured): writes K/V at `slots`, attends
@@ -1349,7 +1361,7 @@ class SpeculativeDecoder:
         while not finished:
             if mode.kind != "plain" and L_host + budget <= self.max_len:
                 step()
-                vals = torch.cat([self.n_emit.view(1), self.out[: mode.max_accept + 1]]).tolist()
+                vals = self.emit[: mode.max_accept + 2].tolist()
                 k = vals[0]
                 toks = vals[1 : 1 + k]
                 if rec:
@@ -1402,30 +1414,37 @@ class SpeculativeDecoder:
         first. The host's turnaround (the copy's wait, the stop checks, the next launch) then overlaps a unit on the
         GPU instead of leaving the GPU idle between units. Bounds: a unit is launched only when, with every unit in
         flight at its largest advance (a round: max_accept + 1 slots), it still fits the cache and tokens are still
-        wanted. Returns (finished, L_host); (False, L_host) hands the rest (the plain steps that end a nearly full
-        cache) to the synchronous loop."""
+        wanted; and (`lookahead_tail`) a round is not launched ahead when the ones in flight are expected, at the
+        generation's mean tokens a round so far, to bring it to max_new. Returns (finished, L_host); (False, L_host)
+        hands the rest (the plain steps that end a nearly full cache) to the synchronous loop."""
         spec = mode.kind != "plain"
         A = mode.max_accept
         rec = self.record_margins
         stage = self._host_stage()
         pending: list = []  # (slot, tokens in the unit: None for a round)
         launched = 0
+        tail = self.lookahead_tail
+        kept_rounds = kept_tokens = 0  # this generation's rounds read so far, and their tokens
         while True:
             while len(pending) < 2:
                 L_max = L_host + sum(A + 1 if m is None else m for _, m in pending)
                 n_min = len(res.token_ids) + sum(1 if m is None else m for _, m in pending)
                 if n_min >= max_new:
                     break
+                if tail and pending and kept_rounds and spec:
+                    tau = kept_tokens / kept_rounds
+                    if len(res.token_ids) + sum(tau if m is None else m for _, m in pending) >= max_new:
+                        break  # the round in flight likely ends it: read it before launching another
                 slot = launched % 2
                 if spec:
                     if L_max + budget > self.max_len:
                         break
                     step()
-                    ints = [self.n_emit.view(1), self.out[: A + 1]]
+                    ints = [self.emit[: A + 2]]
                     floats = [self.out_gap[: A + 1], self.out_top[: A + 1]] if rec else []
                     m = None
                 else:
-                    m = min(sync_every, self.out.numel(), max_new - n_min, self.max_len - 1 - L_max)
+                    m = min(sync_every, self.emit.numel() - 1, max_new - n_min, self.max_len - 1 - L_max)
                     if m < 1:
                         break
                     toks, gaps = self._plain_batch(plain, m, rec)
@@ -1445,6 +1464,8 @@ class SpeculativeDecoder:
                     res.margins += list(zip(floats[:k].tolist(), floats[A + 1 : A + 1 + k].tolist()))
                 res.accepted.append(k - 1)
                 res.rounds += 1
+                kept_rounds += 1
+                kept_tokens += k
             else:
                 k = m
                 toks = ints[:m].tolist()
@@ -1460,14 +1481,14 @@ class SpeculativeDecoder:
         buf, gaps = [], []
         for _ in range(m):
             plain()
-            buf.append(self.out[:1].clone())
+            buf.append(self.emit[1:2].clone())
             if rec:
                 gaps.append(torch.stack([self.out_gap[0], self.out_top[0]]))
         return torch.cat(buf), (torch.stack(gaps) if rec else None)
 
     def _host_stage(self) -> _HostStage:
         if self._stage is None:
-            self._stage = _HostStage(self.device, self.out.numel() + 1)
+            self._stage = _HostStage(self.device, self.emit.numel())
         return self._stage
 
     def _emit(self, res: GenerationResult, toks, eos, stop_strings, max_new) -> bool:

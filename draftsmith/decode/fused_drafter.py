@@ -312,6 +312,16 @@ class KernelDraftStep:
         y = self._mm(x, self.lm_head, self.norm_w, self.norm_eps).float()
         return y.view(*h.shape[:-1], -1)
 
+    def greedy_token(self, h: torch.Tensor, id_map: torch.Tensor) -> torch.Tensor:
+        """id_map[argmax(logits(h))] (long [1]) for one row h [H]: the norm, lm_head, argmax and draft-to-target map
+        in one gemv launch (`kernels.gemv`'s argmax_map), where logits + torch.argmax + gather took two (the argmax
+        over a vocabulary's outputs ~2.5 us a draft step on an H200: BENCHMARKS.md, 2026-12-02 thirteenth session).
+        The same token: the argmax of the same rounded logits, first index on ties."""
+        from draftsmith.decode import kernels as K
+
+        x = h.reshape(1, h.shape[-1])
+        return K.gemv(x, self.lm_head, self.norm_w, self.norm_eps, config=self.config, argmax_map=id_map)
+
     def __call__(self, ids, hidden, positions, slots, mask, k_layers, v_layers, cos, sin) -> torch.Tensor:
         """ids/positions/slots [T], hidden [T, H] (the drafter's dtype), mask [T, S] bool over the drafter cache's
         slots, the cache's per-layer views, cos/sin [max_len, d] (the drafter's table) -> the pre-norm output

@@ -152,6 +152,10 @@ if triton is not None:
         e_ptr,
         id_ptr,
         nw2_ptr,
+        pv_ptr,
+        pi_ptr,
+        cnt_ptr,
+        map_ptr,
         HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr,
@@ -163,11 +167,14 @@ if triton is not None:
         USE_PDL: tl.constexpr,
         GLU: tl.constexpr,
         EMBED: tl.constexpr,
+        ARGMAX: tl.constexpr = False,
+        P_BLOCK: tl.constexpr = 1,
     ):
         """One program: BLOCK_N outputs of the one row x over all of K (`gemv`): the norm prologue, the K loop
         (PIPELINED: each iteration issues the next block's weight load before summing its own), the folds, the store.
         With EMBED (an EAGLE-3 drafter's first layer), the input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2) of
-        K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in."""
+        K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in. With ARGMAX
+        (`gemv_argmax`) the outputs are not stored: y[0] = map[argmax] (`_argmax_epilogue`)."""
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -188,7 +195,7 @@ if triton is not None:
                 w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
-        out_ty = y_ptr.dtype.element_ty
+        out_ty = x_ptr.dtype.element_ty  # (y's too; with ARGMAX y_ptr is the token's)
         w_mask_n = n_ok[:, None]
         rstd = 1.0
         rstd2 = 1.0
@@ -263,7 +270,34 @@ if triton is not None:
             y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
         if HAS_RES:  # the linear's output is rounded before the residual add, as two torch ops would
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
+        if ARGMAX:
+            _argmax_epilogue(
+                y.to(out_ty).to(tl.float32), rn, n_ok, pid, y_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK
+            )
+        else:
+            tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
+
+    @triton.jit
+    def _argmax_epilogue(y, rn, n_ok, pid, tok_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK: tl.constexpr):
+        """`gemv_argmax`'s end: each program's largest output (the first on ties) and its index go to the partial
+        buffers; the program that arrives last (a counter, acq_rel atomics) reduces them, stores map[index] at tok_ptr
+        and resets the counter for the next launch. y: the outputs as the model dtype rounds them (the logits torch's
+        argmax would see), so the token is torch.argmax's: the first index of the largest value."""
+        y = tl.where(n_ok, y, float("-inf"))
+        tl.store(pv_ptr + pid, tl.max(y, axis=0))
+        tl.store(pi_ptr + pid, tl.min(tl.where(y == tl.max(y, axis=0), rn, 2147483647), axis=0))
+        n_prog = tl.num_programs(0)
+        # scalar stores and the scalar atomic run in one thread of the program, in this order; acq_rel publishes
+        # the partials to the last program's loads (L2, not a possibly stale L1: .cg)
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == n_prog - 1:
+            rp = tl.arange(0, P_BLOCK)
+            ok = rp < n_prog
+            pv = tl.load(pv_ptr + rp, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            pi = tl.load(pi_ptr + rp, mask=ok, other=2147483647, cache_modifier=".cg")
+            best = tl.min(tl.where(pv == tl.max(pv, axis=0), pi, 2147483647), axis=0)
+            tl.store(tok_ptr, tl.load(map_ptr + best))
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _rope_cache_kernel(
@@ -592,6 +626,7 @@ def gemv(
     config: KernelConfig | None = None,
     embed: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_weight2: torch.Tensor | None = None,
+    argmax_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token: x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in
     x's dtype (several rows are `experimental.gemm_rows`'; the gemv looped over a verify's rows lost to it twice,
@@ -599,7 +634,9 @@ def gemv(
     See the module docstring. `embed` = (table [V, K/2], ids [1]) with `norm_weight2` (an EAGLE-3 drafter's first
     layer): the input row is cat(rmsnorm(table[ids]) * norm_weight, rmsnorm(x) * norm_weight2), x [1, K/2] — the
     gather, both norms and the concatenation in the matmul's prologue, rounded as the two HF RMSNorms and torch.cat
-    would.
+    would. `argmax_map` [N] (int): return not the outputs but [map[argmax]] (long [1]), the argmax over the
+    outputs as rounded to x's dtype, first index on ties — torch.argmax's — taken in the kernel (a drafter's greedy
+    step: its lm_head, argmax and draft-to-target id map in one launch, not two; `ARGMAX_MAX_PROGRAMS`).
     Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
     _need()
     table, ids = embed if embed is not None else (None, None)
@@ -617,6 +654,7 @@ def gemv(
             table,
             ids,
             norm_weight2,
+            argmax_map,
         )
     cfg = config if config is not None else KernelConfig()
     K = w.shape[1]
@@ -660,9 +698,20 @@ def gemv(
         raise ValueError(f"gemv: one token, not {xf.shape[0]} rows (a verify's rows: experimental.gemm_rows)")
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     dummy = xf  # never read when the matching HAS_* flag is off
     grid = (triton.cdiv(N, bn),)
+    if argmax_map is not None:
+        if argmax_map.shape != (N,) or argmax_map.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"gemv: argmax_map must be [{N}] ints, not {tuple(argmax_map.shape)} {argmax_map.dtype}")
+        if grid[0] > ARGMAX_MAX_PROGRAMS:  # too many partials for one program to reduce: the outputs, then torch's
+            y = gemv(x, w, norm_weight, eps, bias, residual, act_mul, bn, bk, nw, pf, glu, cfg, embed, norm_weight2)
+            return argmax_map.gather(0, torch.argmax(y[0].float()).view(1)).long()
+        y = torch.empty(1, dtype=argmax_map.dtype, device=x.device)
+        pv, pi, cnt = _argmax_workspace(x.device, grid[0])
+        am = (pv, pi, cnt, argmax_map.contiguous())
+    else:
+        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        am = (dummy,) * 4
     _gemv_kernel[grid](
         xf,
         w,
@@ -677,6 +726,7 @@ def gemv(
         table if table is not None else dummy,
         ids.reshape(-1).contiguous() if ids is not None else dummy,
         norm_weight2 if norm_weight2 is not None else dummy,
+        *am,
         HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
@@ -688,9 +738,34 @@ def gemv(
         num_warps=nw,
         GLU=bool(glu),
         EMBED=embed is not None,
+        ARGMAX=argmax_map is not None,
+        P_BLOCK=triton.next_power_of_2(grid[0]) if argmax_map is not None else 1,
         **_pdl(x, cfg.pdl),
     )
-    return y
+    return y if argmax_map is None else y.to(torch.long)
+
+
+# `gemv(argmax_map=)`: the most programs whose partial maxima the last one reduces in registers (a 128k vocabulary
+# in tiles of 32 outputs is 4,096)
+ARGMAX_MAX_PROGRAMS = 8192
+_ARGMAX_WS: dict = {}
+
+
+def _argmax_workspace(device: torch.device, programs: int):
+    """The partial maxima, their indices and the arrival counter of `gemv(argmax_map=)` on `device`: kept for the
+    process (a CUDA graph bakes their addresses in; the counter is zero between launches, each launch's last program
+    resets it). One launch at a time uses them: launches on one stream run in order (PDL included: a program touches
+    them only after its wait on the previous kernel)."""
+    ws = _ARGMAX_WS.get(device)
+    if ws is None or ws[0].numel() < programs:
+        n = max(programs, 1024)
+        ws = (
+            torch.empty(n, dtype=torch.float32, device=device),
+            torch.empty(n, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
+        _ARGMAX_WS[device] = ws
+    return ws
 
 
 def tune_gemv(
@@ -1114,6 +1189,7 @@ if triton is not None:
         table: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
         norm_weight2: torch.Tensor | None = None,
+        argmax_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
         embed = None if table is None else (table, ids)
         return gemv(
@@ -1128,10 +1204,27 @@ if triton is not None:
             config=config_for(config),
             embed=embed,
             norm_weight2=norm_weight2,
+            argmax_map=argmax_map,
         )
 
     @_gemv_op.register_fake
-    def _(x, w, norm_weight, eps, bias, residual, act_mul, glu, config, table=None, ids=None, norm_weight2=None):
+    def _(
+        x,
+        w,
+        norm_weight,
+        eps,
+        bias,
+        residual,
+        act_mul,
+        glu,
+        config,
+        table=None,
+        ids=None,
+        norm_weight2=None,
+        argmax_map=None,
+    ):
+        if argmax_map is not None:
+            return argmax_map.new_empty(1, dtype=torch.long)
         return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
     @torch.library.custom_op("draftsmith::rope_and_cache", mutates_args=("k_cache", "v_cache"))

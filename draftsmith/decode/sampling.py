@@ -69,6 +69,14 @@ def choose(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return sample(warp(logits, sp))
 
 
+def leading_true(ok: torch.Tensor) -> torch.Tensor:
+    """How many of ok [K]'s first elements are True before the first False (a long scalar tensor): cumprod(ok).sum()
+    as a min-reduction, which torch.compile fuses into the kernel before it; a scan is a kernel of its own a round
+    (aten's cumprod on the GPU: docs/LOG.md, 2026-12-02 thirteenth session)."""
+    idx = torch.arange(ok.shape[0], device=ok.device)
+    return torch.where(ok, ok.shape[0], idx).min()
+
+
 def chain_accept(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, tgt_choice: torch.Tensor | None):
     """Acceptance for a chain of K draft tokens (target ids) verified at K+1 positions.
 
@@ -80,15 +88,14 @@ def chain_accept(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, t
     """
     K = draft.shape[0]
     if q is None:
-        match = draft == tgt_choice[:K]
-        a = torch.cumprod(match.long(), 0).sum()
+        a = leading_true(draft == tgt_choice[:K])
         return a, tgt_choice.gather(0, a.view(1))[0]
     idx = torch.arange(K, device=draft.device)
     px = p[idx, draft]
     qx = q[idx, draft]
     u = torch.rand(K, device=p.device)
     ok = u * qx <= px  # u < p/q without dividing by q == 0
-    a = torch.cumprod(ok.long(), 0).sum()
+    a = leading_true(ok)
     qpad = torch.cat([q, torch.zeros_like(q[:1])], 0)
     pa = p.index_select(0, a.view(1))[0]
     qa = qpad.index_select(0, a.view(1))[0]

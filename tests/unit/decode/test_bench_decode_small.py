@@ -25,18 +25,26 @@ def test_decode_small_bench_smoke(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", DRAFTSMITH_BENCHMARKS=str(md))
     cmd = [sys.executable, str(ROOT / "bench" / "decode_small.py"), "--target", str(ROOT / "assets" / "pycode-tiny")]
     cmd += ["--drafter", str(ROOT / "assets" / "pycode-tiny-drafter"), "--prompts", str(prompts), "--device", "cpu"]
-    cmd += ["--sections", "census,speed", "--configs", "torch,torch+nolook+pfgraph+ownpools", "--settings", "chain2"]
-    cmd += ["--speed-prompts", "2", "--speed-tokens", "8", "--replays", "2"]
+    cmd += [
+        "--sections",
+        "census,speed",
+        "--configs",
+        "torch,torch+nolook+pfgraph+ownpools+alltail",
+        "--settings",
+        "chain2",
+    ]
+    cmd += ["--speed-prompts", "2", "--speed-tokens", "8", "--replays", "2", "--loop-profile"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "decode_small.json").read_text())
     assert not res["errors"], res["errors"]
     speed = {(x["config"], x["setting"]): x for x in res["speed"]}
-    other = "torch+nolook+pfgraph+ownpools"
+    other = "torch+nolook+pfgraph+ownpools+alltail"
     assert set(speed) == {(c, s) for c in ("torch", other) for s in ("plain", "chain2")}
     for row in speed.values():
         assert row["tok_s"] > 0 and row["prefill_ms"] > 0 and row["ms_per_round"] > 0 and row["x_census"] > 0
         assert row["graph_mb"] is None  # (no CUDA graphs on the CPU)
+        assert "gpu_busy" in row and row["gpu_busy"] is None  # the loop profile: the GPU's timeline only
     # lossless either way: the same tokens with the lookahead off and the graphed (here: padded) prefill on
     assert speed[("torch", "chain2")]["differ"] == 0 and speed[(other, "chain2")]["differ"] == 0
     assert "ms_per_round" in md.read_text() and "graph_mb" in md.read_text()

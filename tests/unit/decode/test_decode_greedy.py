@@ -413,12 +413,9 @@ def test_stops_exactly_on_eos_and_length(qwen3_overfit, mode, lookahead):
     assert eng.generate(prompts[0], 0, mode=mode, lookahead=lookahead).token_ids == []
 
 
-@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
-def test_lookahead_keeps_every_result_field(qwen3_overfit, mode):
-    """`generate(lookahead=True)` (the next unit launched before the host reads the last) returns what the
-    synchronous loop does — tokens, per-round acceptance, round count, margins, finish reason, streamed batches, a
-    cancellation — and really runs ahead: it launches one unit more than it keeps when it stops early."""
-    eng, prompts, refs = qwen3_overfit
+def _counting_launches(eng):
+    """-> (launches, counting, real): `counting` wraps eng._runner_for (`real`) so that each unit it runs adds one to
+    launches["n"]; the caller installs it as eng._runner_for and puts `real` back."""
     launches = {"n": 0}
     real = eng._runner_for
 
@@ -431,8 +428,19 @@ def test_lookahead_keeps_every_result_field(qwen3_overfit, mode):
 
         return run
 
+    return launches, counting, real
+
+
+@pytest.mark.parametrize("mode", [CHAIN, TREE, DecodeMode("plain")], ids=["chain", "tree", "plain"])
+def test_lookahead_keeps_every_result_field(qwen3_overfit, mode):
+    """`generate(lookahead=True)` (the next unit launched before the host reads the last) returns what the
+    synchronous loop does — tokens, per-round acceptance, round count, margins, finish reason, streamed batches, a
+    cancellation — and really runs ahead: it launches one unit more than it keeps when it stops early."""
+    eng, prompts, refs = qwen3_overfit
+    launches, counting, real = _counting_launches(eng)
     ran_ahead = 0
     eng.record_margins = True
+    eng.lookahead_tail = False  # always a round ahead (the tail rule's own test is below)
     try:
         for p in prompts:
             for n, every in ((NEW, 8), (NEW, 3), (7, 8)):
@@ -457,9 +465,37 @@ def test_lookahead_keeps_every_result_field(qwen3_overfit, mode):
             assert res[0] == res[1] and res[0][1] == "cancelled"
     finally:
         eng.record_margins = False
+        eng.lookahead_tail = True
         eng._runner_for = real
     if mode.kind != "plain":  # rounds stopped by length mid-flight: the one launched ahead was run and dropped
         assert ran_ahead > 0
+
+
+@pytest.mark.parametrize("mode", [CHAIN, TREE], ids=["chain", "tree"])
+def test_lookahead_tail_drops_fewer_rounds(qwen3_overfit, mode):
+    """`lookahead_tail`: no round launched ahead while the one in flight is expected (at the generation's mean
+    tokens a round) to reach max_new_tokens. Length-bound generations then run fewer rounds they drop than with a
+    round always ahead, with the same tokens and rounds kept."""
+    eng, prompts, _ = qwen3_overfit
+    launches, counting, real = _counting_launches(eng)
+    dropped = {}
+    eng._runner_for = counting
+    try:
+        for tail in (False, True):
+            eng.lookahead_tail = tail
+            launches["n"] = kept = 0
+            out = []
+            for p in prompts:
+                for n in (9, 17, NEW):
+                    r = eng.generate(p, n, mode=mode, lookahead=True)
+                    kept += len(r.accepted)
+                    out.append((r.token_ids, r.accepted))
+            dropped[tail] = (launches["n"] - kept, out)
+    finally:
+        eng.lookahead_tail = True
+        eng._runner_for = real
+    assert dropped[True][1] == dropped[False][1]
+    assert dropped[False][0] > 0 and dropped[True][0] < dropped[False][0], (dropped[False][0], dropped[True][0])
 
 
 @pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "lookahead"])

@@ -68,6 +68,40 @@ def test_gemv_equals_torch(dtype, norm, bias, res, prefetch, norm_block, monkeyp
     torch.testing.assert_close(y.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n", [4, 16, 64])
+def test_gemv_argmax_is_torch_argmax_of_its_outputs(dtype, block_n):
+    """gemv(argmax_map=) (a greedy draft step's lm_head, argmax and id map in one launch) returns map[torch.argmax
+    of the outputs gemv stores], first index on exact ties — ties inside one program's block and across programs
+    (duplicated weight rows) — launch after launch (the arrival counter resets itself), with the norm fold."""
+    g = torch.Generator().manual_seed(1)
+    K, N = 96, 203
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    id_map = torch.randperm(N, generator=g).to(DEV) + 1000
+    for trial in range(6):
+        x = torch.randn(1, K, generator=g).to(DEV, dtype)
+        if trial >= 3:  # the winner's row copied to a later row in its own block, one in another, one before it
+            top = int(torch.argmax(gemv(x, w, nw, 1e-5, block_n=block_n).float()))
+            for j in {min(top + 1, N - 1), (top + 3 * block_n) % N, max(top - 2 * block_n, 0) if trial == 5 else top}:
+                w[j] = w[top]
+        y = gemv(x, w, nw, 1e-5, block_n=block_n)
+        got = gemv(x, w, nw, 1e-5, block_n=block_n, argmax_map=id_map)
+        assert got.shape == (1,) and got.dtype == torch.long
+        assert int(got) == int(id_map[torch.argmax(y.float())]), trial
+    with pytest.raises(ValueError, match="argmax_map"):
+        gemv(x, w, nw, 1e-5, argmax_map=id_map[:-1])
+    if block_n == 4:  # more programs than one can reduce: the outputs, then torch's argmax — the same token
+        from draftsmith.decode import kernels as K
+
+        K.ARGMAX_MAX_PROGRAMS, keep = 8, K.ARGMAX_MAX_PROGRAMS
+        try:
+            got = gemv(x, w, nw, 1e-5, block_n=block_n, argmax_map=id_map)
+        finally:
+            K.ARGMAX_MAX_PROGRAMS = keep
+        assert int(got) == int(id_map[torch.argmax(gemv(x, w, nw, 1e-5, block_n=block_n).float())])
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_act_mul_equals_silu_times_up(dtype, prefetch):
@@ -636,7 +670,14 @@ def test_greedy_equal_with_triton_kernels(setup):
     for p in prompts:
         want = ref.generate(p, n, mode=DecodeMode("plain")).token_ids
         for mode in modes:
-            assert eng.generate(p, n, mode=mode).token_ids == want, (p, mode)
+            got = eng.generate(p, n, mode=mode)
+            assert got.token_ids == want, (p, mode)
+            if setup == "built" and mode.kind == "chain":  # the drafts' argmax in the lm_head gemv or by torch
+                assert eng.fused_draft_argmax
+                eng.fused_draft_argmax = False
+                unfused = eng.generate(p, n, mode=mode)
+                eng.fused_draft_argmax = True
+                assert (unfused.token_ids, unfused.accepted) == (got.token_ids, got.accepted), p
 
 
 def test_triton_kernels_with_compiled_rounds():

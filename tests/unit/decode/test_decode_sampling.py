@@ -11,7 +11,7 @@ import torch
 from decode_helpers import random_drafter, tiny_llama
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
-from draftsmith.decode.sampling import SamplingParams, chain_accept, warp
+from draftsmith.decode.sampling import SamplingParams, chain_accept, leading_true, warp
 
 V = 5
 PROMPT = [1, 3, 2]
@@ -103,6 +103,20 @@ def test_chi2_detects_a_biased_sampler(setup):
     idx = torch.multinomial(torch.tensor([biased[k] / z for k in keys]), N, replacement=True, generator=g)
     obs = Counter(keys[i] for i in idx.tolist())
     assert _chi2_pvalue(obs, exact, N) < 1e-3
+
+
+def test_leading_true_counts_the_accepted_prefix():
+    """leading_true (chain acceptance's count, a min-reduction) equals the scan it replaced, cumprod(ok).sum(), on
+    every boolean vector of lengths 1-7, and greedy chain_accept takes its bonus token at that index."""
+    for K in range(1, 8):
+        for bits in itertools.product([False, True], repeat=K):
+            ok = torch.tensor(bits)
+            want = torch.cumprod(ok.long(), 0).sum()
+            got = leading_true(ok)
+            assert got.dtype == torch.long and got.shape == () and int(got) == int(want), bits
+    choice = torch.tensor([5, 6, 7, 8])
+    a, bonus = chain_accept(torch.tensor([5, 6, 0]), None, None, choice)
+    assert (int(a), int(bonus)) == (2, 7)
 
 
 def test_chain_accept_rule_is_exact():
