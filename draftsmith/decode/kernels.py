@@ -707,7 +707,7 @@ def gemv(
             y = gemv(x, w, norm_weight, eps, bias, residual, act_mul, bn, bk, nw, pf, glu, cfg, embed, norm_weight2)
             return argmax_map.gather(0, torch.argmax(y[0].float()).view(1)).long()
         y = torch.empty(1, dtype=argmax_map.dtype, device=x.device)
-        pv, pi, cnt = _argmax_workspace(x.device, grid[0])
+        pv, pi, cnt = _argmax_workspace(x.device)
         am = (pv, pi, cnt, argmax_map.contiguous())
     else:
         y = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -751,14 +751,14 @@ ARGMAX_MAX_PROGRAMS = 8192
 _ARGMAX_WS: dict = {}
 
 
-def _argmax_workspace(device: torch.device, programs: int):
+def _argmax_workspace(device: torch.device):
     """The partial maxima, their indices and the arrival counter of `gemv(argmax_map=)` on `device`: kept for the
     process (a CUDA graph bakes their addresses in; the counter is zero between launches, each launch's last program
     resets it). One launch at a time uses them: launches on one stream run in order (PDL included: a program touches
     them only after its wait on the previous kernel)."""
     ws = _ARGMAX_WS.get(device)
-    if ws is None or ws[0].numel() < programs:
-        n = max(programs, 1024)
+    if ws is None:  # the largest size at once: a later, larger one allocated inside a capture would be the graph's
+        n = ARGMAX_MAX_PROGRAMS
         ws = (
             torch.empty(n, dtype=torch.float32, device=device),
             torch.empty(n, dtype=torch.int32, device=device),

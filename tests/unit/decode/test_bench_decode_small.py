@@ -50,13 +50,8 @@ def test_decode_small_bench_smoke(tmp_path):
     assert "ms_per_round" in md.read_text() and "graph_mb" in md.read_text()
 
 
-def test_tiles_line_says_which_tiles_did_not_run():
-    """The census's tiles line: each tuned key's tile and its microseconds, and how many timed tiles did not run at
-    all — the tuner skips those silently (every CUDA-core row tile once failed to compile on the H200 unseen)."""
+def _bench_module():
     import importlib.util
-    from types import SimpleNamespace
-
-    from draftsmith.decode.kernel_config import KernelConfig
 
     spec = importlib.util.spec_from_file_location("decode_small_bench", ROOT / "bench" / "decode_small.py")
     bench = importlib.util.module_from_spec(spec)
@@ -65,6 +60,35 @@ def test_tiles_line_says_which_tiles_did_not_run():
         spec.loader.exec_module(bench)  # (it puts bench/ and tests/ on the path for its own imports)
     finally:
         sys.path[:] = path
+    return bench
+
+
+def test_loop_timeline_reads_overlaps_gaps_and_copies():
+    """--loop-profile's reading of a generation's device events: busy = their union (overlapping kernels, as under
+    programmatic dependent launch, count once), gaps = idle stretches over GAP_US, the device-to-host copies apart."""
+    bench = _bench_module()
+    evs = [
+        (0.0, 10.0, "k1"),
+        (8.0, 12.0, "k2"),  # overlaps k1: 2 us more busy
+        (13.0, 14.0, "k3"),  # a 1 us idle stretch: no gap
+        (20.0, 22.0, "Memcpy DtoH (Device -> Pinned)"),  # after a 6 us gap
+        (22.0, 30.0, "k4"),
+        (26.0, 28.0, "k5"),  # inside k4
+    ]
+    st = bench.timeline_stats(reversed(evs))
+    assert st["span_us"] == 30.0 and st["busy_frac"] == (12 + 1 + 2 + 8) / 30
+    assert (st["gaps"], st["gap_us"], st["dtoh"], st["dtoh_us"]) == (1, 6.0, 1, 2.0)
+    assert bench.timeline_stats([]) == {}
+
+
+def test_tiles_line_says_which_tiles_did_not_run():
+    """The census's tiles line: each tuned key's tile and its microseconds, and how many timed tiles did not run at
+    all — the tuner skips those silently (every CUDA-core row tile once failed to compile on the H200 unseen)."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    bench = _bench_module()
     gkey = (640, 384, "torch.bfloat16", True, False, False, False, False)
     rkey = (640, 384, "torch.bfloat16", True, False, False, False)
     cfg = KernelConfig(gemv_tuned={gkey: (8, 512, 4, 1)}, rows_tuned={rkey: (4, 512, 4)}, tuned_us={gkey: 1.9})
