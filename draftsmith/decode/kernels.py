@@ -174,7 +174,7 @@ if triton is not None:
         (PIPELINED: each iteration issues the next block's weight load before summing its own), the folds, the store.
         With EMBED (an EAGLE-3 drafter's first layer), the input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2) of
         K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in. With ARGMAX
-        (`gemv_argmax`) the outputs are not stored: y[0] = map[argmax] (`_argmax_epilogue`)."""
+        (`gemv(argmax_map=)`) the outputs are not stored: y[0] = map[argmax] (`_argmax_epilogue`)."""
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -272,23 +272,25 @@ if triton is not None:
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         if ARGMAX:
             _argmax_epilogue(
-                y.to(out_ty).to(tl.float32), rn, n_ok, pid, y_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK
+                y.to(out_ty).to(tl.float32), rn, n_ok, N, pid, y_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK
             )
         else:
             tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
 
     @triton.jit
-    def _argmax_epilogue(y, rn, n_ok, pid, tok_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK: tl.constexpr):
-        """`gemv_argmax`'s end: each program's largest output (the first on ties) and its index go to the partial
-        buffers; the program that arrives last (a counter, acq_rel atomics) reduces them, stores map[index] at tok_ptr
-        and resets the counter for the next launch. y: the outputs as the model dtype rounds them (the logits torch's
-        argmax would see), so the token is torch.argmax's: the first index of the largest value."""
+    def _argmax_epilogue(y, rn, n_ok, N, pid, tok_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK: tl.constexpr):
+        """`gemv(argmax_map=)`'s end: each program's largest output (the first on ties) and its index go to the
+        partial buffers; the program that arrives last (a counter, acq_rel atomics) reduces them, stores map[index] at
+        tok_ptr and resets the counter for the next launch. y: the outputs as the model dtype rounds them (the logits
+        torch's argmax would see), so the token is torch.argmax's: the first index of the largest value. NaN outputs
+        (a broken drafter) give some valid id, never a read past the map."""
         y = tl.where(n_ok, y, float("-inf"))
         tl.store(pv_ptr + pid, tl.max(y, axis=0))
-        tl.store(pi_ptr + pid, tl.min(tl.where(y == tl.max(y, axis=0), rn, 2147483647), axis=0))
+        tl.store(pi_ptr + pid, tl.min(tl.where((y == tl.max(y, axis=0)) & n_ok, rn, 2147483647), axis=0))
         n_prog = tl.num_programs(0)
-        # scalar stores and the scalar atomic run in one thread of the program, in this order; acq_rel publishes
-        # the partials to the last program's loads (L2, not a possibly stale L1: .cg)
+        # every thread's stores before the one atomic (a CTA barrier), whose acq_rel at GPU scope publishes them to
+        # the last program's loads (from L2, not a possibly stale L1: .cg)
+        tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if done == n_prog - 1:
             rp = tl.arange(0, P_BLOCK)
@@ -296,7 +298,7 @@ if triton is not None:
             pv = tl.load(pv_ptr + rp, mask=ok, other=float("-inf"), cache_modifier=".cg")
             pi = tl.load(pi_ptr + rp, mask=ok, other=2147483647, cache_modifier=".cg")
             best = tl.min(tl.where(pv == tl.max(pv, axis=0), pi, 2147483647), axis=0)
-            tl.store(tok_ptr, tl.load(map_ptr + best))
+            tl.store(tok_ptr, tl.load(map_ptr + tl.minimum(best, N - 1)))
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
