@@ -177,6 +177,17 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
         torch.cuda.empty_cache()
 
 
+def graph_pool_bytes(segments: list[dict], device_index: int | None) -> int:
+    """Bytes of `torch.cuda.memory_snapshot()` segments on the device that belong to a private memory pool (a CUDA
+    graph's, or one shared by graphs: `segment_pool_id` not (0, 0), the caching allocator's default pool)."""
+    return sum(
+        int(s["total_size"])
+        for s in segments
+        if (device_index is None or s.get("device", device_index) == device_index)
+        and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
+
+
 def loop_timeline(run, dev) -> dict:
     """One call of `run` (a generate) under the profiler -> where the GPU's time went between its first and last
     device event: busy_frac (the union of kernels and copies over that span), the idle gaps over GAP_US (count, summed
@@ -238,15 +249,11 @@ def speed(t, d, prompts, config: str, settings, new_tokens: int, rows: list, loo
     eng = make_engine(t, d, config)
     modes = [DecodeMode("plain")] + settings
     cuda = eng.device.type == "cuda"
-    if cuda:  # the memory the graphs hold, not what tuning and compiling left cached (released on both sides)
-        torch.cuda.empty_cache()
-    mem0 = torch.cuda.memory_reserved(eng.device) if cuda else 0
     for m in modes:  # every graph before the timed runs: the rounds', and every length bucket's prefill
         eng.warmup(m, prefill=True)
-    if cuda:
-        torch.cuda.empty_cache()
-    # the GPU memory the graphs took (rounds' and prefills'; their pools are not released while the graphs live)
-    graph_mb = (torch.cuda.memory_reserved(eng.device) - mem0) / 1e6 if cuda else None
+    # the GPU memory the graphs hold: their private pools' segments (a reserved-memory delta across the warm-up also
+    # counted what tuning and compiling left cached, and a run's first engine the process's first-use allocations)
+    graph_mb = graph_pool_bytes(torch.cuda.memory_snapshot(), eng.device.index) / 1e6 if cuda else None
     log(f"speed {config}: {len(eng._graphs)} round graphs, {len(eng._pf_graphs)} prefill graphs, {graph_mb} MB")
     plain_out = {}
     for m in modes:

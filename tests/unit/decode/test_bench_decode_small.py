@@ -81,6 +81,20 @@ def test_loop_timeline_reads_overlaps_gaps_and_copies():
     assert bench.timeline_stats([]) == {}
 
 
+def test_graph_mb_counts_private_pools_only():
+    """graph_mb: the memory snapshot's segments in private pools (CUDA graphs') on the engine's device — not the
+    default pool's (tuning, compiling, the weights) nor another device's."""
+    bench = _bench_module()
+    segs = [
+        {"device": 0, "total_size": 2 << 20, "segment_pool_id": (0, 0)},  # default pool
+        {"device": 0, "total_size": 8 << 20, "segment_pool_id": (1, 3)},  # a graph's
+        {"device": 0, "total_size": 4 << 20, "segment_pool_id": [1, 7]},  # the shared prefill pool (a list in JSON)
+        {"device": 1, "total_size": 16 << 20, "segment_pool_id": (1, 3)},  # another GPU
+    ]
+    assert bench.graph_pool_bytes(segs, 0) == 12 << 20
+    assert bench.graph_pool_bytes([], 0) == 0
+
+
 def test_tiles_line_says_which_tiles_did_not_run():
     """The census's tiles line: each tuned key's tile and its microseconds, and how many timed tiles did not run at
     all — the tuner skips those silently (every CUDA-core row tile once failed to compile on the H200 unseen)."""
