@@ -147,7 +147,7 @@ def generate(
     max_len = min(cap, longest + max(max_new_tokens, 1) + need)
     if len(ids) + 2 > max_len:
         raise DraftsmithError(f"--prompt: {len(ids)} tokens do not fit the target's context ({max_len})")
-    eng = engine_from(t, d, max_len, engine)
+    eng = engine_from(t, d, max_len, engine, modes=(dm,))
     if tune:
         if d is None:
             typer.secho("tuned: plain decoding (no --drafter)", err=True, fg=typer.colors.CYAN)
@@ -257,7 +257,9 @@ def eval_cmd(
     if not kept:
         raise DraftsmithError(f"{prompts}: every prompt is longer than the target context allows")
     cal = [p for p in cal if len(p) + need <= cap] or kept
-    eng = engine_from(t, d, min(cap, max(len(p) for p in kept + cal) + need), engine)
+    eng = engine_from(
+        t, d, min(cap, max(len(p) for p in kept + cal) + need), engine, modes=(dm, saved.mode if saved else None)
+    )
     report = run_eval(eng, kept, dm, temps, max_new_tokens, seed=seed, top_p=top_p, top_k=top_k, passes=passes)
     if tune or saved is not None:
         if tune:

@@ -46,6 +46,10 @@ KERNELS = ("torch", "triton")
 # step, BENCHMARKS.md 2026-12-02); on the 8B shape cuBLAS wins (a 49-row verify 6.97 vs 11.9 ms), so 1 above this.
 AUTO_KERNEL_ROWS = 8
 AUTO_KERNEL_ROWS_MAX_HIDDEN = 1024
+# ... and up to this many rows when the chain asked for is longer (one tensor-core tile of rows: a 9-16-row verify
+# costs the row kernels about what 8 rows do, while past `kernel_rows` it falls back to cuBLAS and eager glue —
+# chain8 at --kernel-rows 8 ran 1.50x against chain7's 1.83x, BENCHMARKS.md 2026-12-02 thirteenth session)
+AUTO_KERNEL_ROWS_FOR_CHAINS = 16
 BACKENDS = ("auto", "llama", "hf")
 
 _ATTN_HELP = (
@@ -97,7 +101,8 @@ class EngineConfig:
         "run all through the kernels, the matmuls as T-row kernels that read the weights once with the norms and "
         "residuals folded in — fewer launches, for small launch-bound targets (pycode-small: BENCHMARKS.md "
         "'small-target round census'); 1 = the one-token step only (cuBLAS verifies, best on large targets); "
-        f"0 = auto: {AUTO_KERNEL_ROWS} for hidden sizes up to {AUTO_KERNEL_ROWS_MAX_HIDDEN:,}, else 1.",
+        f"0 = auto: {AUTO_KERNEL_ROWS} for hidden sizes up to {AUTO_KERNEL_ROWS_MAX_HIDDEN:,} (more for a longer "
+        f"chain's verify, up to {AUTO_KERNEL_ROWS_FOR_CHAINS}), else 1.",
     )
 
     prefill_graphs: bool = setting(

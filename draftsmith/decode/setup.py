@@ -58,11 +58,13 @@ def build_engine(
     kernels: str = "torch",
     kernel_rows: int = 0,
     prefill_graphs: bool = True,
+    modes=(),
 ):
+    """The engine for the CLIs. `modes`: the decode modes it will run (auto --kernel-rows covers their chains)."""
     from draftsmith.decode.engine import SpeculativeDecoder
 
     if not kernel_rows:
-        kernel_rows = auto_kernel_rows(t, kernels)
+        kernel_rows = auto_kernel_rows(t, kernels, modes)
     try:
         eng = SpeculativeDecoder(
             t,
@@ -81,13 +83,17 @@ def build_engine(
     return eng
 
 
-def auto_kernel_rows(t, kernels: str) -> int:
+def auto_kernel_rows(t, kernels: str, modes=()) -> int:
     """--kernel-rows 0: AUTO_KERNEL_ROWS with the Triton kernels on a target of hidden size up to
-    AUTO_KERNEL_ROWS_MAX_HIDDEN (launch-bound: the row kernels win), else 1 (cuBLAS verifies)."""
-    from draftsmith.decode.config import AUTO_KERNEL_ROWS, AUTO_KERNEL_ROWS_MAX_HIDDEN
+    AUTO_KERNEL_ROWS_MAX_HIDDEN (launch-bound: the row kernels win), raised to the widest chain verify among
+    `modes` up to AUTO_KERNEL_ROWS_FOR_CHAINS; else 1 (cuBLAS verifies)."""
+    from draftsmith.decode.config import AUTO_KERNEL_ROWS, AUTO_KERNEL_ROWS_FOR_CHAINS, AUTO_KERNEL_ROWS_MAX_HIDDEN
 
     hidden = int(getattr(text_config(t.config), "hidden_size", 1 << 30))
-    return AUTO_KERNEL_ROWS if kernels == "triton" and hidden <= AUTO_KERNEL_ROWS_MAX_HIDDEN else 1
+    if kernels != "triton" or hidden > AUTO_KERNEL_ROWS_MAX_HIDDEN:
+        return 1
+    chains = [m.verify_tokens for m in modes if m is not None and m.kind == "chain"]
+    return max([AUTO_KERNEL_ROWS] + [min(n, AUTO_KERNEL_ROWS_FOR_CHAINS) for n in chains])
 
 
 def max_positions(t) -> int:
@@ -110,7 +116,8 @@ def mode_from(cfg: ModeConfig, drafter=True):
     return decode_mode(cfg.plain, cfg.tree, cfg.draft_tokens, cfg.top_k_draft, cfg.depth, cfg.tree_tokens, drafter)
 
 
-def engine_from(t, d, max_len: int, cfg: EngineConfig):
+def engine_from(t, d, max_len: int, cfg: EngineConfig, modes=()):
+    """`build_engine` from the engine flags; `modes`: the decode modes the command will run."""
     return build_engine(
         t,
         d,
@@ -122,4 +129,5 @@ def engine_from(t, d, max_len: int, cfg: EngineConfig):
         cfg.kernels,
         cfg.kernel_rows,
         cfg.prefill_graphs,
+        modes,
     )

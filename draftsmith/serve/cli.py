@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
             limit = min(max_positions(t), 4096) if max_model_len is None else max_model_len
             if limit < 2:
                 raise DraftsmithError(f"--max-model-len {limit}: must be >= 2")
-            eng = engine_from(t, d, limit + dm.cache_need + 2, engine)
+            eng = engine_from(t, d, limit + dm.cache_need + 2, engine, modes=(dm,))
             if capture_to is not None:  # before the graphs are captured: the recording is part of every round
                 try:
                     eng.set_state_recording(True)

@@ -159,8 +159,9 @@ def test_pipeline_checks_eval_settings_before_any_stage_runs():
 
 
 def test_kernel_rows_auto_follows_the_hidden_size():
-    """--kernel-rows 0 (the default): the T-row kernels (8 rows) with --kernels triton on a small, launch-bound target
-    (hidden <= 1,024), cuBLAS verifies (1) on a large one or with the torch kernels."""
+    """--kernel-rows 0 (the default): the T-row kernels (8 rows, or a longer chain's verify up to 16) with --kernels
+    triton on a small, launch-bound target (hidden <= 1,024), cuBLAS verifies (1) on a large one or with the torch
+    kernels."""
     from types import SimpleNamespace
 
     from draftsmith.decode.config import AUTO_KERNEL_ROWS, AUTO_KERNEL_ROWS_MAX_HIDDEN
@@ -173,6 +174,17 @@ def test_kernel_rows_auto_follows_the_hidden_size():
     assert auto_kernel_rows(target(AUTO_KERNEL_ROWS_MAX_HIDDEN), "triton") == 8
     assert auto_kernel_rows(target(4096), "triton") == 1
     assert auto_kernel_rows(target(384), "torch") == 1
+    # a longer chain than the default rows cover: its whole verify through the row kernels, up to one tile of 16
+    from draftsmith.decode.config import AUTO_KERNEL_ROWS_FOR_CHAINS
+    from draftsmith.decode.engine import DecodeMode
+
+    chain = lambda k: DecodeMode("chain", draft_tokens=k)  # noqa: E731
+    tree = DecodeMode("tree", top_k=8, depth=6, tree_tokens=48)
+    assert auto_kernel_rows(target(384), "triton", (chain(4), tree, None)) == 8  # a tree verify keeps cuBLAS
+    assert auto_kernel_rows(target(384), "triton", (chain(8),)) == 9
+    assert auto_kernel_rows(target(384), "triton", (chain(6), chain(11))) == 12
+    assert auto_kernel_rows(target(384), "triton", (chain(30),)) == AUTO_KERNEL_ROWS_FOR_CHAINS == 16
+    assert auto_kernel_rows(target(4096), "triton", (chain(8),)) == 1
 
 
 def test_prefill_graphs_flag_reaches_the_engine(monkeypatch):
