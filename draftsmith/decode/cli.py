@@ -32,8 +32,9 @@ _CHAT_HELP = "Prompt format. " + (
 )
 _TUNE_HELP = (
     "Pick the mode by measurement: a short calibration (greedy, <= 64 new tokens) times plain decoding and a "
-    "handful of chain/tree shapes on this engine and uses the fastest, or plain decoding when none beats "
-    "it (and says so). Overrides --draft-tokens/--tree."
+    "handful of chain/tree shapes on this engine; settings within 10 % of each other (or of plain) are timed "
+    "again with up to 4x the tokens, and the fastest is used, or plain decoding when none beats it (and says "
+    "so). Overrides --draft-tokens/--tree."
 )
 _TUNE_PROMPTS_HELP = "Calibration prompts for --tune (any --prompts format; first 4 used). Default: the prompt(s)."
 _SAVE_TUNING_HELP = "Write the --tune choice and its measurements to FILE (JSON), for --tuning FILE later."
@@ -47,17 +48,21 @@ def _tuning_need() -> int:
 
 
 def _run_tune(eng, prompts, max_new_tokens: int, save_tuning: Optional[str], context: dict):
-    from draftsmith.decode.tuning import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, describe, tune
+    from draftsmith.decode.tuning import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, FINAL_TOKENS_FACTOR, describe, tune
 
     def show(row):
         from draftsmith.decode.engine import DecodeMode
 
         m = DecodeMode(**row["mode"])
         rt = "" if row["round_ms"] is None else f", {row['round_ms']:.2f} ms/round"
-        typer.secho(f"  calibrate {describe(m)}: {row['tok_s']:.1f} tok/s, tau {row['tau']:.2f}{rt}", err=True)
+        stage = "final (longer)" if row.get("stage") == 2 else "calibrate"
+        typer.secho(f"  {stage} {describe(m)}: {row['tok_s']:.1f} tok/s, tau {row['tau']:.2f}{rt}", err=True)
 
     try:
-        res = tune(eng, prompts[:CALIBRATION_PROMPTS], min(max_new_tokens, CALIBRATION_TOKENS), progress=show)
+        n = min(max_new_tokens, CALIBRATION_TOKENS)
+        # the close settings' second measurement: as many tokens as the engine's cache was sized for, at most 4x
+        final = min(max_new_tokens, FINAL_TOKENS_FACTOR * CALIBRATION_TOKENS)
+        res = tune(eng, prompts[:CALIBRATION_PROMPTS], n, progress=show, final_tokens=final)
     except ValueError as e:
         raise DraftsmithError(f"--tune: {e}") from None
     typer.secho(res.summary(), err=True, fg=typer.colors.CYAN)

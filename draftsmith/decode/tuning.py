@@ -4,8 +4,10 @@ Which setting wins depends on the target, the drafter, the device and the kernel
 wants a short chain; an 8B-class target deep trees; a CPU pays for every verify row), so `tune` measures instead
 of guessing: each candidate mode decodes the calibration prompts (greedy, one untimed pass first), and its decode
 rate (new tokens / wall time, prefill included), τ and time per round are recorded next to plain decoding's on
-the same engine. The fastest candidate wins only if it beats plain decoding; otherwise the choice is plain, so a
-tuned setting is never slower than plain decoding on the calibration prompts.
+the same engine. Settings that land close together (within FINAL_MARGIN of the fastest, or the fastest within it
+of plain) are measured again with FINAL_TOKENS_FACTOR times the tokens, plain with them, and that second measurement
+decides. The fastest candidate wins only if it beats plain decoding; otherwise the choice is plain, so a tuned
+setting is never slower than plain decoding on the calibration prompts.
 
     from draftsmith.decode.tuning import tune
     t = tune(engine, prompts[:4], max_new_tokens=64)
@@ -38,6 +40,13 @@ DEFAULT_CANDIDATES = (
 )
 CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 64
+# The second, longer measurement of close settings: 4 prompts x 64 tokens ranked chain K=4 within 3 % of K=6 on
+# pycode-small, and K=4 then ran 1.44x against K=6's 1.52x over 24 prompts x 200 tokens (BENCHMARKS.md, 2026-12-02
+# twelfth session): a short calibration cannot separate settings that close. Finalists: those within FINAL_MARGIN of
+# the fastest (at most FINALISTS), remeasured with plain at FINAL_TOKENS_FACTOR x the tokens.
+FINAL_MARGIN = 0.10
+FINALISTS = 3
+FINAL_TOKENS_FACTOR = 4
 
 
 @dataclass
@@ -47,7 +56,7 @@ class Tuning:
     mode: DecodeMode
     tok_s: float
     plain_tok_s: float
-    candidates: list[dict] = field(default_factory=list)  # one row per mode tried (plain first)
+    candidates: list[dict] = field(default_factory=list)  # one row per mode and stage measured (plain first)
     prompts: int = 0
     max_new_tokens: int = 0
 
@@ -59,10 +68,22 @@ class Tuning:
         if self.mode.kind == "plain":
             return (
                 f"tuned: plain decoding (no speculative setting beat it: plain {self.plain_tok_s:.1f} tok/s, "
-                f"best {max((c['tok_s'] for c in self.candidates[1:]), default=0.0):.1f})"
+                f"best {self._best_speculative():.1f})"
             )
         return (
             f"tuned: {describe(self.mode)}, {self.tok_s:.1f} tok/s = {self.speedup:.2f}x plain ({self.plain_tok_s:.1f})"
+        )
+
+    def _best_speculative(self) -> float:
+        """The fastest speculative row of the deciding (last) stage measured."""
+        last = max((int(c.get("stage", 1)) for c in self.candidates), default=1)
+        return max(
+            (
+                c["tok_s"]
+                for c in self.candidates
+                if int(c.get("stage", 1)) == last and (c.get("mode") or {}).get("kind") != "plain"
+            ),
+            default=0.0,
         )
 
     def to_json(self) -> dict:
@@ -173,9 +194,12 @@ def tune(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     progress=None,
+    final_tokens: int | None = None,
 ) -> Tuning:
     """Measure plain decoding and each candidate mode on `prompts` (use a few: calibration should be short) and
-    return the fastest, or plain when none beats it. Without a drafter the answer is plain."""
+    return the fastest, or plain when none beats it. Without a drafter the answer is plain. Close results (module
+    docstring) are measured again at `final_tokens` new tokens (default FINAL_TOKENS_FACTOR x max_new_tokens; none
+    when not more than max_new_tokens, or when no prompt fits the cache with them), which then decide. Each row has "stage" (1, 2)."""
     if not prompts:
         raise ValueError("tune needs at least one calibration prompt")
     sp = sampling or SamplingParams()
@@ -194,18 +218,42 @@ def tune(
     for n in sorted({len(p) for p in usable}):
         for m in warm:
             engine.generate(next(p for p in usable if len(p) == n), 1, sampling=sp, mode=m, seed=seed)
-    rows = [_measure(engine, usable, DecodeMode("plain"), sp, max_new_tokens, seed)]
-    if progress:
-        progress(rows[-1])
+
+    def measure(mode, prompts_, tokens, stage):
+        row = {**_measure(engine, prompts_, mode, sp, tokens, seed), "stage": stage}
+        if progress:
+            progress(row)
+        return row
+
+    rows = [measure(DecodeMode("plain"), usable, max_new_tokens, 1)]
     if engine.drafter is not None:
-        for m in cands:
-            rows.append(_measure(engine, usable, m, sp, max_new_tokens, seed))
-            if progress:
-                progress(rows[-1])
-    plain = rows[0]["tok_s"]
-    best = max(rows[1:], key=lambda r: r["tok_s"], default=None)
+        rows += [measure(m, usable, max_new_tokens, 1) for m in cands]
+    deciding = rows
+    finals = _finalists(rows)
+    n_final = FINAL_TOKENS_FACTOR * max_new_tokens if final_tokens is None else final_tokens
+    usable2 = [p for p in usable if len(p) + n_final + need <= engine.max_len]
+    if finals and n_final > max_new_tokens and usable2:  # (no longer than the first stage: nothing to add)
+        deciding = [measure(DecodeMode("plain"), usable2, n_final, 2)]
+        deciding += [measure(DecodeMode(**r["mode"]), usable2, n_final, 2) for r in finals]
+        rows += deciding
+    plain = deciding[0]["tok_s"]
+    best = max(deciding[1:], key=lambda r: r["tok_s"], default=None)
     if best is None or best["tok_s"] <= plain:
         chosen, tok_s = DecodeMode("plain"), plain
     else:
         chosen, tok_s = DecodeMode(**best["mode"]), best["tok_s"]
     return Tuning(chosen, tok_s, plain, rows, len(usable), max_new_tokens)
+
+
+def _finalists(rows: list[dict]) -> list[dict]:
+    """The first stage's candidate rows worth a second measurement (rows[0] is plain's), fastest first: those within
+    FINAL_MARGIN of the fastest, at most FINALISTS — when there are two or more, or the fastest is within the margin
+    of plain (the fallback decision is close too); else [] (the first stage decides)."""
+    ranked = sorted(rows[1:], key=lambda r: -r["tok_s"])
+    if not ranked:
+        return []
+    top = ranked[0]["tok_s"]
+    close = [r for r in ranked if r["tok_s"] >= (1 - FINAL_MARGIN) * top][:FINALISTS]
+    if len(close) > 1 or top < (1 + FINAL_MARGIN) * rows[0]["tok_s"]:
+        return close
+    return []

@@ -462,7 +462,48 @@ def test_tune_falls_back_to_plain_when_nothing_wins():
 
     res = tune(SlowRounds(), [[1, 2, 3]], max_new_tokens=16)
     assert res.mode.kind == "plain" and res.speedup == 1.0 and "plain decoding" in res.summary()
-    assert len(res.candidates) == 1 + len(DEFAULT_CANDIDATES)
+    # every candidate ties (all within the margin): plain and the first FINALISTS measured again, longer
+    from draftsmith.decode.tuning import FINAL_TOKENS_FACTOR, FINALISTS
+
+    stages = [c["stage"] for c in res.candidates]
+    assert stages == [1] * (1 + len(DEFAULT_CANDIDATES)) + [2] * (1 + FINALISTS)
+    assert all(c["new_tokens"] == 16 * FINAL_TOKENS_FACTOR for c in res.candidates if c["stage"] == 2)
+    assert len(tune(SlowRounds(), [[1, 2, 3]], max_new_tokens=16, final_tokens=16).candidates) == 8
+
+
+def test_tune_measures_close_settings_again_longer():
+    """Two settings within the margin after the short calibration: both measured again with 4x the tokens (and
+    plain with them), and the longer measurement decides — here it reverses the short ranking (the kind of reversal
+    that put chain K=4 ahead of K=6 on pycode-small). A clear winner is not measured again."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode.engine import DecodeMode
+    from draftsmith.decode.tuning import tune
+
+    k2, k4 = DecodeMode("chain", draft_tokens=2), DecodeMode("chain", draft_tokens=4)
+
+    class Engine:
+        max_len, drafter = 4096, object()
+
+        def __init__(self, short_k4):
+            self.short_k4 = short_k4
+
+        def warmup(self, mode, sp):
+            pass
+
+        def generate(self, p, n, sampling=None, mode=None, seed=0):
+            per_token = {"plain": 0.010, 2: 0.006, 4: self.short_k4 if n <= 16 else 0.004}
+            key = "plain" if mode.kind == "plain" else mode.draft_tokens
+            return SimpleNamespace(
+                token_ids=[1] * n, accepted=[0] * n, rounds=n, prefill_s=0.0, decode_s=n * per_token[key]
+            )
+
+    res = tune(Engine(short_k4=0.0062), [[1, 2, 3]], max_new_tokens=16, candidates=[k2, k4])
+    assert [c["stage"] for c in res.candidates] == [1, 1, 1, 2, 2, 2]
+    assert res.mode == k4 and res.tok_s == pytest.approx(1 / 0.004) and res.plain_tok_s == pytest.approx(100)
+    # far apart after the short calibration: no second stage
+    res = tune(Engine(short_k4=0.003), [[1, 2, 3]], max_new_tokens=16, candidates=[k2, k4])
+    assert [c["stage"] for c in res.candidates] == [1, 1, 1] and res.mode == k4
 
 
 def test_eval_tune_reports_tuned_and_certificate(app, drafter_dir, tmp_path):
