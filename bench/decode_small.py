@@ -67,8 +67,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     `lookahead`; only the speed section sees it), "alltail" (with the lookahead, a round always launched ahead, also
     the last of a length-bound generation: `lookahead_tail` off, the engine before 2026-12-02 thirteenth session),
     "unfused" (greedy drafts' argmax by torch after the lm_head gemv, not in its epilogue: `fused_draft_argmax` off,
-    the engine before 2026-12-02 thirteenth session), "nopfgraph" (prompts prefill eagerly, not padded to a length bucket
-    from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
+    the engine before 2026-12-02 thirteenth session), "nopfgraph" (prompts prefill eagerly, not padded to a length
+    bucket from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
     e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "ownpools" (each prefill graph its own memory pool, not one
     shared: `share_prefill_pool` off; the speed section's graph_mb column), "dotrows" (gemm_rows tuned over
     its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16)."""

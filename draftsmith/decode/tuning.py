@@ -199,7 +199,8 @@ def tune(
     """Measure plain decoding and each candidate mode on `prompts` (use a few: calibration should be short) and
     return the fastest, or plain when none beats it. Without a drafter the answer is plain. Close results (module
     docstring) are measured again at `final_tokens` new tokens (default FINAL_TOKENS_FACTOR x max_new_tokens; none
-    when not more than max_new_tokens, or when no prompt fits the cache with them), which then decide. Each row has "stage" (1, 2)."""
+    when not more than max_new_tokens, or when no prompt fits the cache with them), which then decide. Each row
+    has "stage" (1, 2)."""
     if not prompts:
         raise ValueError("tune needs at least one calibration prompt")
     sp = sampling or SamplingParams()
