@@ -502,6 +502,47 @@ def p2a(args, dev, dtype):
 
 
 @torch.no_grad()
+def row_kernel_table(eng, runner, engine_name: str) -> list[dict]:
+    """Per weight kind: the row kernels' tuned tile and time (from the engine's tuning), cuBLAS at the same rows and
+    the one-row gemv's tuned time, each also as the matrix's bytes over the time ÷ copy bandwidth."""
+    import torch.nn.functional as F
+
+    from draftsmith.decode import kernels as K
+
+    bw = copy_bandwidth(torch.device("cuda"), False)
+    out = []
+    for kind, (mats, _) in runner.gemv_kinds().items():
+        mine = [r for r in eng.kernel_tuning if r.get("matrix") == kind and r.get("us") is not None]
+        rows_t = [r for r in mine if "rows" in r]
+        gemv_t = [r for r in mine if "rows" not in r]
+        if not rows_t:
+            continue
+        best = min(rows_t, key=lambda r: r["us"])
+        T = best["rows"]
+        x = torch.randn(T, mats[0].shape[1], device=mats[0].device, dtype=mats[0].dtype)
+        cublas, _ = K._time_graph(lambda: [F.linear(x, w) for w in mats], len(mats), 10)
+        nbytes = mats[0].numel() * mats[0].element_size()
+        g = min((r["us"] for r in gemv_t), default=None)
+        frac = lambda us: nbytes / (us * 1e-6) / bw if us else None  # noqa: E731
+        out.append(
+            {
+                "engine": engine_name,
+                "matrix": kind,
+                "shape": f"{mats[0].shape[0]}x{mats[0].shape[1]} x{len(mats)}",
+                "rows": T,
+                "rows tile": "/".join(str(best[k]) for k in ("BLOCK_N", "BLOCK_K", "warps", "split")),
+                "rows us": best["us"],
+                "rows ÷ bw": frac(best["us"]),
+                "cuBLAS us": cublas,
+                "cuBLAS ÷ bw": frac(cublas),
+                "gemv 1-row us": g,
+                "gemv ÷ bw": frac(g),
+            }
+        )
+        log(f"row kernels {kind}: {out[-1]}")
+    return out
+
+
 def p2b(args, dev, dtype, runner, best):
     from draftsmith.drafter import Drafter, DrafterConfig
 
@@ -580,6 +621,7 @@ def p2b(args, dev, dtype, runner, best):
         ("triton", impl, r) for r in args.kernel_rows if r > 1 and "triton" in kernels for impl in args.attn_impls
     ]
     graphs = None
+    rows_kernels = []
     for kn, impl, krows in combos:
         eng = SpeculativeDecoder(
             runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows
@@ -587,6 +629,8 @@ def p2b(args, dev, dtype, runner, best):
         plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
+        if krows > 1 and dev.type == "cuda":
+            rows_kernels += row_kernel_table(eng, runner, pname)
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
         for mode, tau in settings:
             if left(args.budget + 60) < 15:
@@ -643,6 +687,7 @@ def p2b(args, dev, dtype, runner, best):
         )
     RESULTS["sections"]["P2b"] = {
         "rows": rows,
+        "row_kernels": rows_kernels,
         "cuda_graphs": graphs,
         "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()},
     }
@@ -703,6 +748,17 @@ def p2b(args, dev, dtype, runner, best):
                 f"- {r['mode']} {r['kernels']} top: "
                 + "; ".join(f"{nm[:50]} x{cnt} {ms:.3f} ms" for nm, cnt, ms in r["census"]["top"][:8])
             )
+    if rows_kernels:
+        LINES.append(
+            "\nThe row kernels (experimental.gemm_rows) per weight kind, as the engine's tuning timed them (every "
+            "layer's matrix, one CUDA graph; us a matrix at the tuned width), next to cuBLAS (F.linear) at the same "
+            "rows and the one-row gemv; ÷ bw = the matrix's bytes over the time, as a fraction of copy bandwidth:\n"
+        )
+        cols = list(rows_kernels[0])
+        LINES.append("| " + " | ".join(cols) + " |")
+        LINES.append("|" + "---|" * len(cols))
+        for r in rows_kernels:
+            LINES.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
     LINES.append(
         f"\nt_plain (fastest plain step of all engines above) = {t_plain * 1e3:.2f} ms; break-even τ against it. "
         "own plain: the plain step of the row's own engine (same kernels, attention, compile)."

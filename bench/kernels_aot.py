@@ -158,9 +158,15 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "nw_ptr": p,
         "b_ptr": p,
         "r_ptr": p,
+        "part_ptr": "*fp32",
+        "cnt_ptr": "*i32",
+        "ssq_in_ptr": "*fp32",
+        "ssq_out_ptr": "*fp32",
         "T": "i32",
         "N": "i32",
         "K": "i32",
+        "K_SPLIT": "i32",
+        "n_ssq": "i32",
         "stride_x": "i32",
         "stride_w": "i32",
         "eps": "fp32",
@@ -174,6 +180,10 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "IEEE": "constexpr",
         "FMA": "constexpr",
         "ONE_K": "constexpr",
+        "SPLIT": "constexpr",
+        "HAS_SSQ": "constexpr",
+        "WANT_SSQ": "constexpr",
+        "SSQ_BLOCK": "constexpr",
         "USE_PDL": "constexpr",
     }
     rows_kinds = {
@@ -183,18 +193,24 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
     }
     rows_tile = K.KernelConfig()  # gemm_rows's default tile (the runner's unless a benchmark passes another)
-    default = (rows_tile.rows_block_n, rows_tile.rows_block_k, rows_tile.rows_num_warps)
+    default = G._tile4((rows_tile.rows_block_n, rows_tile.rows_block_k, rows_tile.rows_num_warps))
     # the default tile at 16 and 64 rows (with and without PDL), and every tile of the sweep `tune_rows` may pick
-    # at 16 rows (a chain verify's)
+    # at 16 rows (a chain verify's; the split-K tiles at 64, a tree verify's)
     variants = [(16, False, default), (64, False, default), (64, True, default)]
     if rows_sweep:
-        variants += [(16, True, t) for t in rows_tile.rows_sweep if t != default]
+        variants += [(16, True, G._tile4(t)) for t in rows_tile.rows_sweep]
+        variants += [(64, True, G._tile4(t)) for t in rows_tile.rows_split_sweep]
+        variants = [v for i, v in enumerate(variants) if v not in variants[:i]]
     for kind, flags in rows_kinds.items():
-        for bm, pdl, (bn, bk, nw) in variants:
+        for bm, pdl, (bn, bk, nw, sp) in variants:
             fma = bn < 16  # gemm_rows launches these tiles with the CUDA-core products, FMA_BLOCK_M rows a program
             bm = min(bm, G.FMA_BLOCK_M) if fma else bm
+            k = inter if kind == "down" else H
+            # the producer/consumer sums of squares as the rows plan passes them at this hidden size
+            ssq = H >= G.SSQ_MIN_K
             yield (
-                f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{' pdl' if pdl else ''}{' fma' if fma else ''}",
+                f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{f' split{sp}' if sp > 1 else ''}"
+                f"{' pdl' if pdl else ''}{' fma' if fma else ''}",
                 G._rows_kernel,
                 rows_sig,
                 dict(
@@ -205,11 +221,28 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                     BLOCK_K=bk,
                     IEEE=dtype == "fp32",
                     FMA=fma,
-                    ONE_K=bk >= (inter if kind == "down" else H),  # the launcher's rule for this shape's K
+                    ONE_K=bk >= k,  # the launcher's rule for this shape's K
+                    SPLIT=sp,
+                    HAS_SSQ=ssq and flags["HAS_NORM"] and bk < k,
+                    WANT_SSQ=ssq and flags["HAS_RES"],
+                    SSQ_BLOCK=1 << (H // 16 - 1).bit_length(),
                     USE_PDL=pdl,
                 ),
                 nw,
-                ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_x", "stride_w"],
+                [
+                    "x_ptr",
+                    "w_ptr",
+                    "y_ptr",
+                    "nw_ptr",
+                    "b_ptr",
+                    "r_ptr",
+                    "part_ptr",
+                    "N",
+                    "K",
+                    "K_SPLIT",
+                    "stride_x",
+                    "stride_w",
+                ],
             )
     rope_sig = {
         "qkv_ptr": p,
@@ -434,7 +467,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rows-sweep",
         action="store_true",
-        help="also every gemm_rows tile of KernelConfig.rows_sweep (16 rows, PDL): what tune_rows may pick",
+        help="also every gemm_rows tile of KernelConfig.rows_sweep (16 rows, PDL) and rows_split_sweep (64 rows): what "
+        "tune_rows may pick",
     )
     ap.add_argument(
         "--gemv-sweep-without-pdl",

@@ -74,20 +74,39 @@ ROWS_CONFIGS = (
     (8, 256, 8),
 )
 
+# The tiles `tune_rows` times instead for a matrix of at least `gemm_rows.SSQ_MIN_K` inputs (an 8B verify's 49 rows):
+# (BLOCK_N, BLOCK_K, num_warps, split). A wide tile keeps the rows' x (re-read by every program from L2, BLOCK_M x
+# BLOCK_K a step) well under its weights (BLOCK_N x BLOCK_K), and the K splits (split-K) give a large matrix's few
+# wide tiles enough programs to stream it. Separate from ROWS_CONFIGS so that a small target's tuning compiles no
+# more tiles than before.
+ROWS_SPLIT_CONFIGS = (
+    (32, 128, 4, 1),
+    (64, 128, 4, 1),
+    (128, 128, 8, 1),
+    (64, 128, 4, 2),
+    (64, 128, 4, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 4),
+    (128, 64, 8, 8),
+    (256, 64, 8, 4),
+    (256, 64, 8, 8),
+)
+
 
 @dataclass
 class KernelConfig:
     """How the decode kernels are launched.
 
     block_n, block_k, num_warps: the gemv tile for a shape `gemv_tuned` has no entry for (BLOCK_N outputs per
-    program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps: the tile of
-    `kernels.gemm_rows` (experimental T-row matmuls). embed_fold: a drafter's first-layer qkv gemv
+    program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps, rows_split:
+    the tile of `kernels.gemm_rows` (experimental T-row matmuls; split: K ranges over programs, split-K). embed_fold: a drafter's first-layer qkv gemv
     gathers the token embedding and applies both input norms itself (`gemv`'s `embed`: two kernels fewer per draft
     step; off = the torch norms and cat before it, for A/B measurements). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
     off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
-    BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows
-    ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps), `experimental.gemm_rows.tune_rows`). tuned_us: a tuned
+    BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows (rows_split_sweep: its tiles for matrices of
+    at least gemm_rows.SSQ_MIN_K inputs)
+    ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps, split), `experimental.gemm_rows.tune_rows`). tuned_us: a tuned
     key of either -> its tile's microseconds a matrix when it was chosen (benchmarks report them). attn_plans: (S, n_kv, G, head_dim, dtype) ->
     (split_len, BLOCK_S, num_warps) of `kernels.decode_attention`, overriding its rule (benchmarks forcing a plan,
     `kernels.tune_attention(keep=True)`)."""
@@ -98,11 +117,13 @@ class KernelConfig:
     rows_block_n: int = 32
     rows_block_k: int = 128
     rows_num_warps: int = 4
+    rows_split: int = 1
     embed_fold: bool = True
     pdl: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
-    rows_sweep: tuple[tuple[int, int, int], ...] = ROWS_CONFIGS
+    rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS
+    rows_split_sweep: tuple[tuple[int, ...], ...] = ROWS_SPLIT_CONFIGS
     rows_tuned: dict = field(default_factory=dict)
     tuned_us: dict = field(default_factory=dict)
     attn_plans: dict = field(default_factory=dict)
@@ -113,4 +134,4 @@ class KernelConfig:
         return (self.block_n, self.block_k, self.num_warps, 0)
 
 
-__all__ = ["GEMV_CONFIGS", "KernelConfig", "ROWS_CONFIGS"]
+__all__ = ["GEMV_CONFIGS", "KernelConfig", "ROWS_CONFIGS", "ROWS_SPLIT_CONFIGS"]

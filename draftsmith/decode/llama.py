@@ -510,11 +510,11 @@ class LlamaFamilyForward(torch.nn.Module):
             for kind, (mats, kw) in self.gemv_kinds().items()
             for r in K.tune_gemv(mats, **kw, config=cfg)
         ]
-        # the row kernels' tile too, at the widest all-kernel width (<= 16 timed)
+        # the row kernels' tile too, at the widest all-kernel width (a tree verify's 49 rows take the tile of 64)
         if self._kernel_rows() > 1:
             from draftsmith.decode.experimental.gemm_rows import tune_rows
 
-            rows = min(self._kernel_rows(), 16)
+            rows = self._kernel_rows()
             for kind, (mats, kw) in self.gemv_kinds().items():
                 kw = dict(kw)
                 kw.pop("act_mul", None)  # the row plan never folds silu*up into down: into gate/up's epilogue

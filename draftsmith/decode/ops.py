@@ -320,18 +320,66 @@ class TritonStepOps(TorchOps):
 class TritonRowsOps(TritonStepOps):
     """The T-row step (`LlamaFamilyForward.triton_max_rows > 1`): the matmuls through `experimental.gemm_rows`, the
     attention through `kernels.rows_attention`; silu(gate) * up is folded into gate/up's epilogue (glu), never into
-    down's prologue."""
+    down's prologue.
+
+    From `gemm_rows.SSQ_MIN_K` hidden features on, the residual stream's producers (o with its residual, down with
+    its residual) also return each row's sum of squares per output tile, and the next norm-folding matmul (gate/up,
+    the next layer's q/k/v, the lm_head) takes the norm from them: a split-K matmul's programs would otherwise each
+    read the rows' whole x for it. Handed from op to op with the tensor it describes (`_ssq`, matched by identity:
+    a row selection before the lm_head, or the first layer's embedding, gets none and reads x)."""
 
     name = "triton_rows"
     one_row = False
+
+    def __init__(self, f, routed: frozenset, rows: int = 1):
+        super().__init__(f, routed, rows)
+        from draftsmith.decode.experimental.gemm_rows import SSQ_MIN_K
+
+        self.ssq_on = f.hidden_size >= SSQ_MIN_K
+        self._ssq = None  # (the tensor, its ssq) of the last producer in this forward
 
     def _launcher(self):
         from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
         return gemm_rows
 
+    def prepare(self, mask, positions, slots):
+        self._ssq = None
+        return super().prepare(mask, positions, slots)
+
+    def _ssq_of(self, h):
+        return self._ssq[1] if self._ssq is not None and self._ssq[0] is h else None
+
+    def _produce(self, x, w, bias, residual):
+        """x @ w^T + bias + residual, the new residual stream; its ssq kept for the next norm."""
+        if not self.ssq_on:
+            return self.lin(x, w, bias=bias, residual=residual)
+        y, ssq = self.lin(x, w, bias=bias, residual=residual, want_ssq=True)
+        self._ssq = (y, ssq)
+        return y
+
     def _attention_kernel(self, q, kc, vc, mask, slots, S):
         return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
+
+    def _qkv_kernel(self, h, L):
+        return self.lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0], row_ssq=self._ssq_of(h))
+
+    def _o_proj_kernel(self, o, h, L):
+        return self._produce(o, L.o, L.o_bias, h)
+
+    def _gate_up_kernel(self, h, L):
+        return self.lin(
+            h, L.gate_up[0], L.post_norm, self.eps, bias=L.gate_up_bias[0], glu=self.glu, row_ssq=self._ssq_of(h)
+        )
+
+    def _down_kernel(self, gu, h, L):
+        return self._produce(gu, L.down, L.down_bias, h)
+
+    def _lm_head_kernel(self, hs):
+        ssq, self._ssq = self._ssq_of(hs), None  # the forward's last op: nothing kept past it
+        if hs.shape[0] <= self.rows:
+            return self.lin(hs, self.f.lm_head, self.f.norm, self.eps, row_ssq=ssq).float()
+        return TorchOps.lm_head(self, hs)
 
 
 __all__ = [

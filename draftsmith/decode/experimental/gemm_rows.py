@@ -61,15 +61,17 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _rows_first_block(w_ptr, N, K, stride_w, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """This program's outputs and their first K block of weights (with GLU also the up rows, N rows below the
-        gate rows; else w2 is w), loaded before the PDL wait: no kernel writes the weights."""
+    def _rows_first_block(
+        w_ptr, N, k_lo, k_hi, stride_w, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """This program's outputs and their first K block of weights (of its K range [k_lo, k_hi); with GLU also the
+        up rows, N rows below the gate rows; else w2 is w), loaded before the PDL wait: no kernel writes the weights."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         row = rn.to(tl.int64) * stride_w
         row2 = (rn + N).to(tl.int64) * stride_w
-        rk = tl.arange(0, BLOCK_K)
-        k_ok = rk < K
+        rk = k_lo + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_hi
         w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         w2 = w
         if GLU:
@@ -84,9 +86,15 @@ if triton is not None:
         nw_ptr,
         b_ptr,
         r_ptr,
+        part_ptr,
+        cnt_ptr,
+        ssq_in_ptr,
+        ssq_out_ptr,
         T,
         N,
         K,
+        K_SPLIT,
+        n_ssq,
         stride_x,
         stride_w,
         eps,
@@ -100,6 +108,10 @@ if triton is not None:
         IEEE: tl.constexpr,
         FMA: tl.constexpr,
         ONE_K: tl.constexpr,
+        SPLIT: tl.constexpr,
+        HAS_SSQ: tl.constexpr,
+        WANT_SSQ: tl.constexpr,
+        SSQ_BLOCK: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
@@ -108,32 +120,46 @@ if triton is not None:
         a 384-wide matrix in tl.dot tiles of 16 is 24 programs on a 132-SM GPU, in tiles of 2-8 it is 48-192, as
         the one-row step runs it). Like the gemv, the first K block of weights loads before the PDL wait (no kernel
         writes them), so on a small target (one K block: a wide BLOCK_K) the whole weight read overlaps the previous
-        kernel's tail."""
+        kernel's tail.
+
+        SPLIT > 1 (split-K, grid axis 2): each program sums K_SPLIT inputs into fp32 partials (`part_ptr`,
+        [SPLIT, 1 or 2, T, N]); the program of an output tile that arrives last (a counter per tile, acq_rel
+        atomics, reset by it) adds them in split order — the same sum whichever program is last — and applies the
+        folds. A wide tile (many outputs per program keeps the rows' x reads, from L2, well under the weights')
+        leaves too few programs to stream a large matrix; the splits restore them.
+        HAS_SSQ: the rows' sums of squares arrive as `ssq_in_ptr` [n_ssq, T] (per output tile of the kernel that
+        wrote x: WANT_SSQ stores them) instead of every program reading the rows' whole x for the norm — with
+        split-K, ~T * K * 2 bytes of L2 reads per program would outweigh its weights."""
         if USE_PDL:
             gdc_launch_dependents()
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < T
         out_ty = y_ptr.dtype.element_ty
         xrow = rm.to(tl.int64) * stride_x
-        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(w_ptr, N, K, stride_w, GLU, BLOCK_N, BLOCK_K)
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(w_ptr, N, k_lo, k_hi, stride_w, GLU, BLOCK_N, BLOCK_K)
         if USE_PDL:
             gdc_wait()  # x and the residual are the previous kernels' outputs
-        if ONE_K and HAS_NORM:  # the whole row is one block: its 1/rms from the same load, not a second pass
+        if ONE_K and HAS_NORM and not HAS_SSQ:  # the whole row is one block: its 1/rms from the same load
             xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             xf = xv.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-            xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+            xv = _rows_apply_norm(xv, rstd, nw_ptr, rk, k_ok, HAS_NORM, out_ty)
         else:
-            rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
-            # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= K)
+            if HAS_SSQ:
+                rstd = _rows_rstd_given(ssq_in_ptr, n_ssq, T, rm, m_ok, K, eps, SSQ_BLOCK)
+            else:
+                rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
+            # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= the range)
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
         acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA), xv, w, IEEE, FMA)
         acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA)  # up's sums with GLU (else unused)
         if GLU:
             acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
+            k_ok = rk < k_hi
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _rows_mac(acc, xv, w, IEEE, FMA)
@@ -142,7 +168,77 @@ if triton is not None:
                 acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
         acc = _rows_sum(acc, FMA)
         acc2 = _rows_sum(acc2, FMA)
-        _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, rm, m_ok, rn, n_ok, N, HAS_BIAS, HAS_RES, GLU)
+        if SPLIT > 1:
+            _rows_split_end(
+                acc, acc2, part_ptr, cnt_ptr, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N,
+                HAS_BIAS, HAS_RES, GLU, WANT_SSQ, SPLIT,
+            )  # fmt: skip
+        else:
+            _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N, HAS_BIAS, HAS_RES, GLU,
+                        WANT_SSQ)  # fmt: skip
+
+    @triton.jit
+    def _rows_apply_norm(xv, rstd, nw_ptr, rk, k_ok, HAS_NORM: tl.constexpr, out_ty: tl.constexpr):
+        if HAS_NORM:
+            xv = _rms_apply(xv, rstd[:, None], tl.load(nw_ptr + rk, mask=k_ok, other=0.0)[None, :], out_ty)
+        return xv
+
+    @triton.jit
+    def _rows_rstd_given(ssq_ptr, n_ssq, T, rm, m_ok, K, eps, SSQ_BLOCK: tl.constexpr):
+        """Each row's 1/rms from the sums of squares the kernel that wrote x left per output tile ([n_ssq, T]),
+        added in tile order."""
+        js = tl.arange(0, SSQ_BLOCK)
+        ss = tl.load(ssq_ptr + js[:, None] * T + rm[None, :], mask=(js < n_ssq)[:, None] & m_ok[None, :], other=0.0)
+        return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+    @triton.jit
+    def _rows_split_end(
+        acc,
+        acc2,
+        part_ptr,
+        cnt_ptr,
+        y_ptr,
+        b_ptr,
+        r_ptr,
+        ssq_out_ptr,
+        rm,
+        m_ok,
+        rn,
+        n_ok,
+        T,
+        N,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+        WANT_SSQ: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
+        """Split-K's end: this split's partial sums to `part_ptr`; the tile's last-arriving program adds all
+        SPLIT partials in split order and stores the outputs with the folds (`_rows_store`)."""
+        G: tl.constexpr = 2 if GLU else 1
+        cell = rm[:, None] * N + rn[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        plane = T * N
+        base = part_ptr + tl.program_id(2).to(tl.int64) * (G * plane)
+        tl.store(base + cell, acc, mask=ok)
+        if GLU:
+            tl.store(base + plane + cell, acc2, mask=ok)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        # every thread's stores before the one atomic (a CTA barrier), whose acq_rel at GPU scope publishes them to
+        # the last program's loads (from L2, not a possibly stale L1: .cg) — as `kernels._argmax_epilogue`
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            s_acc = tl.zeros_like(acc)
+            s_acc2 = tl.zeros_like(acc2)
+            for s in tl.static_range(SPLIT):
+                p = part_ptr + s * (G * plane)
+                s_acc += tl.load(p + cell, mask=ok, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    s_acc2 += tl.load(p + plane + cell, mask=ok, other=0.0, cache_modifier=".cg")
+            _rows_store(s_acc, s_acc2, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N, HAS_BIAS, HAS_RES,
+                        GLU, WANT_SSQ)  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -166,16 +262,21 @@ if triton is not None:
         y_ptr,
         b_ptr,
         r_ptr,
+        ssq_out_ptr,
         rm,
         m_ok,
         rn,
         n_ok,
+        T,
         N,
         HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr,
         GLU: tl.constexpr,
+        WANT_SSQ: tl.constexpr,
     ):
-        """The folds after the matmul, as `_gemv_kernel` rounds them: bias, silu(gate) * up (acc2: up), residual."""
+        """The folds after the matmul, as `_gemv_kernel` rounds them: bias, silu(gate) * up (acc2: up), residual.
+        WANT_SSQ: also each row's sum of squares of the stored outputs of this tile, at ssq_out[program_id(0), row]
+        (what the next norm-folding gemm_rows reads instead of the whole rows)."""
         out_ty = y_ptr.dtype.element_ty
         y = acc
         if HAS_BIAS:
@@ -190,6 +291,9 @@ if triton is not None:
         if HAS_RES:
             y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + out, y.to(out_ty), mask=ok)
+        if WANT_SSQ:
+            yr = tl.where(ok, y.to(out_ty).to(tl.float32), 0.0)
+            tl.store(ssq_out_ptr + tl.program_id(0) * T + rm, tl.sum(yr * yr, axis=1), mask=m_ok)
 
 
 # Shared memory a launch may take for its pipelined (x, w) K blocks: under the H100/H200's 227 KB with room for the
@@ -215,6 +319,37 @@ def _rows_key(N, K, dtype, norm_weight, bias, residual, glu) -> tuple:
     return (int(N), int(K), str(dtype), norm_weight is not None, bias is not None, residual is not None, bool(glu))
 
 
+# Past this many inputs a norm-folding gemm_rows takes its rows' sums of squares from the kernel that wrote them
+# (`row_ssq`, `want_ssq`; `ops.TritonRowsOps` passes them): below it the rows fit one K block of the tile and their
+# norm comes from the same load for free (a small target's verify is unchanged by it).
+SSQ_MIN_K = 2048
+
+# Split-K (`gemm_rows(split=)`, a 4th tile field): the arrival counters, one per output tile, zero between launches
+# (each launch's last program per tile resets its own). Kept for the process per device — a CUDA graph bakes their
+# address in — and made at the first split launch, which the tuner's eager launches make before any capture.
+ROWS_MAX_TILES = 1 << 16
+_ROWS_CNT: dict = {}
+
+
+def _rows_counters(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters on `device`. One launch at a time uses them: launches on one stream run in
+    order (PDL included: a program touches them only after its wait on the previous kernel)."""
+    cnt = _ROWS_CNT.get(device)
+    if cnt is None:
+        cnt = _ROWS_CNT[device] = torch.zeros(ROWS_MAX_TILES, dtype=torch.int32, device=device)
+    return cnt
+
+
+def _splits(K: int, block_k: int, split: int) -> bool:
+    """Whether K in BLOCK_K blocks divides into `split` non-empty ranges as gemm_rows cuts them."""
+    return triton.cdiv(K, triton.cdiv(triton.cdiv(K, block_k), split) * block_k) == split
+
+
+def _tile4(tile) -> tuple[int, int, int, int]:
+    """A rows tile as (BLOCK_N, BLOCK_K, num_warps, split): the 3-field tiles of before split-K are split 1."""
+    return tuple(tile) if len(tile) == 4 else (*tile, 1)
+
+
 def gemm_rows(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -227,13 +362,22 @@ def gemm_rows(
     block_k: int | None = None,
     num_warps: int | None = None,
     config: KernelConfig | None = None,
-) -> torch.Tensor:
+    split: int | None = None,
+    row_ssq: torch.Tensor | None = None,
+    want_ssq: bool = False,
+):
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
-    `config`'s rows tile. Traced by torch.compile: the `draftsmith::gemm_rows` operator."""
+    `config`'s rows tile. Traced by torch.compile: the `draftsmith::gemm_rows` operator.
+
+    split: K in that many ranges over programs (split-K; their fp32 partials added in range order by the last
+    program of each output tile), else the tile's. want_ssq: return (y, ssq), ssq [n_tiles, T] fp32 each output
+    tile's sum of squares of y's rows; row_ssq: such an ssq of x (its rows' norm from it, not from reading x
+    whole: what keeps a split-K norm fold cheap). Under tracing neither is used (ssq None; the norm reads x)."""
     _need()
-    if _tracing() and block_n is None and block_k is None and num_warps is None:
-        return _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
+    if _tracing() and block_n is None and block_k is None and num_warps is None and split is None:
+        y = _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
+        return (y, None) if want_ssq else y
     cfg = config if config is not None else KernelConfig()
     x = x.reshape(-1, x.shape[-1])
     T, K = x.shape
@@ -246,28 +390,43 @@ def gemm_rows(
     if x.stride(1) != 1:
         x = x.contiguous()
     tile = cfg.rows_tuned.get(_rows_key(N, K, x.dtype, norm_weight, bias, residual, glu))
-    bn0, bk0, nw0 = tile or (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps)
-    bn, bk, nw = block_n or bn0, block_k or bk0, num_warps or nw0
+    bn0, bk0, nw0, sp0 = _tile4(tile or (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps, cfg.rows_split))
+    bn, bk, nw, sp = block_n or bn0, block_k or bk0, num_warps or nw0, split or sp0
+    fma = bn < 16  # a gemv-like tile: the CUDA-core products, rows in blocks of at most FMA_BLOCK_M (grid axis 1)
+    bm = min(FMA_BLOCK_M, triton.next_power_of_2(T)) if fma else max(16, triton.next_power_of_2(T))
+    grid_n, grid_m = triton.cdiv(N, bn), triton.cdiv(T, bm)
+    # K per split in whole blocks; the splits actually launched (rounding can leave fewer than asked, never empty)
+    k_split = triton.cdiv(triton.cdiv(K, bk), max(1, int(sp))) * bk
+    sp = triton.cdiv(K, k_split)
+    if sp > 1 and grid_n * grid_m > ROWS_MAX_TILES:
+        k_split, sp = K, 1
+    if sp == 1:
+        k_split = K
+    if row_ssq is not None and (row_ssq.dim() != 2 or row_ssq.shape[1] != T or row_ssq.dtype != torch.float32):
+        raise ValueError(f"gemm_rows: row_ssq {tuple(row_ssq.shape)} {row_ssq.dtype} is not [tiles, {T}] float32")
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
-    args = (
+    part = torch.empty(sp, 2 if glu else 1, T, N, dtype=torch.float32, device=x.device) if sp > 1 else dummy
+    ssq = torch.empty(grid_n, T, dtype=torch.float32, device=x.device) if want_ssq else None
+    _rows_kernel[(grid_n, grid_m, sp)](
         x,
         w,
         y,
         norm_weight if norm_weight is not None else dummy,
         bias if bias is not None else dummy,
         residual.reshape(T, N).contiguous() if residual is not None else dummy,
+        part,
+        _rows_counters(x.device) if sp > 1 else dummy,
+        row_ssq if row_ssq is not None else dummy,
+        ssq if ssq is not None else dummy,
         T,
         N,
         K,
+        k_split,
+        row_ssq.shape[0] if row_ssq is not None else 0,
         x.stride(0),
         w.stride(0),
         float(eps),
-    )
-    fma = bn < 16  # a gemv-like tile: the CUDA-core products, rows in blocks of at most FMA_BLOCK_M (grid axis 1)
-    bm = min(FMA_BLOCK_M, triton.next_power_of_2(T)) if fma else max(16, triton.next_power_of_2(T))
-    _rows_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm))](
-        *args,
         HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
@@ -278,11 +437,15 @@ def gemm_rows(
         IEEE=x.dtype == torch.float32 or _INTERPRET,
         FMA=fma,
         ONE_K=bk >= K,
+        SPLIT=sp,
+        HAS_SSQ=row_ssq is not None and norm_weight is not None and bk < K,
+        WANT_SSQ=bool(want_ssq),
+        SSQ_BLOCK=triton.next_power_of_2(row_ssq.shape[0]) if row_ssq is not None else 1,
         num_warps=nw,
         num_stages=1 if fma else _rows_stages(bm, bn, bk, glu, x.element_size()),
         **_pdl(x, cfg.pdl),
     )
-    return y
+    return (y, ssq) if want_ssq else y
 
 
 def tune_rows(
@@ -297,7 +460,8 @@ def tune_rows(
     force: bool = False,
     config: KernelConfig | None = None,
 ) -> list[dict]:
-    """`kernels.tune_gemv` for gemm_rows: time every tile of `configs` (default `config.rows_sweep`) on `mats` with
+    """`kernels.tune_gemv` for gemm_rows: time every tile of `configs` (default `config.rows_sweep`, or
+    `config.rows_split_sweep` from SSQ_MIN_K inputs on) on `mats` with
     `rows` tokens and keep the fastest in `config.rows_tuned` (the default tile is among those timed, so the choice is
     never slower than it at tuning time). One row per tile; [] when tuned before (unless `force`) or on the CPU."""
     from draftsmith.decode.kernels import sweep_tiles
@@ -314,18 +478,25 @@ def tune_rows(
     key = _rows_key(N, K, w0.dtype, norm_weight, bias, r, glu)
     if key in cfg.rows_tuned and not force:
         return []
-    sweep = list(configs or cfg.rows_sweep)
-    default = (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps)
+    # split tiles whose K ranges would round to fewer splits than asked time another tile: dropped
+    configs = configs or (cfg.rows_split_sweep if K >= SSQ_MIN_K else cfg.rows_sweep)
+    sweep = [_tile4(t) for t in configs if _tile4(t)[3] == 1 or _splits(K, *_tile4(t)[1::2])]
+    default = (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps, cfg.rows_split)
     if default not in sweep:
         sweep.append(default)
+    # the norm's rows sums of squares as the forward passes them past SSQ_MIN_K (a producer's ssq)
+    ssq = torch.rand(8, rows, device=w0.device) * K if norm_weight is not None and K >= SSQ_MIN_K else None
 
     def launch(tile):
-        bn, bk, nw = tile
+        bn, bk, nw, sp = tile
         for w in mats:
-            gemm_rows(x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw)
+            gemm_rows(
+                x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw, split=sp,
+                row_ssq=ssq,
+            )  # fmt: skip
 
     out = sweep_tiles(
-        sweep, ("BLOCK_N", "BLOCK_K", "warps"), launch, len(mats), reps, cfg.rows_tuned, key, cfg.tuned_us
+        sweep, ("BLOCK_N", "BLOCK_K", "warps", "split"), launch, len(mats), reps, cfg.rows_tuned, key, cfg.tuned_us
     )
     return [{**row, "rows": rows} for row in out]
 
@@ -350,4 +521,4 @@ if triton is not None:
         return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
 
-__all__ = ["ROWS_MAX", "gemm_rows", "tune_rows"]
+__all__ = ["ROWS_MAX", "SSQ_MIN_K", "gemm_rows", "tune_rows"]

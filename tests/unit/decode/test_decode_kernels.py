@@ -526,6 +526,103 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
         gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("glu", [False, True], ids=["norm-bias-res", "norm-glu"])
+def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
+    """Split-K (K in ranges over programs, the last program of an output tile adding the fp32 partials in range
+    order): fp32 against F.linear with the folds; bf16 against the unsplit launch of the same tile (the same
+    roundings, the products summed in another order). A second launch gives the same outputs (every tile's
+    arrival counter is back at zero), and splits that K's blocks cannot fill are launched as fewer."""
+    from draftsmith.decode.experimental import gemm_rows as G
+
+    g = torch.Generator().manual_seed(split)
+    T, K, N = 33, 300, 40
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    b = torch.randn(2 * N, generator=g).to(DEV, dtype)
+    n_out = N if glu else 2 * N
+    r = None if glu else torch.randn(T, n_out, generator=g).to(DEV, dtype)
+    kw = dict(bias=b, residual=r, glu=glu, block_n=16, block_k=64)
+    y = G.gemm_rows(x, w, nw, 1e-5, **kw, split=split)
+    assert y.shape == (T, n_out) and y.dtype == dtype
+    if dtype == torch.float32:
+        ref = F.linear(hf_rms_norm(x, nw, 1e-5), w, b)
+        if glu:
+            gate, up = ref.chunk(2, -1)
+            ref = F.silu(gate) * up
+        else:
+            ref = r + ref
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(y.float(), G.gemm_rows(x, w, nw, 1e-5, **kw, split=1).float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(G.gemm_rows(x, w, nw, 1e-5, **kw, split=split), y)
+    assert not G._rows_counters(x.device).any()
+    assert G._splits(K, 64, 5) and not G._splits(K, 64, 4)  # 5 blocks: 4 ranges would be 2+2+1, i.e. 3
+    torch.testing.assert_close(G.gemm_rows(x, w, nw, 1e-5, **kw, split=4).float(), y.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gemm_rows_row_sums_of_squares():
+    """want_ssq: a producer's per-tile sums of squares of its stored rows add up to each row's sum of squares; a
+    norm-folding consumer given them (row_ssq) equals one that reads its rows whole, split or not, and one K block
+    (the rows' norm from the same load) ignores them."""
+    from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+    g = torch.Generator().manual_seed(3)
+    T, H, N = 9, 96, 40
+    o = torch.randn(T, H, generator=g).to(DEV)
+    wo = (torch.randn(H, H, generator=g) * 0.1).to(DEV)
+    h0 = torch.randn(T, H, generator=g).to(DEV)
+    h, ssq = gemm_rows(o, wo, residual=h0, block_n=16, block_k=32, split=2, want_ssq=True)
+    assert ssq.shape == (H // 16, T) and ssq.dtype == torch.float32
+    torch.testing.assert_close(ssq.sum(0), h.pow(2).sum(-1), atol=1e-4, rtol=1e-5)
+    nw = (torch.rand(H, generator=g) + 0.5).to(DEV)
+    w = (torch.randn(N, H, generator=g) * 0.1).to(DEV)
+    ref = F.linear(hf_rms_norm(h, nw, 1e-5), w)
+    for split in (1, 3):
+        y = gemm_rows(h, w, nw, 1e-5, block_n=16, block_k=32, split=split, row_ssq=ssq)
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    wrong = torch.ones_like(ssq)  # not this x's: a one-block tile must not read them
+    torch.testing.assert_close(gemm_rows(h, w, nw, 1e-5, block_n=16, block_k=128, row_ssq=wrong), ref)
+    with pytest.raises(ValueError, match="row_ssq"):
+        gemm_rows(h, w, nw, 1e-5, row_ssq=ssq[:, :4])
+
+
+def test_verify_forward_through_split_k_row_kernels_equals_torch_path(monkeypatch):
+    """The T-row step with split-K tiles and the norms' sums of squares handed from producer to consumer (forced on
+    for a tiny hidden size): the tree-verify forward equals the torch path, and the q/k/v of layers past the first,
+    every gate/up and the prefill's lm_head took the producer's sums."""
+    from draftsmith.decode.experimental import gemm_rows as G
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    calls = []
+    real = G.gemm_rows
+
+    def spy(*a, **kw):
+        calls.append(kw.get("row_ssq") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(G, "SSQ_MIN_K", 1)
+    monkeypatch.setattr(G, "gemm_rows", spy)
+
+    def configure(kf):
+        kf.kernel_config = KernelConfig(rows_block_n=16, rows_block_k=32, rows_split=2)
+        kf.kernels, kf.triton_max_rows = "triton", 64
+        assert kf.plan(7).ssq_on
+
+    assert_tree_verify_matches_torch(configure, DEV)
+    # per forward: layers x (qkv, o, gate/up, down) + lm_head; sums given to all norms but the first layer's q/k/v
+    # and the verify's lm_head over selected rows
+    n_layers = (len(calls) - 2) // 8
+    per = [True] * (4 * n_layers + 1)
+    for i in range(n_layers):
+        per[4 * i + 1] = per[4 * i + 3] = False  # o and down produce
+    per[0] = False
+    prefill, verify = calls[: len(per)], calls[len(per) :]
+    assert prefill == per and verify == per[:-1] + [False]
+
+
 def test_verify_forward_through_row_kernels_equals_torch_path():
     """A tree-verify-shaped forward (T=7 tokens, a non-causal mask) with triton_max_rows on: gemm_rows for the
     matmuls, rope_and_cache per token, rows_attention — logits, aux and both caches equal the torch path's."""
