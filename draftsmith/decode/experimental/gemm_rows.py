@@ -29,15 +29,22 @@ if triton is not None:
         return xv
 
     @triton.jit
-    def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr):
+    def _rows_mac(acc, xv, w, IEEE: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr = False):
         """acc [BLOCK_M, BLOCK_N] += xv [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T: one tl.dot (exact fp32 products for
         fp32); with FMA (tiles under tl.dot's 16, on the CUDA cores) acc is [BLOCK_M, BLOCK_N, BLOCK_K] and takes every
         row's products elementwise, as the gemv does for one row: `_rows_sum` reduces over K once, after the K loop
-        (a reduction per row, serialised, lost to tl.dot: docs/LOG.md)."""
+        (a reduction per row, serialised, lost to tl.dot: docs/LOG.md). SWAP: acc is [BLOCK_N, BLOCK_M] += w @ xv^T
+        (the weights as the MMA's M side, the rows as its N side, as cuBLAS tiles a few-row GEMM); `_rows_sum`
+        transposes it back."""
         # (one return after the branches: triton compiles the statements after a constexpr branch's return too, and
         # a tl.dot of the 3-D accumulator does not compile)
         if FMA:
             out = acc + xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif SWAP:
+            if IEEE:
+                out = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                out = tl.dot(w, tl.trans(xv), acc)
         elif IEEE:
             out = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -45,17 +52,27 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _rows_acc0(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
+    def _rows_acc0(
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        FMA: tl.constexpr,
+        SWAP: tl.constexpr = False,
+    ):
         if FMA:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        elif SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         return acc
 
     @triton.jit
-    def _rows_sum(acc, FMA: tl.constexpr):
+    def _rows_sum(acc, FMA: tl.constexpr, SWAP: tl.constexpr = False):
         if FMA:
             out = tl.sum(acc, axis=2)
+        elif SWAP:
+            out = tl.trans(acc)
         else:
             out = acc
         return out
@@ -113,6 +130,7 @@ if triton is not None:
         WANT_SSQ: tl.constexpr,
         SSQ_BLOCK: tl.constexpr,
         USE_PDL: tl.constexpr,
+        SWAP: tl.constexpr = False,
     ):
         """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
         weights read once for all of them; same folds and rounding as `_gemv_kernel`. The rows' products: one tl.dot
@@ -153,21 +171,21 @@ if triton is not None:
                 rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
             # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= the range)
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
-        acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA), xv, w, IEEE, FMA)
-        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA)  # up's sums with GLU (else unused)
+        acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP), xv, w, IEEE, FMA, SWAP)
+        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP)  # up's sums with GLU (else unused)
         if GLU:
-            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
+            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < k_hi
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _rows_mac(acc, xv, w, IEEE, FMA)
+            acc = _rows_mac(acc, xv, w, IEEE, FMA, SWAP)
             if GLU:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA)
-        acc = _rows_sum(acc, FMA)
-        acc2 = _rows_sum(acc2, FMA)
+                acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
+        acc = _rows_sum(acc, FMA, SWAP)
+        acc2 = _rows_sum(acc2, FMA, SWAP)
         if SPLIT > 1:
             _rows_split_end(
                 acc, acc2, part_ptr, cnt_ptr, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N,
@@ -365,6 +383,8 @@ def gemm_rows(
     split: int | None = None,
     row_ssq: torch.Tensor | None = None,
     want_ssq: bool = False,
+    swap: bool = False,
+    num_stages: int | None = None,
 ):
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
@@ -373,7 +393,9 @@ def gemm_rows(
     split: K in that many ranges over programs (split-K; their fp32 partials added in range order by the last
     program of each output tile), else the tile's. want_ssq: return (y, ssq), ssq [n_tiles, T] fp32 each output
     tile's sum of squares of y's rows; row_ssq: such an ssq of x (its rows' norm from it, not from reading x
-    whole: what keeps a split-K norm fold cheap). Under tracing neither is used (ssq None; the norm reads x)."""
+    whole: what keeps a split-K norm fold cheap). Under tracing neither is used (ssq None; the norm reads x).
+    swap (tl.dot tiles): the weights as the MMA's M side (`_rows_mac`); num_stages: the K loop's pipeline depth
+    (default: as many as ROWS_SMEM_BUDGET fits, at most 3) — both for benchmarks' sweeps."""
     _need()
     if _tracing() and block_n is None and block_k is None and num_warps is None and split is None:
         y = _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
@@ -441,8 +463,9 @@ def gemm_rows(
         HAS_SSQ=row_ssq is not None and norm_weight is not None and bk < K,
         WANT_SSQ=bool(want_ssq),
         SSQ_BLOCK=triton.next_power_of_2(row_ssq.shape[0]) if row_ssq is not None else 1,
+        SWAP=bool(swap) and not fma,
         num_warps=nw,
-        num_stages=1 if fma else _rows_stages(bm, bn, bk, glu, x.element_size()),
+        num_stages=1 if fma else (num_stages or _rows_stages(bm, bn, bk, glu, x.element_size())),
         **_pdl(x, cfg.pdl),
     )
     return (y, ssq) if want_ssq else y

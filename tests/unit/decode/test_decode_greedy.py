@@ -621,7 +621,7 @@ def test_padded_prefill_equals_eager_prefill(qwen3_overfit, mode):
             assert [x[0] for x in a.margins] == pytest.approx([x[0] for x in b.margins], abs=1e-4)
             assert ma == pytest.approx(mb, abs=1e-4)
             if mode.kind != "plain":
-                torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(ha, hb, atol=1e-4, rtol=1e-4)  # as the margins: summation order
     finally:
         eng.record_margins = False
         eng.prefill_graphs = False

@@ -532,7 +532,8 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
 def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
     """Split-K (K in ranges over programs, the last program of an output tile adding the fp32 partials in range
     order): fp32 against F.linear with the folds; bf16 against the unsplit launch of the same tile (the same
-    roundings, the products summed in another order). A second launch gives the same outputs (every tile's
+    roundings, the products summed in another order), also with the weights as the MMA's M side (swap). A second
+    launch gives the same outputs (every tile's
     arrival counter is back at zero), and splits that K's blocks cannot fill are launched as fewer."""
     from draftsmith.decode.experimental import gemm_rows as G
 
@@ -558,6 +559,9 @@ def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
     else:
         torch.testing.assert_close(y.float(), G.gemm_rows(x, w, nw, 1e-5, **kw, split=1).float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(G.gemm_rows(x, w, nw, 1e-5, **kw, split=split), y)
+    # the weights as the MMA's M side (swap) and a deeper pipeline: the same sums
+    ys = G.gemm_rows(x, w, nw, 1e-5, **kw, split=split, swap=True, num_stages=4)
+    torch.testing.assert_close(ys.float(), y.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=2e-2)
     assert not G._rows_counters(x.device).any()
     assert G._splits(K, 64, 5) and not G._splits(K, 64, 4)  # 5 blocks: 4 ranges would be 2+2+1, i.e. 3
     torch.testing.assert_close(G.gemm_rows(x, w, nw, 1e-5, **kw, split=4).float(), y.float(), atol=2e-2, rtol=2e-2)
