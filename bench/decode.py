@@ -504,7 +504,7 @@ def p2a(args, dev, dtype):
 @torch.no_grad()
 def row_kernel_table(eng, runner, engine_name: str) -> list[dict]:
     """Per weight kind: the row kernels' tuned tile and time (from the engine's tuning), cuBLAS at the same rows and
-    the one-row gemv's tuned time, each also as the matrix's bytes over the time ÷ copy bandwidth."""
+    the one-row gemv (no folds), each also as the matrix's bytes over the time ÷ copy bandwidth."""
     import torch.nn.functional as F
 
     from draftsmith.decode import kernels as K
@@ -514,7 +514,6 @@ def row_kernel_table(eng, runner, engine_name: str) -> list[dict]:
     for kind, (mats, _) in runner.gemv_kinds().items():
         mine = [r for r in eng.kernel_tuning if r.get("matrix") == kind and r.get("us") is not None]
         rows_t = [r for r in mine if "rows" in r]
-        gemv_t = [r for r in mine if "rows" not in r]
         if not rows_t:
             continue
         best = min(rows_t, key=lambda r: r["us"])
@@ -522,7 +521,8 @@ def row_kernel_table(eng, runner, engine_name: str) -> list[dict]:
         x = torch.randn(T, mats[0].shape[1], device=mats[0].device, dtype=mats[0].dtype)
         cublas, _ = K._time_graph(lambda: [F.linear(x, w) for w in mats], len(mats), 10)
         nbytes = mats[0].numel() * mats[0].element_size()
-        g = min((r["us"] for r in gemv_t), default=None)
+        # the one-row gemv (no folds) with the runner's tuned tiles: the plain step's rate for the same weights
+        g, _ = K._time_graph(lambda: [K.gemv(x[:1], w, config=runner.kernel_config) for w in mats], len(mats), 10)
         frac = lambda us: nbytes / (us * 1e-6) / bw if us else None  # noqa: E731
         out.append(
             {

@@ -185,6 +185,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "WANT_SSQ": "constexpr",
         "SSQ_BLOCK": "constexpr",
         "USE_PDL": "constexpr",
+        "SWAP": "constexpr",
     }
     rows_kinds = {
         "qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False),
@@ -199,7 +200,8 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
     variants = [(16, False, default), (64, False, default), (64, True, default)]
     if rows_sweep:
         variants += [(16, True, G._tile4(t)) for t in rows_tile.rows_sweep]
-        variants += [(64, True, G._tile4(t)) for t in rows_tile.rows_split_sweep]
+        if H >= G.SSQ_MIN_K:  # the tuner's rule: the split sweep for matrices of that many inputs
+            variants += [(64, True, G._tile4(t)) for t in rows_tile.rows_split_sweep]
         variants = [v for i, v in enumerate(variants) if v not in variants[:i]]
     for kind, flags in rows_kinds.items():
         for bm, pdl, (bn, bk, nw, sp) in variants:
@@ -227,6 +229,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                     WANT_SSQ=ssq and flags["HAS_RES"],
                     SSQ_BLOCK=1 << (H // 16 - 1).bit_length(),
                     USE_PDL=pdl,
+                    SWAP=False,
                 ),
                 nw,
                 [

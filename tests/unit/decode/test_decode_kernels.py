@@ -515,9 +515,11 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
         ]
         torch.testing.assert_close(y.float(), torch.cat(rows).float(), atol=1e-2, rtol=1e-2)
     # one K block (a small target's wide tile: the whole weight tile is the prefetched block) sums the same products
-    y1 = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu, block_k=512)
+    # (in fp32 a 64-row tile with both gate and up blocks of 512 would ask a GPU for 256 KB of shared memory)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(y1.float(), y.float(), atol=tol, rtol=tol)
+    if DEV == "cpu" or dtype != torch.float32 or T < 33:
+        y1 = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu, block_k=512)
+        torch.testing.assert_close(y1.float(), y.float(), atol=tol, rtol=tol)
     if T == 5 or (T == 33 and glu):  # (interpreted, this kernel is slow: the cases that cover its branches)
         # a gemv-like tile (fewer than 16 outputs: the CUDA-core kernel, rows in blocks of 8, K in three blocks)
         y2 = gemm_rows(x, w, nw, 1e-5, bias=b, residual=r, glu=glu, block_n=8, block_k=128)
