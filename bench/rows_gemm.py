@@ -27,6 +27,8 @@ import common  # noqa: E402
 # (BLOCK_N, BLOCK_K, num_warps): the tiles swept in both orientations and at each pipeline depth
 TILES = ((64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8), (128, 128, 8))
 STAGES = (3, 6)
+TILES_TMA = ((64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8))
+STAGES_TMA = (3, 5)
 SPLITS = (1, 2, 4, 8)
 # 8B (Llama-3.1-8B): kind -> (N rows of the weight, K, folds)
 KINDS_8B = {
@@ -51,6 +53,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=49, help="tokens of the verify (49: a tree of 48 nodes + 1)")
     ap.add_argument("--layers", type=int, default=8, help="copies of each matrix in one timed graph")
     ap.add_argument("--kinds", default="", help="comma-separated weight kinds (default: all)")
+    ap.add_argument(
+        "--variants",
+        default="rows,tma",
+        help="which kernels to sweep: rows (gemm_rows: tiles x orientation x stages x split), tma (gemm_rows_tma: "
+        "TMA-fed blocks, tiles x orientation x stages x warp specialisation x split)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (triton's interpreter)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -59,7 +67,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from draftsmith.decode import kernels as K
-    from draftsmith.decode.experimental.gemm_rows import _splits, gemm_rows
+    from draftsmith.decode.experimental.gemm_rows import _splits, gemm_rows, gemm_rows_tma
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -92,27 +100,52 @@ def main(argv=None) -> int:
             {"kind": kind, "variant": "cuBLAS F.linear", "us": us, "÷ bw": nbytes / us / 1e-6 / bw if us else None}
         )
         ref = F.linear(x, mats[0])
+        which = args.variants.split(",")
         variants = [
-            (swap, bn, bk, warps, stages, split)
+            ("rows", swap, bn, bk, warps, stages, split, False)
             for swap, (bn, bk, warps), stages in itertools.product((False, True), TILES, STAGES)
             for split in sorted({1, auto_split(-(-n_out // bn), -(-Kdim // bk), sms)})
-            if split == 1 or _splits(Kdim, bk, split)
+            if "rows" in which and (split == 1 or _splits(Kdim, bk, split))
+        ]
+        # TMA-fed: the weights as the MMA's M side (cuBLAS's orientation) with and without warp specialisation, and
+        # the rows' orientation; x is normed beforehand (no norm fold), so its time is the matmul's alone
+        variants += [
+            ("tma", swap, bn, bk, warps, stages, split, ws)
+            for (swap, ws), (bn, bk, warps), stages in itertools.product(
+                ((True, False), (True, True), (False, False)), TILES_TMA, STAGES_TMA
+            )
+            for split in sorted({1, auto_split(-(-n_out // bn), -(-Kdim // bk), sms)})
+            if "tma" in which and (split == 1 or _splits(Kdim, bk, split))
         ]
         if args.smoke:
-            variants = variants[:: max(1, len(variants) // 4)]
-        for swap, bn, bk, warps, stages, split in variants:
+            variants = variants[:: max(1, len(variants) // 6)]
+        for kern, swap, bn, bk, warps, stages, split, ws in variants:
             kw = dict(
                 bias=None, residual=res, glu=bool(folds.get("glu")), block_n=bn, block_k=bk, num_warps=warps,
-                split=split, swap=swap, num_stages=stages, row_ssq=ssq,
+                split=split, swap=swap, num_stages=stages,
             )  # fmt: skip
+            if kern == "rows":
+                kw["row_ssq"] = ssq
+
+                def launch(w, kw=kw):
+                    return gemm_rows(x, w, nw, 1e-5, **kw)
+            else:
+                kw["warp_specialize"] = ws
+
+                def launch(w, kw=kw):
+                    return gemm_rows_tma(x, w, **kw)
+
             try:
-                y = gemm_rows(x, mats[0], nw, 1e-5, **kw)
+                y = launch(mats[0])
                 if nw is None and res is not None:  # a check of the variant: o/down's folds are a residual add
                     torch.testing.assert_close(y.float(), (ref + res).float(), atol=5e-2, rtol=5e-2)
-                us, err = timed(lambda kw=kw: [gemm_rows(x, w, nw, 1e-5, **kw) for w in mats], L)
+                us, err = timed(lambda launch=launch: [launch(w) for w in mats], L)
             except Exception as e:  # noqa: BLE001 - a variant this GPU cannot run (shared memory) is a row
                 us, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:80] if str(e).strip() else ''}"
-            name = f"{'swap ' if swap else ''}{bn}/{bk}/{warps} stages {stages} split {split}"
+            name = (
+                f"{'tma ' if kern == 'tma' else ''}{'swap ' if swap else ''}{'ws ' if ws else ''}{bn}/{bk}/{warps} "
+                f"stages {stages} split {split}"
+            )
             rows.append({"kind": kind, "variant": name, "us": us, "÷ bw": nbytes / us / 1e-6 / bw if us else None,
                          "error": err})  # fmt: skip
             print(rows[-1], flush=True)

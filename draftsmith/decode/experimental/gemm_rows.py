@@ -314,6 +314,129 @@ if triton is not None:
             tl.store(ssq_out_ptr + tl.program_id(0) * T + rm, tl.sum(yr * yr, axis=1), mask=m_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _rows_tma_kernel(
+        x_desc,
+        w_desc,
+        y_ptr,
+        b_ptr,
+        r_ptr,
+        part_ptr,
+        cnt_ptr,
+        T,
+        N,
+        K,
+        K_SPLIT,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        GLU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        SWAP: tl.constexpr,
+        STAGES: tl.constexpr,
+        WS: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """`_rows_kernel` without the norm prologue, its x and weight blocks fed by the copy engine (TMA tensor
+        descriptors: rows past T and inputs past K read as zeros) through a `tl.range` pipeline of STAGES (WS: warp
+        specialisation, producer and consumer warps) — the way cuBLAS's few-row kernels stream weights. Grid and
+        split-K as `_rows_kernel` (axis 2: K ranges of K_SPLIT, a multiple of BLOCK_K, so no block crosses into the
+        next range)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        n0 = tl.program_id(0) * BLOCK_N
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        acc = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, False, SWAP)
+        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, False, SWAP)
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES, warp_specialize=WS):
+            xv = x_desc.load([0, k])
+            acc = _rows_mac(acc, xv, w_desc.load([n0, k]), IEEE, False, SWAP)
+            if GLU:
+                acc2 = _rows_mac(acc2, xv, w_desc.load([N + n0, k]), IEEE, False, SWAP)
+        acc = _rows_sum(acc, False, SWAP)
+        acc2 = _rows_sum(acc2, False, SWAP)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < T
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        if SPLIT > 1:
+            _rows_split_end(
+                acc, acc2, part_ptr, cnt_ptr, y_ptr, b_ptr, r_ptr, y_ptr, rm, m_ok, rn, n_ok, T, N,
+                HAS_BIAS, HAS_RES, GLU, False, SPLIT,
+            )  # fmt: skip
+        else:
+            _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, y_ptr, rm, m_ok, rn, n_ok, T, N, HAS_BIAS, HAS_RES, GLU, False)
+
+
+def gemm_rows_tma(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    glu: bool = False,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 4,
+    split: int = 1,
+    num_stages: int = 4,
+    swap: bool = True,
+    warp_specialize: bool = False,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """x [T, K] @ w^T (+ bias, silu(gate) * up with `glu`, + residual) for T <= ROWS_MAX through `_rows_tma_kernel`
+    (no norm fold: x is the normed rows). Experimental, for `bench/rows_gemm.py`'s comparison with cuBLAS; not on any
+    forward's path."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _need()
+    cfg = config if config is not None else KernelConfig()
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    T, K = x.shape
+    N = w.shape[0] // 2 if glu else w.shape[0]
+    if T > ROWS_MAX or w.shape[1] != K or w.stride(1) != 1 or (glu and w.shape[0] % 2):
+        raise ValueError(f"gemm_rows_tma: {T} rows of {K} features do not fit weight {tuple(w.shape)}")
+    bm = max(16, triton.next_power_of_2(T))
+    grid_n = triton.cdiv(N, block_n)
+    k_split = triton.cdiv(triton.cdiv(K, block_k), max(1, int(split))) * block_k
+    sp = triton.cdiv(K, k_split)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(sp, 2 if glu else 1, T, N, dtype=torch.float32, device=x.device) if sp > 1 else y
+    _rows_tma_kernel[(grid_n, 1, sp)](
+        TensorDescriptor.from_tensor(x, [bm, block_k]),
+        TensorDescriptor.from_tensor(w, [block_n, block_k]),
+        y,
+        bias if bias is not None else y,
+        residual.reshape(T, N).contiguous() if residual is not None else y,
+        part,
+        _rows_counters(x.device) if sp > 1 else y,
+        T,
+        N,
+        K,
+        k_split if sp > 1 else K,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        GLU=bool(glu),
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        SPLIT=sp,
+        SWAP=bool(swap),
+        STAGES=int(num_stages),
+        WS=bool(warp_specialize),
+        num_warps=num_warps,
+        **_pdl(x, cfg.pdl),
+    )
+    return y
+
+
 # Shared memory a launch may take for its pipelined (x, w) K blocks: under the H100/H200's 227 KB with room for the
 # epilogue. A wide fp32 tile (16 x 1024, the tests' reference dtype) takes 128 KB a stage: one stage, not triton's 3.
 ROWS_SMEM_BUDGET = 200 * 1024
@@ -544,4 +667,4 @@ if triton is not None:
         return x.new_empty(x.numel() // x.shape[-1], w.shape[0] // 2 if glu else w.shape[0])
 
 
-__all__ = ["ROWS_MAX", "SSQ_MIN_K", "gemm_rows", "tune_rows"]
+__all__ = ["ROWS_MAX", "SSQ_MIN_K", "gemm_rows", "gemm_rows_tma", "tune_rows"]

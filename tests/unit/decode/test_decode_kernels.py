@@ -569,6 +569,27 @@ def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
     torch.testing.assert_close(G.gemm_rows(x, w, nw, 1e-5, **kw, split=4).float(), y.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("swap", [False, True])
+def test_gemm_rows_tma_equals_torch(swap):
+    """The TMA-fed row kernel (`gemm_rows_tma`, for bench/rows_gemm.py): rows past T and inputs past K read as zeros
+    from the descriptors, split-K and the residual / glu epilogues as gemm_rows — fp32 against F.linear."""
+    pytest.importorskip("triton.tools.tensor_descriptor")  # (triton >= 3.4)
+    from draftsmith.decode.experimental.gemm_rows import gemm_rows_tma
+
+    g = torch.Generator().manual_seed(4)
+    T, K, N = 33, 200, 40
+    x = torch.randn(T, K, generator=g).to(DEV)
+    w = (torch.randn(2 * N, K, generator=g) * 0.05).to(DEV)
+    b = torch.randn(2 * N, generator=g).to(DEV)
+    r = torch.randn(T, 2 * N, generator=g).to(DEV)
+    for split in (1, 3):
+        y = gemm_rows_tma(x, w, bias=b, residual=r, block_n=16, block_k=32, split=split, swap=swap, num_stages=2)
+        torch.testing.assert_close(y, F.linear(x, w, b) + r, atol=1e-5, rtol=1e-5)
+    gate, up = F.linear(x, w, b).chunk(2, -1)
+    y = gemm_rows_tma(x, w, bias=b, glu=True, block_n=16, block_k=64, split=2, swap=swap)
+    torch.testing.assert_close(y, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
 def test_gemm_rows_row_sums_of_squares():
     """want_ssq: a producer's per-tile sums of squares of its stored rows add up to each row's sum of squares; a
     norm-folding consumer given them (row_ssq) equals one that reads its rows whole, split or not, and one K block
