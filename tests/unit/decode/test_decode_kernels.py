@@ -528,8 +528,7 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
         gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
 
 
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split,dtype", [(2, torch.float32), (3, torch.bfloat16)], ids=["fp32-split2", "bf16-split3"])
 @pytest.mark.parametrize("glu", [False, True], ids=["norm-bias-res", "norm-glu"])
 def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
     """Split-K (K in ranges over programs, the last program of an output tile adding the fp32 partials in range
