@@ -71,11 +71,13 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     bucket from one CUDA graph each: `prefill_graphs` off, the engine before 2026-12-02; the speed section's prefill_ms /
     e2e_tok_s columns), "pfgraph" (the padded prefill even without CUDA graphs, as the CPU test runs it), "ownpools" (each prefill graph its own memory pool, not one
     shared: `share_prefill_pool` off; the speed section's graph_mb column), "dotrows" (gemm_rows tuned over
-    its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16)."""
+    its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16), "ropefold" (the all-kernel forwards' q/k/v matmul
+    does RoPE and the cache writes: `KernelConfig.rope_fold` on, one launch a layer fewer in plain steps and in
+    verifies through the row kernels)."""
     parts = config.split("+")
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
-    kc = KernelConfig(embed_fold="noembed" not in parts)
+    kc = KernelConfig(embed_fold="noembed" not in parts, rope_fold="ropefold" in parts)
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
     eng = SpeculativeDecoder(

@@ -106,6 +106,18 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "EMBED": "constexpr",
         "ARGMAX": "constexpr",
         "P_BLOCK": "constexpr",
+        "q_ptr": p,
+        "kc_ptr": p,
+        "vc_ptr": p,
+        "cos_ptr": p,
+        "sin_ptr": p,
+        "pos_ptr": "*i64",
+        "slot_ptr": "*i64",
+        "stride_cache_h": "i32",
+        "NH": "i32",
+        "NKV": "i32",
+        "ROPE": "constexpr",
+        "HALF": "constexpr",
     }
     aligned = ["x_ptr", "w_ptr", "y_ptr", "nw_ptr", "b_ptr", "r_ptr", "N", "K", "stride_w"]
     kinds = {
@@ -120,12 +132,15 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "qkv embed": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, EMBED=True),
         # a greedy draft step's lm_head: the argmax and the id map in the epilogue (`gemv(argmax_map=)`)
         "lm_head argmax": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, ARGMAX=True),
+        # q/k/v with RoPE and the cache writes in the epilogue (`gemv(rope=)`, KernelConfig.rope_fold; default tile)
+        "qkv rope": dict(HAS_NORM=True, HAS_RES=False, ACT_MUL=False, GLU=False, ROPE=True),
     }
     default_tile = K.KernelConfig().gemv_default
     for kind, flags in kinds.items():
-        flags = {"EMBED": False, "ARGMAX": False, **flags}
+        flags = {"EMBED": False, "ARGMAX": False, "ROPE": False, **flags}
+        flags["HALF"] = d // 2 if flags["ROPE"] else 1
         for bn, bk, nw, pf in K.GEMV_CONFIGS:
-            if flags["EMBED"] and (bn, bk, nw, pf) != default_tile:
+            if (flags["EMBED"] or flags["ROPE"]) and (bn, bk, nw, pf) != default_tile:
                 continue
             if flags["ARGMAX"] and -(-V // bn) > K.ARGMAX_MAX_PROGRAMS:  # gemv launches the plain tile then
                 continue
@@ -186,12 +201,26 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "SSQ_BLOCK": "constexpr",
         "USE_PDL": "constexpr",
         "SWAP": "constexpr",
+        "q_ptr": p,
+        "kc_ptr": p,
+        "vc_ptr": p,
+        "cos_ptr": p,
+        "sin_ptr": p,
+        "pos_ptr": "*i64",
+        "slot_ptr": "*i64",
+        "stride_cache_h": "i32",
+        "NH": "i32",
+        "NKV": "i32",
+        "ROPE": "constexpr",
+        "HALF": "constexpr",
     }
     rows_kinds = {
         "qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False),
         "o": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
         "gate_up glu": dict(HAS_NORM=True, HAS_RES=False, GLU=True),
         "down": dict(HAS_NORM=False, HAS_RES=True, GLU=False),
+        # q/k/v with RoPE and the cache writes in the epilogue (`gemm_rows(rope=)`; the default variants only)
+        "qkv rope": dict(HAS_NORM=True, HAS_RES=False, GLU=False, ROPE=True),
     }
     rows_tile = K.KernelConfig()  # gemm_rows's default tile (the runner's unless a benchmark passes another)
     default = G._tile4((rows_tile.rows_block_n, rows_tile.rows_block_k, rows_tile.rows_num_warps))
@@ -204,7 +233,9 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
             variants += [(64, True, G._tile4(t)) for t in rows_tile.rows_split_sweep]
         variants = [v for i, v in enumerate(variants) if v not in variants[:i]]
     for kind, flags in rows_kinds.items():
-        for bm, pdl, (bn, bk, nw, sp) in variants:
+        flags = {"ROPE": False, **flags}
+        flags["HALF"] = d // 2 if flags["ROPE"] else 1
+        for bm, pdl, (bn, bk, nw, sp) in variants if not flags["ROPE"] else variants[:3]:
             fma = bn < 16  # gemm_rows launches these tiles with the CUDA-core products, FMA_BLOCK_M rows a program
             bm = min(bm, G.FMA_BLOCK_M) if fma else bm
             k = inter if kind == "down" else H

@@ -270,17 +270,27 @@ class KernelDraftStep:
                 return False
         return True
 
-    def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False):
-        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch."""
+    def _fold_rope(self, T: int, head_dim: int) -> bool:
+        """Whether a T-row forward's q/k/v matmul takes RoPE and the cache writes (`KernelConfig.rope_fold`): it
+        is a kernel (`_mm`'s gemv or gemm_rows) for T rows, and the head splits into rotated halves."""
+        cfg = self.config
+        return bool(cfg is not None and cfg.rope_fold and (T == 1 or T <= self.rows) and head_dim % 2 == 0)
+
+    def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False, rope=None):
+        """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch (`rope`: the q/k/v
+        projection's RoPE and cache writes, kernels only — `_fold_rope` says when)."""
         from draftsmith.decode import kernels as K
 
         T = x.shape[0]
         if T == 1:
-            return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
+            return K.gemv(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config, rope=rope)
         if T <= self.rows:
             from draftsmith.decode.experimental.gemm_rows import gemm_rows
 
-            return gemm_rows(x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config)
+            return gemm_rows(
+                x, w, norm_weight, eps, bias=bias, residual=residual, glu=glu, config=self.config, rope=rope
+            )
+        assert rope is None, "rope folds only into the kernels (`_fold_rope`)"
         from draftsmith.drafter.model import hf_rms_norm
 
         if norm_weight is not None:
@@ -335,6 +345,9 @@ class KernelDraftStep:
         for L in self.layers:
             nh, nkv, d = L["heads"]
             kc, vc = k_layers[L["idx"]], v_layers[L["idx"]]
+            # `KernelConfig.rope_fold`: RoPE and the cache writes in the q/k/v matmul's epilogue (one launch fewer a
+            # layer), where that matmul is a kernel (one row, or up to `rows`); `qkv` is then q itself
+            rope = (positions, slots, cos, sin, kc, vc, nh, nkv) if self._fold_rope(T, d) else None
             if L["mid"] and self._embed_fold(L, hidden, T):
                 # the embedding gather, both input norms and their concatenation in the qkv gemv's prologue
                 residual = hidden
@@ -347,17 +360,21 @@ class KernelDraftStep:
                     config=self.config,
                     embed=(self.embed, ids),
                     norm_weight2=L["hid_norm"].weight,
+                    rope=rope,
                 )
             elif L["mid"]:
                 normed = L["hid_norm"](hidden)
                 residual = normed if L["nbr"] else hidden
                 e = F.embedding(ids, self.embed)
                 x = torch.cat((L["in_norm"](e if e.dtype == hidden.dtype else e.to(hidden.dtype)), normed), -1)
-                qkv = self._mm(x, L["qkv"], bias=L["qkv_b"])
+                qkv = self._mm(x, L["qkv"], bias=L["qkv_b"], rope=rope)
             else:
                 residual = h
-                qkv = self._mm(h, L["qkv"], L["in_norm"].weight, L["in_norm"].eps, bias=L["qkv_b"])
-            q = K.rope_and_cache(qkv, positions, slots, cos, sin, kc, vc, nh, nkv, config=self.config)
+                qkv = self._mm(h, L["qkv"], L["in_norm"].weight, L["in_norm"].eps, bias=L["qkv_b"], rope=rope)
+            if rope is not None:
+                q = qkv.view(T, nh, d)
+            else:
+                q = K.rope_and_cache(qkv, positions, slots, cos, sin, kc, vc, nh, nkv, config=self.config)
             if T == 1:
                 o = K.decode_attention(q, kc, vc, mask[0], d**-0.5, config=self.config)
             else:

@@ -101,7 +101,9 @@ class KernelConfig:
     program, K walked BLOCK_K at a time; no prefetch). rows_block_n, rows_block_k, rows_num_warps, rows_split:
     the tile of `kernels.gemm_rows` (experimental T-row matmuls; split: K ranges over programs, split-K). embed_fold: a drafter's first-layer qkv gemv
     gathers the token embedding and applies both input norms itself (`gemv`'s `embed`: two kernels fewer per draft
-    step; off = the torch norms and cat before it, for A/B measurements). pdl: programmatic dependent launch (used on CUDA sm_90+ where
+    step; off = the torch norms and cat before it, for A/B measurements). rope_fold: the all-kernel forwards' q/k/v matmul
+    (the one-token gemv, the T-row gemm_rows) applies RoPE and writes the caches in its epilogue (`rope=`: one launch
+    a layer fewer; off until a GPU run measures it — models without q/k norms only). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
     off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows (rows_split_sweep: its tiles for matrices of
@@ -119,6 +121,7 @@ class KernelConfig:
     rows_num_warps: int = 4
     rows_split: int = 1
     embed_fold: bool = True
+    rope_fold: bool = False
     pdl: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

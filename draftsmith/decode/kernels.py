@@ -169,21 +169,43 @@ if triton is not None:
         EMBED: tl.constexpr,
         ARGMAX: tl.constexpr = False,
         P_BLOCK: tl.constexpr = 1,
+        q_ptr=None,
+        kc_ptr=None,
+        vc_ptr=None,
+        cos_ptr=None,
+        sin_ptr=None,
+        pos_ptr=None,
+        slot_ptr=None,
+        stride_cache_h=0,
+        NH=0,
+        NKV=0,
+        ROPE: tl.constexpr = False,
+        HALF: tl.constexpr = 1,
     ):
         """One program: BLOCK_N outputs of the one row x over all of K (`gemv`): the norm prologue, the K loop
         (PIPELINED: each iteration issues the next block's weight load before summing its own), the folds, the store.
         With EMBED (an EAGLE-3 drafter's first layer), the input is cat(rmsnorm(e[id]) * nw, rmsnorm(x) * nw2) of
         K = 2 * (x's K / 2) features: the embedding gather, both norms and the concatenation folded in. With ARGMAX
-        (`gemv(argmax_map=)`) the outputs are not stored: y[0] = map[argmax] (`_argmax_epilogue`)."""
+        (`gemv(argmax_map=)`) the outputs are not stored: y[0] = map[argmax] (`_argmax_epilogue`). With ROPE (a
+        fused q/k/v projection, `gemv(rope=)`) output n is the pair of rows (h * 2 HALF + j, + HALF) of head h = n //
+        HALF, j = n % HALF — the two elements RoPE rotates together — so the epilogue rotates q and k heads and writes
+        q to q_ptr and k, v to the caches at the token's slot (`_rope_cache_kernel`'s work, one launch fewer)."""
         if USE_PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        row = rn.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
+        r1 = rn
+        if ROPE:
+            head = rn // HALF
+            r1 = head * (2 * HALF) + (rn - head * HALF)
+        row = r1.to(tl.int64) * stride_w  # int64: a 256k-vocab x 16k lm_head passes 2^31 elements
         row2 = row
         if GLU:  # w = cat(gate, up): this program's up rows sit N rows below its gate rows
             row2 = (rn + N).to(tl.int64) * stride_w
+        if ROPE:  # the rotation partner of each row, HALF rows below it in its head
+            row2 = (r1 + HALF).to(tl.int64) * stride_w
+        PAIR: tl.constexpr = GLU or ROPE
         w_first = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
         w2_first = w_first
         PIPELINED: tl.constexpr = PREFETCH or USE_PDL
@@ -191,7 +213,7 @@ if triton is not None:
             rk0 = tl.arange(0, BLOCK_K)
             m0 = n_ok[:, None] & (rk0 < K)[None, :]
             w_first = tl.load(w_ptr + row[:, None] + rk0[None, :], mask=m0, other=0.0)
-            if GLU:
+            if PAIR:
                 w2_first = tl.load(w_ptr + row2[:, None] + rk0[None, :], mask=m0, other=0.0)
         if USE_PDL:
             gdc_wait()  # x, the residual and y are shared with the previous kernels
@@ -232,12 +254,12 @@ if triton is not None:
                 rk1 = rk + BLOCK_K
                 m1 = w_mask_n & (rk1 < K)[None, :]
                 w_next = tl.load(w_ptr + row[:, None] + rk1[None, :], mask=m1, other=0.0)
-                if GLU:
+                if PAIR:
                     w2 = w2_next
                     w2_next = tl.load(w_ptr + row2[:, None] + rk1[None, :], mask=m1, other=0.0)
             else:
                 w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
-                if GLU:
+                if PAIR:
                     w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=w_mask_n & k_ok[None, :], other=0.0)
             if EMBED:  # features [0, K/2): the embedding row's, [K/2, K): x's, each with its norm
                 lo = rk < K // 2
@@ -258,24 +280,86 @@ if triton is not None:
                 xv = _silu_mul(xv.to(tl.float32), u, out_ty)
             xf = xv.to(tl.float32)[None, :]
             acc += w.to(tl.float32) * xf
-            if GLU:
+            if PAIR:
                 acc2 += w2.to(tl.float32) * xf
         y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if GLU:  # silu(gate) * up in the epilogue: each projection rounded, silu rounded, the product rounded
-            u = tl.sum(acc2, axis=1)
-            if HAS_BIAS:
-                u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
-            y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
-        if HAS_RES:  # the linear's output is rounded before the residual add, as two torch ops would
-            y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if ARGMAX:
-            _argmax_epilogue(
-                y.to(out_ty).to(tl.float32), rn, n_ok, N, pid, y_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK
-            )
+        if ROPE:
+            _rope_epilogue(
+                y, tl.sum(acc2, axis=1), r1, rn, n_ok, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
+                slot_ptr, stride_cache_h, NH, NKV, HAS_BIAS, HALF, out_ty,
+            )  # fmt: skip
         else:
-            tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GLU:  # silu(gate) * up in the epilogue: each projection rounded, silu rounded, the product rounded
+                u = tl.sum(acc2, axis=1)
+                if HAS_BIAS:
+                    u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+                y = _silu_mul(y.to(out_ty).to(tl.float32), u.to(out_ty).to(tl.float32), out_ty).to(tl.float32)
+            if HAS_RES:  # the linear's output is rounded before the residual add, as two torch ops would
+                y = y.to(out_ty).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if ARGMAX:
+                _argmax_epilogue(
+                    y.to(out_ty).to(tl.float32), rn, n_ok, N, pid, y_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK
+                )
+            else:
+                tl.store(y_ptr + rn, y.to(out_ty), mask=n_ok)
+
+    @triton.jit
+    def _rope_epilogue(
+        a,
+        b,
+        r1,
+        rn,
+        n_ok,
+        b_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        stride_cache_h,
+        NH,
+        NKV,
+        HAS_BIAS: tl.constexpr,
+        HALF: tl.constexpr,
+        out_ty: tl.constexpr,
+    ):
+        """`gemv(rope=)`'s end: a, b the sums of rows r1 and r1 + HALF of head r1 // (2 HALF). Rounded as the
+        projection's output, then for q and k heads rotated as `_rope_cache_kernel` rounds it (each product, then
+        the sum: x * cos + rotate_half(x) * sin in the model dtype); q heads to q_ptr, k and v heads to their cache
+        rows at the token's slot."""
+        D: tl.constexpr = 2 * HALF
+        if HAS_BIAS:
+            a += tl.load(b_ptr + r1, mask=n_ok, other=0.0).to(tl.float32)
+            b += tl.load(b_ptr + r1 + HALF, mask=n_ok, other=0.0).to(tl.float32)
+        a = a.to(out_ty).to(tl.float32)
+        b = b.to(out_ty).to(tl.float32)
+        head = rn // HALF
+        j = rn - head * HALF
+        pos = tl.load(pos_ptr).to(tl.int64)
+        c1 = tl.load(cos_ptr + pos * D + j, mask=n_ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * D + j + HALF, mask=n_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * D + j, mask=n_ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * D + j + HALF, mask=n_ok, other=0.0).to(tl.float32)
+        o1 = ((a * c1).to(out_ty).to(tl.float32) + (-b * s1).to(out_ty).to(tl.float32)).to(out_ty)
+        o2 = ((b * c2).to(out_ty).to(tl.float32) + (a * s2).to(out_ty).to(tl.float32)).to(out_ty)
+        rot = head < NH + NKV
+        o1 = tl.where(rot, o1, a.to(out_ty))
+        o2 = tl.where(rot, o2, b.to(out_ty))
+        slot = tl.load(slot_ptr).to(tl.int64)
+        is_q = n_ok & (head < NH)
+        tl.store(q_ptr + head * D + j, o1, mask=is_q)
+        tl.store(q_ptr + head * D + j + HALF, o2, mask=is_q)
+        kv = tl.where(head < NH + NKV, head - NH, head - NH - NKV).to(tl.int64) * stride_cache_h + slot * D + j
+        is_k = n_ok & (head >= NH) & (head < NH + NKV)
+        is_v = n_ok & (head >= NH + NKV)
+        tl.store(kc_ptr + kv, o1, mask=is_k)
+        tl.store(kc_ptr + kv + HALF, o2, mask=is_k)
+        tl.store(vc_ptr + kv, o1, mask=is_v)
+        tl.store(vc_ptr + kv + HALF, o2, mask=is_v)
 
     @triton.jit
     def _argmax_epilogue(y, rn, n_ok, N, pid, tok_ptr, pv_ptr, pi_ptr, cnt_ptr, map_ptr, P_BLOCK: tl.constexpr):
@@ -629,6 +713,7 @@ def gemv(
     embed: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_weight2: torch.Tensor | None = None,
     argmax_map: torch.Tensor | None = None,
+    rope: tuple | None = None,
 ) -> torch.Tensor:
     """One token: x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in
     x's dtype (several rows are `experimental.gemm_rows`'; the gemv looped over a verify's rows lost to it twice,
@@ -639,8 +724,18 @@ def gemv(
     would. `argmax_map` [N] (int): return not the outputs but [map[argmax]] (long [1]), the argmax over the
     outputs as rounded to x's dtype, first index on ties — torch.argmax's — taken in the kernel (a drafter's greedy
     step: its lm_head, argmax and draft-to-target id map in one launch, not two; `ARGMAX_MAX_PROGRAMS`).
-    Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles)."""
+    `rope` = (positions [1], slots [1], cos, sin, k_cache, v_cache, n_heads, n_kv), as `rope_and_cache` takes them
+    (no q/k norm): w is the fused q/k/v projection; RoPE and the cache writes happen in the epilogue and the return
+    is q [1, n_heads * d] (rotated) — `rope_and_cache(gemv(x, w, ...))` in one launch (`KernelConfig.rope_fold`).
+    Its tile is the unfolded projection's, with half the outputs a program (each output is a pair of rows).
+    Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles; with `rope`, `draftsmith::qkv_rope`)."""
     _need()
+    if rope is not None:
+        if act_mul or glu or residual is not None or argmax_map is not None:
+            raise ValueError("gemv: rope combines with neither act_mul, glu, a residual nor argmax_map")
+        return _gemv_rope(
+            x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps, prefetch, embed, norm_weight2
+        )
     table, ids = embed if embed is not None else (None, None)
     if _tracing() and block_n is None and block_k is None and num_warps is None and prefetch is None:
         return _gemv_op(
@@ -745,6 +840,85 @@ def gemv(
         **_pdl(x, cfg.pdl),
     )
     return y if argmax_map is None else y.to(torch.long)
+
+
+def _gemv_rope(
+    x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps, prefetch, embed=None, norm_weight2=None
+) -> torch.Tensor:
+    """`gemv(rope=)`: the fused q/k/v projection of one token with RoPE and the cache writes in its epilogue (and
+    with `embed`, the drafter's first-layer prologue)."""
+    positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv = rope
+    if _tracing():
+        return qkv_rope_op(x, w, norm_weight, eps, bias, rope, config, embed, norm_weight2)
+    cfg = config if config is not None else KernelConfig()
+    d = cos.shape[1]
+    rows, K = w.shape
+    table, ids = embed if embed is not None else (None, None)
+    feats = K // 2 if embed is not None else K
+    if d % 2 or rows != (n_heads + 2 * n_kv) * d or w.stride(1) != 1 or x.shape[-1] != feats:
+        raise ValueError(
+            f"gemv(rope=): a fused q/k/v weight of ({n_heads} + 2 x {n_kv}) x {d} rows over x's {x.shape[-1]} "
+            f"features{' (embed: 2x)' if embed is not None else ''}, not {tuple(w.shape)}"
+        )
+    if embed is not None and (norm_weight is None or norm_weight2 is None or table.shape[1] != feats):
+        raise ValueError("gemv(rope=, embed=): both norm weights and a [V, K/2] table")
+    if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or k_cache.stride() != v_cache.stride():
+        raise ValueError("gemv(rope=): the caches must be [1, n_kv, max_len, d] with contiguous rows")
+    xf = x.reshape(1, feats)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    key = _gemv_key(rows, K, x.dtype, norm_weight is not None, bias is not None, False, False)
+    bn, bk, nw, pf = cfg.gemv_tuned.get(key, cfg.gemv_default)
+    bn = block_n or max(1, bn // 2)
+    bk, nw = block_k or bk, num_warps or nw
+    pf = pf if prefetch is None else prefetch
+    N = rows // 2  # pairs
+    q = torch.empty(1, n_heads * d, dtype=x.dtype, device=x.device)
+    dummy = xf
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        xf,
+        w,
+        q,
+        norm_weight if norm_weight is not None else dummy,
+        bias if bias is not None else dummy,
+        dummy,
+        N,
+        K,
+        w.stride(0),
+        float(eps),
+        table if table is not None else dummy,
+        ids.reshape(-1).contiguous() if ids is not None else dummy,
+        norm_weight2 if norm_weight2 is not None else dummy,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        q_ptr=q,
+        kc_ptr=k_cache,
+        vc_ptr=v_cache,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        pos_ptr=positions,
+        slot_ptr=slots,
+        stride_cache_h=k_cache.stride(1),
+        NH=int(n_heads),
+        NKV=int(n_kv),
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=False,
+        ACT_MUL=False,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NORM_BLOCK=min(triton.next_power_of_2(feats), NORM_BLOCK_MAX),
+        PREFETCH=bool(pf),
+        num_warps=nw,
+        GLU=False,
+        EMBED=embed is not None,
+        ROPE=True,
+        HALF=d // 2,
+        **_pdl(x, cfg.pdl),
+    )
+    return q
 
 
 # `gemv(argmax_map=)`: the most programs whose partial maxima the last one reduces in registers (a 128k vocabulary
@@ -1251,6 +1425,39 @@ if triton is not None:
     def _(qkv, positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv, qk_norm, eps, pdl):
         return qkv.new_empty(qkv.shape[0], n_heads, cos.shape[1])
 
+    @torch.library.custom_op("draftsmith::qkv_rope", mutates_args=("k_cache", "v_cache"))
+    def _qkv_rope_op(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        n_heads: int,
+        n_kv: int,
+        config: int,
+        table: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+        norm_weight2: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rope = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv)
+        cfg = config_for(config)
+        if x.numel() // x.shape[-1] == 1:
+            embed = None if table is None else (table, ids)
+            return gemv(x, w, norm_weight, eps, bias, config=cfg, embed=embed, norm_weight2=norm_weight2, rope=rope)
+        from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+        return gemm_rows(x, w, norm_weight, eps, bias, config=cfg, rope=rope)
+
+    @_qkv_rope_op.register_fake
+    def _(x, w, norm_weight, eps, bias, positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv, config, *rest):
+        return x.new_empty(x.numel() // x.shape[-1], n_heads * cos.shape[1])
+
     @torch.library.custom_op("draftsmith::decode_attention", mutates_args=())
     def _decode_attention_op(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float, config: int
@@ -1260,6 +1467,17 @@ if triton is not None:
     @_decode_attention_op.register_fake
     def _(q, k_cache, v_cache, mask, scale, config):
         return q.new_empty(1, q.numel())
+
+
+def qkv_rope_op(x, w, norm_weight, eps, bias, rope, config, embed=None, norm_weight2=None) -> torch.Tensor:
+    """`gemv(rope=)` / `gemm_rows(rope=)` under torch.compile: the `draftsmith::qkv_rope` operator (mutates the
+    caches; the config's tiles)."""
+    positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv = rope
+    table, ids = embed if embed is not None else (None, None)
+    return _qkv_rope_op(
+        x, w, norm_weight, float(eps), bias, positions, slots, cos, sin, k_cache, v_cache, int(n_heads), int(n_kv),
+        config_key(config), table, ids, norm_weight2,
+    )  # fmt: skip
 
 
 def rows_attention(

@@ -239,6 +239,13 @@ class TritonStepOps(TorchOps):
             self.qkv = self._qkv_kernel
         if "rope" in r:
             self.rope_cache = self._rope_cache_kernel
+        # `KernelConfig.rope_fold` (read at call time: benchmarks flip it on the runner's config): the q/k/v matmul
+        # (gemv, or gemm_rows for T rows) does RoPE and the cache writes in its epilogue — qkv() hands h through and
+        # rope_cache() launches it
+        self._can_fold_rope = {"qkv", "rope"} <= r and all(L.qk_norm is None for L in self.layers) and self.d % 2 == 0
+        if self._can_fold_rope:
+            self.qkv = self._qkv_or_defer
+            self.rope_cache = self._rope_cache_or_fold
         if "attn" in r:
             self.attention = self._attention_kernel
         if "o" in r:
@@ -271,6 +278,20 @@ class TritonStepOps(TorchOps):
 
     def _qkv_kernel(self, h, L):
         return self.lin(h, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0])
+
+    def _fold_rope(self) -> bool:
+        return self.config.rope_fold
+
+    def _qkv_or_defer(self, h, L):
+        return h if self._fold_rope() else self._qkv_kernel(h, L)
+
+    def _rope_cache_or_fold(self, qkv, positions, slots, kc, vc, L):
+        if not self._fold_rope():
+            return self._rope_cache_kernel(qkv, positions, slots, kc, vc, L)
+        f = self.f  # `qkv` is h here (`_qkv_or_defer`)
+        rope = (positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv)
+        q = self.lin(qkv, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0], rope=rope)
+        return q.view(1, q.shape[0], self.nh, self.d)
 
     def _rope_cache_kernel(self, qkv, positions, slots, kc, vc, L):
         # q/k norm, RoPE and both cache writes in one kernel

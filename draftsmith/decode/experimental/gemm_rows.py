@@ -79,19 +79,35 @@ if triton is not None:
 
     @triton.jit
     def _rows_first_block(
-        w_ptr, N, k_lo, k_hi, stride_w, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+        w_ptr,
+        N,
+        k_lo,
+        k_hi,
+        stride_w,
+        GLU: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ROPE: tl.constexpr = False,
+        HALF: tl.constexpr = 1,
     ):
         """This program's outputs and their first K block of weights (of its K range [k_lo, k_hi); with GLU also the
-        up rows, N rows below the gate rows; else w2 is w), loaded before the PDL wait: no kernel writes the weights."""
+        up rows, N rows below the gate rows; with ROPE output n is the pair of rows r1 = head * 2 HALF + j and r1 +
+        HALF (head = n // HALF, j = n % HALF: what RoPE rotates together); else w2 is w), loaded before the PDL wait:
+        no kernel writes the weights."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        row = rn.to(tl.int64) * stride_w
+        r1 = rn
+        if ROPE:
+            r1 = (rn // HALF) * (2 * HALF) + rn % HALF
+        row = r1.to(tl.int64) * stride_w
         row2 = (rn + N).to(tl.int64) * stride_w
+        if ROPE:
+            row2 = (r1 + HALF).to(tl.int64) * stride_w
         rk = k_lo + tl.arange(0, BLOCK_K)
         k_ok = rk < k_hi
         w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         w2 = w
-        if GLU:
+        if GLU or ROPE:
             w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         return rn, n_ok, row, row2, rk, k_ok, w, w2
 
@@ -131,6 +147,18 @@ if triton is not None:
         SSQ_BLOCK: tl.constexpr,
         USE_PDL: tl.constexpr,
         SWAP: tl.constexpr = False,
+        q_ptr=None,
+        kc_ptr=None,
+        vc_ptr=None,
+        cos_ptr=None,
+        sin_ptr=None,
+        pos_ptr=None,
+        slot_ptr=None,
+        stride_cache_h=0,
+        NH=0,
+        NKV=0,
+        ROPE: tl.constexpr = False,
+        HALF: tl.constexpr = 1,
     ):
         """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
         weights read once for all of them; same folds and rounding as `_gemv_kernel`. The rows' products: one tl.dot
@@ -156,7 +184,10 @@ if triton is not None:
         xrow = rm.to(tl.int64) * stride_x
         k_lo = tl.program_id(2) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(w_ptr, N, k_lo, k_hi, stride_w, GLU, BLOCK_N, BLOCK_K)
+        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(
+            w_ptr, N, k_lo, k_hi, stride_w, GLU, BLOCK_N, BLOCK_K, ROPE, HALF
+        )
+        PAIR: tl.constexpr = GLU or ROPE
         if USE_PDL:
             gdc_wait()  # x and the residual are the previous kernels' outputs
         if ONE_K and HAS_NORM and not HAS_SSQ:  # the whole row is one block: its 1/rms from the same load
@@ -172,8 +203,8 @@ if triton is not None:
             # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= the range)
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
         acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP), xv, w, IEEE, FMA, SWAP)
-        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP)  # up's sums with GLU (else unused)
-        if GLU:
+        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP)  # up's (GLU) or the partners' (ROPE) sums
+        if PAIR:
             acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -181,12 +212,17 @@ if triton is not None:
             xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
             w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _rows_mac(acc, xv, w, IEEE, FMA, SWAP)
-            if GLU:
+            if PAIR:
                 w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
         acc = _rows_sum(acc, FMA, SWAP)
         acc2 = _rows_sum(acc2, FMA, SWAP)
-        if SPLIT > 1:
+        if ROPE:  # (never split: the launcher keeps it to one K range)
+            _rows_rope_store(
+                acc, acc2, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_cache_h, NH, NKV,
+                rm, m_ok, rn, n_ok, HAS_BIAS, HALF, out_ty,
+            )  # fmt: skip
+        elif SPLIT > 1:
             _rows_split_end(
                 acc, acc2, part_ptr, cnt_ptr, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N,
                 HAS_BIAS, HAS_RES, GLU, WANT_SSQ, SPLIT,
@@ -194,6 +230,67 @@ if triton is not None:
         else:
             _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N, HAS_BIAS, HAS_RES, GLU,
                         WANT_SSQ)  # fmt: skip
+
+    @triton.jit
+    def _rows_rope_store(
+        a,
+        b,
+        b_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        stride_cache_h,
+        NH,
+        NKV,
+        rm,
+        m_ok,
+        rn,
+        n_ok,
+        HAS_BIAS: tl.constexpr,
+        HALF: tl.constexpr,
+        out_ty: tl.constexpr,
+    ):
+        """`gemm_rows(rope=)`'s end, `kernels._rope_epilogue` for T rows: a, b [BLOCK_M, BLOCK_N] the sums of each
+        pair's rows; rounded as the projection's outputs, q/k heads rotated at each row's position, q to q_ptr [T,
+        NH, D], k and v to the caches at each row's slot."""
+        D: tl.constexpr = 2 * HALF
+        head = rn // HALF
+        j = rn % HALF
+        r1 = head * D + j
+        if HAS_BIAS:
+            a += tl.load(b_ptr + r1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            b += tl.load(b_ptr + r1 + HALF, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        a = a.to(out_ty).to(tl.float32)
+        b = b.to(out_ty).to(tl.float32)
+        ok = m_ok[:, None] & n_ok[None, :]
+        pos = tl.load(pos_ptr + rm, mask=m_ok, other=0).to(tl.int64)[:, None]
+        cs = pos * D + j[None, :]
+        c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        o1 = ((a * c1).to(out_ty).to(tl.float32) + (-b * s1).to(out_ty).to(tl.float32)).to(out_ty)
+        o2 = ((b * c2).to(out_ty).to(tl.float32) + (a * s2).to(out_ty).to(tl.float32)).to(out_ty)
+        rot = (head < NH + NKV)[None, :]
+        o1 = tl.where(rot, o1, a.to(out_ty))
+        o2 = tl.where(rot, o2, b.to(out_ty))
+        qo = (rm[:, None] * NH + head[None, :]) * D + j[None, :]
+        is_q = ok & (head < NH)[None, :]
+        tl.store(q_ptr + qo, o1, mask=is_q)
+        tl.store(q_ptr + qo + HALF, o2, mask=is_q)
+        slot = tl.load(slot_ptr + rm, mask=m_ok, other=0).to(tl.int64)[:, None]
+        kvh = tl.where(head < NH + NKV, head - NH, head - NH - NKV).to(tl.int64)[None, :]
+        kv = kvh * stride_cache_h + slot * D + j[None, :]
+        is_k = ok & ((head >= NH) & (head < NH + NKV))[None, :]
+        is_v = ok & (head >= NH + NKV)[None, :]
+        tl.store(kc_ptr + kv, o1, mask=is_k)
+        tl.store(kc_ptr + kv + HALF, o2, mask=is_k)
+        tl.store(vc_ptr + kv, o1, mask=is_v)
+        tl.store(vc_ptr + kv + HALF, o2, mask=is_v)
 
     @triton.jit
     def _rows_apply_norm(xv, rstd, nw_ptr, rk, k_ok, HAS_NORM: tl.constexpr, out_ty: tl.constexpr):
@@ -508,6 +605,7 @@ def gemm_rows(
     want_ssq: bool = False,
     swap: bool = False,
     num_stages: int | None = None,
+    rope: tuple | None = None,
 ):
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
@@ -518,8 +616,14 @@ def gemm_rows(
     tile's sum of squares of y's rows; row_ssq: such an ssq of x (its rows' norm from it, not from reading x
     whole: what keeps a split-K norm fold cheap). Under tracing neither is used (ssq None; the norm reads x).
     swap (tl.dot tiles): the weights as the MMA's M side (`_rows_mac`); num_stages: the K loop's pipeline depth
-    (default: as many as ROWS_SMEM_BUDGET fits, at most 3) — both for benchmarks' sweeps."""
+    (default: as many as ROWS_SMEM_BUDGET fits, at most 3) — both for benchmarks' sweeps.
+    rope = (positions [T], slots [T], cos, sin, k_cache, v_cache, n_heads, n_kv) as `kernels.rope_and_cache` takes
+    them (no q/k norm): w is the fused q/k/v projection, RoPE and the cache writes happen in the epilogue, and the
+    return is q [T, n_heads * d] — `rope_and_cache(gemm_rows(x, w, ...))` in one launch (`KernelConfig.rope_fold`;
+    the unfolded projection's tile with half the outputs a program, one K range; traced as `draftsmith::qkv_rope`)."""
     _need()
+    if rope is not None:
+        return _gemm_rows_rope(x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps)
     if _tracing() and block_n is None and block_k is None and num_warps is None and split is None:
         y = _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
         return (y, None) if want_ssq else y
@@ -592,6 +696,89 @@ def gemm_rows(
         **_pdl(x, cfg.pdl),
     )
     return (y, ssq) if want_ssq else y
+
+
+def _gemm_rows_rope(x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps) -> torch.Tensor:
+    """`gemm_rows(rope=)`: the fused q/k/v projection of T rows with RoPE and the cache writes in its epilogue."""
+    positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv = rope
+    if _tracing():
+        from draftsmith.decode.kernels import qkv_rope_op
+
+        return qkv_rope_op(x, w, norm_weight, eps, bias, rope, config)
+    cfg = config if config is not None else KernelConfig()
+    d = cos.shape[1]
+    x = x.reshape(-1, x.shape[-1])
+    T, K = x.shape
+    rows = w.shape[0]
+    if d % 2 or rows != (n_heads + 2 * n_kv) * d or w.stride(1) != 1 or w.shape[1] != K or T > ROWS_MAX:
+        raise ValueError(
+            f"gemm_rows(rope=): a fused q/k/v weight of ({n_heads} + 2 x {n_kv}) x {d} rows over {K} features and "
+            f"at most {ROWS_MAX} rows; got {tuple(w.shape)} for {T} rows"
+        )
+    if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or k_cache.stride() != v_cache.stride():
+        raise ValueError("gemm_rows(rope=): the caches must be [1, n_kv, max_len, d] with contiguous rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tile = cfg.rows_tuned.get(_rows_key(rows, K, x.dtype, norm_weight, bias, None, False))
+    bn, bk, nw, _ = _tile4(tile or (cfg.rows_block_n, cfg.rows_block_k, cfg.rows_num_warps, 1))
+    # the same rows a program: half the outputs (pairs), kept on the tensor cores where the tile was
+    bn = block_n or (bn // 2 if bn < 16 or bn // 2 >= 16 else 16)
+    bk, nw = block_k or bk, num_warps or nw
+    fma = bn < 16
+    bm = min(FMA_BLOCK_M, triton.next_power_of_2(T)) if fma else max(16, triton.next_power_of_2(T))
+    N = rows // 2
+    q = torch.empty(T, n_heads * d, dtype=x.dtype, device=x.device)
+    dummy = x
+    _rows_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm), 1)](
+        x,
+        w,
+        q,
+        norm_weight if norm_weight is not None else dummy,
+        bias if bias is not None else dummy,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        T,
+        N,
+        K,
+        K,
+        0,
+        x.stride(0),
+        w.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_RES=False,
+        GLU=False,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        FMA=fma,
+        ONE_K=bk >= K,
+        SPLIT=1,
+        HAS_SSQ=False,
+        WANT_SSQ=False,
+        SSQ_BLOCK=1,
+        num_warps=nw,
+        num_stages=1 if fma else _rows_stages(bm, 2 * bn, bk, False, x.element_size()),
+        q_ptr=q,
+        kc_ptr=k_cache,
+        vc_ptr=v_cache,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        pos_ptr=positions,
+        slot_ptr=slots,
+        stride_cache_h=k_cache.stride(1),
+        NH=int(n_heads),
+        NKV=int(n_kv),
+        ROPE=True,
+        HALF=d // 2,
+        **_pdl(x, cfg.pdl),
+    )
+    return q
 
 
 def tune_rows(

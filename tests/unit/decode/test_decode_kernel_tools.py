@@ -91,11 +91,13 @@ def test_kernels_compile_for_the_gpu_without_spills(tmp_path):
 
     n_attn = len({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
     # gemv: every tile with PDL (on by default on sm_90), the default tile also without; a drafter's first-layer qkv
-    # (embed) at the default tile those two ways; the lm_head with the argmax epilogue at the tiles whose partials
+    # (embed) and the RoPE-folded qkv at the default tile those two ways; the lm_head with the argmax epilogue at the tiles whose partials
     # one program reduces (128,256 outputs); the others with and without PDL
     n_argmax = sum(1 for t in K.GEMV_CONFIGS if -(-128256 // t[0]) <= K.ARGMAX_MAX_PROGRAMS) + 1
     assert n_argmax > 1
-    assert len(rows) == 7 * (len(K.GEMV_CONFIGS) + 1) + 2 + n_argmax + 4 * 3 + 4 + 3 * n_attn + 4 + 4 + 3
+    # (+ 2: the q/k/v gemv with the RoPE epilogue at the default tile; the row kernels: five kinds, q/k/v with
+    # RoPE among them, at the three default variants)
+    assert len(rows) == 7 * (len(K.GEMV_CONFIGS) + 1) + 2 + 2 + n_argmax + 5 * 3 + 4 + 3 * n_attn + 4 + 4 + 3
     pdl = [row for row in rows if " pdl" in row["kernel"]]
     assert pdl and all(row["griddepcontrol"] >= 2 for row in pdl), pdl  # launch_dependents + wait in the binary
     bad = [row for row in rows if row["error"] or row["local B"] != 0]

@@ -690,6 +690,67 @@ def test_one_token_step_equals_torch_path(name, model):
     torch.testing.assert_close(k_fwd.k_cache, ref_fwd.k_cache, atol=1e-5, rtol=1e-5)
 
 
+def _assert_rows_rope_fold(model):
+    """A 7-token verify with a tree mask after a 9-token prefill, both through the row kernels: rope_fold on equals
+    off (logits, aux, caches; fp32, the pairs' tile sums in another order)."""
+    n = model.config.num_hidden_layers
+    fwds = [LlamaFamilyForward.from_hf(model, [0, n - 1], 48) for _ in range(2)]
+    for f in fwds:
+        f.kernels, f.triton_max_rows = "triton", 64
+    fwds[1].kernel_config.rope_fold = True
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(6)).to(DEV)
+    pos = torch.arange(16, device=DEV)
+    tree = _tree_mask(7, 48, 9, torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        for f in fwds:
+            f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))
+        depth = tree[:, 9:16].sum(-1) - 1
+        (l0, a0), (l1, a1) = (f(ids[9:], 9 + depth, pos[9:], tree) for f in fwds)
+    torch.testing.assert_close(l1, l0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a1, a0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fwds[1].k_cache, fwds[0].k_cache, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fwds[1].v_cache, fwds[0].v_cache, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name,model",
+    [("llama", tiny_llama(vocab_size=50)), ("qwen2-bias", tiny_llama(vocab_size=50, model_type="qwen2"))],
+    ids=["llama", "qwen2-bias"],
+)
+def test_rope_fold_equals_separate_rope_kernel(name, model):
+    """`KernelConfig.rope_fold`: the one-token step's q/k/v gemv rotates q and k and writes both caches itself
+    (`gemv(rope=)`, one launch a layer fewer) — logits, aux states and both caches bit-identical to the gemv +
+    rope_and_cache pair, over three steps; a q/k-normed model (Qwen3) keeps the pair (nothing to fold into)."""
+    from draftsmith.decode import kernels as K
+
+    model = model.to(DEV)
+    n = model.config.num_hidden_layers
+    fwds = [LlamaFamilyForward.from_hf(model, [0, n - 1], 64) for _ in range(2)]
+    for f in fwds:
+        f.kernels = "triton"
+    fwds[1].kernel_config.rope_fold = True
+    assert fwds[1].plan(1)._can_fold_rope
+    ids = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    pos = torch.arange(11, device=DEV)
+    with torch.no_grad():
+        for f in fwds:
+            f(ids[:8], pos[:8], pos[:8], causal_mask(64, pos[:8], DEV))
+        for t in range(8, 11):
+            (l0, a0), (l1, a1) = (f(ids[t : t + 1], pos[t : t + 1], pos[t : t + 1], causal_mask(64, pos[t : t + 1], DEV))
+                                  for f in fwds)  # fmt: skip
+            assert torch.equal(l0, l1) and torch.equal(a0, a1)
+    assert torch.equal(fwds[0].k_cache, fwds[1].k_cache) and torch.equal(fwds[0].v_cache, fwds[1].v_cache)
+    if name == "llama":  # the T-row step too: a tree-verify-shaped forward through gemm_rows(rope=)
+        _assert_rows_rope_fold(model)
+    q3 = LlamaFamilyForward.from_hf(tiny_qwen3().to(DEV), [0], 64)
+    q3.kernels = "triton"
+    assert not q3.plan(1)._can_fold_rope
+    with pytest.raises(ValueError, match="rope"):  # a weight that is not a fused q/k/v of these heads
+        f = fwds[1]
+        K.gemv(torch.randn(1, f.hidden_size, device=DEV), f.layers[0].o, rope=(pos[:1], pos[:1], f.cos, f.sin,
+               f.k_layers[0], f.v_layers[0], f.n_heads, f.n_kv))  # fmt: skip
+
+
 def _gelu_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from decode_helpers import random_drafter, tiny_qwen3  # noqa: E402
+from decode_helpers import random_drafter, tiny_llama, tiny_qwen3  # noqa: E402
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
 
@@ -37,6 +37,38 @@ def test_traced_rounds_with_triton_kernels():
     assert eng._d_kern is not None and eng.runner.triton_step(4)
     eng.compile_rounds(backend="aot_eager", fullgraph=True)
     for mode in (DecodeMode("chain", draft_tokens=2), DecodeMode("tree", top_k=2, depth=2, tree_tokens=3)):
+        assert eng.generate(p, 4, mode=mode).token_ids == want, mode
+    torch._dynamo.reset()
+
+
+def test_rope_fold_rounds_eager_and_traced_equal_plain_decoding():
+    """`KernelConfig.rope_fold` on an engine whose target and drafter have no q/k norms (a Llama): the plain step's
+    gemv, the verify's and hand-off's row kernels and the drafter's kernel steps (its first-layer embedding fold
+    included) rotate and write the caches in the q/k/v matmul — chain and tree rounds decode exactly as plain
+    decoding, eagerly and traced whole (the `draftsmith::qkv_rope` operator, mutating the caches: fullgraph)."""
+    import torch._dynamo
+
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    m = tiny_llama(vocab_size=64, hidden=64, layers=2).to(DEV)
+    d = random_drafter(m, seed=2).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 4, mode=DecodeMode("plain")).token_ids
+    torch._dynamo.reset()
+    eng = SpeculativeDecoder(
+        m, d, max_len=48, kernels="triton", kernel_rows=4, kernel_config=KernelConfig(rope_fold=True)
+    )
+    assert eng.runner.plan(1)._can_fold_rope and eng.runner.plan(4)._can_fold_rope
+    assert eng._d_kern is not None and eng._d_kern._fold_rope(1, 16)
+    modes = (
+        DecodeMode("plain"),
+        DecodeMode("chain", draft_tokens=2),
+        DecodeMode("tree", top_k=2, depth=2, tree_tokens=3),
+    )
+    for mode in modes:
+        assert eng.generate(p, 4, mode=mode).token_ids == want, mode
+    eng.compile_rounds(backend="aot_eager", fullgraph=True)
+    for mode in modes[1:]:
         assert eng.generate(p, 4, mode=mode).token_ids == want, mode
     torch._dynamo.reset()
 
