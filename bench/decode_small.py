@@ -73,11 +73,19 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     shared: `share_prefill_pool` off; the speed section's graph_mb column), "dotrows" (gemm_rows tuned over
     its tl.dot tiles only, not the CUDA-core ones: BLOCK_N >= 16), "ropefold" (the all-kernel forwards' q/k/v matmul
     does RoPE and the cache writes: `KernelConfig.rope_fold` on, one launch a layer fewer in plain steps and in
-    verifies through the row kernels)."""
-    parts = config.split("+")
+    verifies through the row kernels), "ropefold1" (the same in the one-row gemv only: plain and draft steps,
+    `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
+    `KernelConfig.tune_chained` on). A config may appear twice in --configs (e.g. A,B,A: the second engine of a
+    process has run slower; its rows are labelled "#2")."""
+    parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
-    kc = KernelConfig(embed_fold="noembed" not in parts, rope_fold="ropefold" in parts)
+    kc = KernelConfig(
+        embed_fold="noembed" not in parts,
+        rope_fold="ropefold" in parts or "ropefold1" in parts,
+        rope_fold_rows="ropefold1" not in parts,
+        tune_chained="chained" in parts,
+    )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
     eng = SpeculativeDecoder(
@@ -128,7 +136,9 @@ def tiles_chosen(eng) -> dict:
 
 
 @torch.no_grad()
-def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, bw: float, rows: list) -> None:
+def census(
+    t, d, prompt, config: str, settings, replays: int, dev, taus: dict, bw: float, rows: list, parts: bool = True
+) -> None:
     eng = make_engine(t, d, config)
     sp = SamplingParams()
     modes = [DecodeMode("plain")] + settings
@@ -167,6 +177,22 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
             row["projected_speedup"] = taus[key] * t_plain / per
         if m.kind == "plain":  # the tiles the engine's tuning chose (which row-kernel path a verify runs)
             row["tiles"] = tiles_chosen(eng)
+        if parts and m.kind == "chain":
+            eng.prefill(prompt, sp, draft=True)
+            pr = round_parts(eng, m.draft_tokens, dev)
+            K = m.draft_tokens
+            pr["rest"] = per * 1e6 - (K * pr["token"] + (K - 1) * pr["step"] + pr["verify"] + pr["handoff"])
+            row["parts_us"] = {k: round(v, 1) for k, v in pr.items()}
+            # in plain steps: the verify, the K tokens + K-1 steps (drafting), the hand-off, the rest
+            ps = t_plain * 1e6
+            row["parts_plain_steps"] = {
+                "verify": pr["verify"] / ps,
+                "drafting": (K * pr["token"] + (K - 1) * pr["step"]) / ps,
+                "handoff": pr["handoff"] / ps,
+                "rest": pr["rest"] / ps,
+            }
+            log(f"  parts (us): {row['parts_us']}; in plain steps: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["parts_plain_steps"].items()))
         rows.append(row)
         log(
             f"{config} {key}: {per * 1e3:.3f} ms = {per / t_plain:.2f} plain steps, {cen['kernels']} kernels "
@@ -177,6 +203,71 @@ def census(t, d, prompt, config: str, settings, replays: int, dev, taus: dict, b
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _graph_us(fn, dev, copies: int = 16, reps: int = 20) -> float:
+    """Best microseconds a call of `fn` replayed as one CUDA graph of `copies` calls (a single short graph would
+    time its own launch from the host); on CPU, the mean of eager calls."""
+    if dev.type != "cuda":
+        fn()
+        t1 = time.perf_counter()
+        for _ in range(copies):
+            fn()
+        return (time.perf_counter() - t1) / copies * 1e6
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(copies):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / copies)
+    del g
+    return best
+
+
+@torch.no_grad()
+def round_parts(eng, K: int, dev) -> dict:
+    """Where a chain-K round's time goes, its parts timed one by one through the engine's public forwards (each
+    replayed from a graph of its own; outside the round's trace, so without inductor's fusion of the glue): the
+    verify (target forward over K+1 rows + argmax), a draft token (the drafter's lm_head + argmax + id map), a
+    one-row drafter forward (a draft step: a round runs K tokens and K-1 steps) and the hand-off (fc over K+1 aux
+    rows + the drafter forward over them). us each; `rest` = the round minus K tokens, K-1 steps, the verify and
+    the hand-off (the acceptance, the emitted buffer, what the trace fuses or adds)."""
+    L = int(eng.L)
+    pos = torch.arange(L, L + K + 1, device=eng.device)
+    mask = eng.mask(pos)
+    ids = torch.randint(0, eng.vocab_size, (K + 1,), device=eng.device)
+    aux = eng.target_forward(ids, pos, pos, mask)[1]
+    hs = eng.fuse(aux)
+    h = hs[:1].clone()
+
+    def verify():
+        logits, _ = eng.target_forward(ids, pos, pos, mask)
+        logits.argmax(-1)
+
+    def token():
+        eng.draft_token(h[0])
+
+    def step():
+        eng.draft_forward(ids[:1], h, pos[:1], pos[:1], mask[:1])
+
+    def handoff():
+        eng.draft_forward(ids, eng.fuse(aux), pos, pos, mask)
+
+    return {name: _graph_us(fn, dev) for name, fn in (("verify", verify), ("token", token), ("step", step),
+                                                      ("handoff", handoff))}
 
 
 def graph_pool_bytes(segments: list[dict], device_index: int | None) -> int:
@@ -346,6 +437,9 @@ def main() -> None:
         help="setting=tau for the projection (default: issue 16's measurement, trained drafter)",
     )
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument(
+        "--no-parts", action="store_true", help="census: skip timing a chain round's parts (verify, drafting, hand-off)"
+    )
     ap.add_argument("--cert-prompts", type=int, default=16)
     ap.add_argument("--cert-tokens", type=int, default=96)
     ap.add_argument("--sections", default="census,certificate", help="census, speed, certificate")
@@ -380,16 +474,20 @@ def main() -> None:
     taus = {k: float(v) for k, v in (x.split("=") for x in a.tau.split(",") if x)}
     settings = [parse_setting(s) for s in a.settings.split(",")]
     rows, cert, errors = [], [], {}
+    configs = []  # a config repeated in --configs is labelled "#2", "#3" (its own rows)
+    for c in a.configs.split(","):
+        n = sum(1 for x in configs if x.split("#")[0] == c)
+        configs.append(c if n == 0 else f"{c}#{n + 1}")
     if "census" in a.sections:
-        for config in a.configs.split(","):
+        for config in configs:
             try:
-                census(t, d, prompts[0], config, settings, a.replays, dev, taus, bw, rows)
+                census(t, d, prompts[0], config, settings, a.replays, dev, taus, bw, rows, parts=not a.no_parts)
             except Exception as e:  # noqa: BLE001
                 errors[config] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
     spd = []
     if "speed" in a.sections:
-        for config in a.configs.split(","):
+        for config in configs:
             try:
                 speed(t, d, prompts[: a.speed_prompts], config, settings, a.speed_tokens, spd, a.loop_profile)
             except Exception as e:  # noqa: BLE001
@@ -431,6 +529,28 @@ def main() -> None:
                     "tau",
                     "projected_speedup",
                 ],
+            ),
+        ]
+    parts_rows = [
+        {"config": r["config"], "setting": r["setting"], "round_us": round(r["ms"] * 1e3, 1), **r["parts_us"],
+         **{f"{k}_ps": v for k, v in r["parts_plain_steps"].items()}}
+        for r in rows
+        if r.get("parts_us")
+    ]
+    if parts_rows:
+        body += [
+            "",
+            "Where a chain round's time goes: its parts timed one by one through the engine's public forwards, each "
+            "replayed from a CUDA graph of its own (eager kernels, outside the round's trace): verify = target "
+            "forward over K+1 rows + argmax; token = the drafter's lm_head + argmax + id map; step = a one-row "
+            "drafter forward (a round: K tokens, K-1 steps); handoff = fc + drafter forward over K+1 rows; rest = the "
+            "round minus those (acceptance, the emitted buffer, and what tracing the round whole saves or adds). "
+            "us, and *_ps in plain steps.",
+            "",
+            common.markdown_table(
+                parts_rows,
+                ["config", "setting", "round_us", "verify", "token", "step", "handoff", "rest", "verify_ps",
+                 "drafting_ps", "handoff_ps", "rest_ps"],
             ),
         ]
     for r in rows:

@@ -59,6 +59,13 @@ def main(argv=None) -> int:
         help="which kernels to sweep: rows (gemm_rows: tiles x orientation x stages x split), tma (gemm_rows_tma: "
         "TMA-fed blocks, tiles x orientation x stages x warp specialisation x split)",
     )
+    ap.add_argument(
+        "--tma-ws",
+        choices=("both", "off"),
+        default="both",
+        help="tma variants with and without warp specialisation, or without only (on the H200's triton some "
+        "warp-specialised launches fault with an illegal address, which ends the process's CUDA context)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (triton's interpreter)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -115,7 +122,7 @@ def main(argv=None) -> int:
                 ((True, False), (True, True), (False, False)), TILES_TMA, STAGES_TMA
             )
             for split in sorted({1, auto_split(-(-n_out // bn), -(-Kdim // bk), sms)})
-            if "tma" in which and (split == 1 or _splits(Kdim, bk, split))
+            if "tma" in which and (split == 1 or _splits(Kdim, bk, split)) and not (ws and args.tma_ws == "off")
         ]
         if args.smoke:
             variants = variants[:: max(1, len(variants) // 6)]

@@ -795,7 +795,7 @@ class SpeculativeDecoder:
             pos, vmask = realize(pos, vmask)
         for i in range(K):
             if sp.greedy and self._d_kern is not None and self.fused_draft_argmax:
-                ti = self._d_kern.greedy_token(h, self.d_ids)  # lm_head, argmax and id map: one kernel
+                ti = self._draft_token(h)  # lm_head, argmax and id map: one kernel
             else:
                 dl = self._draft_logits(h)
                 if sp.greedy:
@@ -1213,16 +1213,33 @@ class SpeculativeDecoder:
 
     def draft_forward(self, ids, hidden, positions, slots, mask) -> torch.Tensor:
         """The drafter forward a round uses over T tokens with their (fused) hidden inputs -> [T, H]; writes the
-        drafter cache at `slots`. No sync; graph-safe. `mask`: bool [T, S] (e.g. `mask(positions)`)."""
+        drafter cache at `slots`. No sync; graph-safe. `mask`: bool [T, S] (e.g. `mask(positions)`). Like the rounds,
+        the public drafter calls first rebuild the decoding view if the drafter's weights changed under the engine."""
+        self._refresh_drafter_view()
         return self._draft_fwd(ids, hidden, positions, slots, mask)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Drafter logits (over the draft vocab, fp32) after hidden state(s) h. No sync; graph-safe."""
+        self._refresh_drafter_view()
         return self._draft_logits(h)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The drafter's fc over target aux states [T, k*H] -> its hidden input [T, H]. No sync; graph-safe."""
+        self._refresh_drafter_view()
         return self._fuse(aux)
+
+    def draft_token(self, h: torch.Tensor) -> torch.Tensor:
+        """The greedy draft token after one drafter state h [H] as a chain round picks it: the target vocabulary's
+        id (long [1]) of the drafter's argmax — with the kernels and `fused_draft_argmax` the lm_head, argmax and
+        draft-to-target map in one launch (`KernelDraftStep.greedy_token`), else logits, argmax, map. No sync;
+        graph-safe."""
+        self._refresh_drafter_view()
+        return self._draft_token(h)
+
+    def _draft_token(self, h: torch.Tensor) -> torch.Tensor:
+        if self._d_kern is not None and self.fused_draft_argmax:
+            return self._d_kern.greedy_token(h, self.d_ids)
+        return self.d_ids.gather(0, torch.argmax(self._draft_logits(h.reshape(1, -1)), -1).view(1))
 
     @property
     def cpu_paths(self) -> dict:

@@ -274,7 +274,8 @@ class KernelDraftStep:
         """Whether a T-row forward's q/k/v matmul takes RoPE and the cache writes (`KernelConfig.rope_fold`): it
         is a kernel (`_mm`'s gemv or gemm_rows) for T rows, and the head splits into rotated halves."""
         cfg = self.config
-        return bool(cfg is not None and cfg.rope_fold and (T == 1 or T <= self.rows) and head_dim % 2 == 0)
+        rows_ok = T == 1 or (T <= self.rows and cfg is not None and cfg.rope_fold_rows)
+        return bool(cfg is not None and cfg.rope_fold and rows_ok and head_dim % 2 == 0)
 
     def _mm(self, x, w, norm_weight=None, eps=1e-6, bias=None, residual=None, glu=False, rope=None):
         """x [T, K] @ w^T with the folds: gemv for one row, gemm_rows up to `rows`, else torch (`rope`: the q/k/v

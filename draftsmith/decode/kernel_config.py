@@ -103,9 +103,12 @@ class KernelConfig:
     gathers the token embedding and applies both input norms itself (`gemv`'s `embed`: two kernels fewer per draft
     step; off = the torch norms and cat before it, for A/B measurements). rope_fold: the all-kernel forwards' q/k/v matmul
     (the one-token gemv, the T-row gemm_rows) applies RoPE and writes the caches in its epilogue (`rope=`: one launch
-    a layer fewer; off until a GPU run measures it — models without q/k norms only). pdl: programmatic dependent launch (used on CUDA sm_90+ where
+    a layer fewer; off until a GPU run measures it — models without q/k norms only); rope_fold_rows: with rope_fold, the
+    T-row forwards too (off: the one-row gemv only — the fold measured slower in the row kernels). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
-    off,on measures both). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
+    off,on measures both). tune_chained: the tuners time each tile as a dependent chain (every launch's input the
+    previous launch's output, `kernels.chained_io`), as a forward runs them, not on one fixed input (launches that
+    overlap under PDL: a throughput, where a forward pays each kernel's latency). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows (rows_split_sweep: its tiles for matrices of
     at least gemm_rows.SSQ_MIN_K inputs)
     ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps, split), `experimental.gemm_rows.tune_rows`). tuned_us: a tuned
@@ -122,7 +125,9 @@ class KernelConfig:
     rows_split: int = 1
     embed_fold: bool = True
     rope_fold: bool = False
+    rope_fold_rows: bool = True
     pdl: bool = True
+    tune_chained: bool = False
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS

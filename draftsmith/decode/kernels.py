@@ -714,10 +714,12 @@ def gemv(
     norm_weight2: torch.Tensor | None = None,
     argmax_map: torch.Tensor | None = None,
     rope: tuple | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token: x [1, K] or [K] (with `act_mul`: [1, 2K] = cat(gate, up)); w [N, K] (rows contiguous) -> [1, N] in
     x's dtype (several rows are `experimental.gemm_rows`'; the gemv looped over a verify's rows lost to it twice,
-    docs/LOG.md 2026-12-02). The tile: the arguments, else `config`'s tuned one for this shape, else its default.
+    and the one-row program over a grid of rows once: docs/LOG.md 2026-12-02). The tile: the arguments, else
+    `config`'s tuned one for this shape, else its default.
     See the module docstring. `embed` = (table [V, K/2], ids [1]) with `norm_weight2` (an EAGLE-3 drafter's first
     layer): the input row is cat(rmsnorm(table[ids]) * norm_weight, rmsnorm(x) * norm_weight2), x [1, K/2] — the
     gather, both norms and the concatenation in the matmul's prologue, rounded as the two HF RMSNorms and torch.cat
@@ -728,8 +730,12 @@ def gemv(
     (no q/k norm): w is the fused q/k/v projection; RoPE and the cache writes happen in the epilogue and the return
     is q [1, n_heads * d] (rotated) — `rope_and_cache(gemv(x, w, ...))` in one launch (`KernelConfig.rope_fold`).
     Its tile is the unfolded projection's, with half the outputs a program (each output is a pair of rows).
-    Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles; with `rope`, `draftsmith::qkv_rope`)."""
+    Traced by torch.compile: the `draftsmith::gemv` operator (the config's tiles; with `rope`, `draftsmith::qkv_rope`).
+    `out` [1, N] contiguous: where the outputs go (the tuners' dependent chains, `chained_io`); not with argmax_map,
+    rope or under tracing."""
     _need()
+    if out is not None and (rope is not None or argmax_map is not None):
+        raise ValueError("gemv: out takes the outputs of a plain gemv, not of rope or argmax_map")
     if rope is not None:
         if act_mul or glu or residual is not None or argmax_map is not None:
             raise ValueError("gemv: rope combines with neither act_mul, glu, a residual nor argmax_map")
@@ -737,7 +743,7 @@ def gemv(
             x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps, prefetch, embed, norm_weight2
         )
     table, ids = embed if embed is not None else (None, None)
-    if _tracing() and block_n is None and block_k is None and num_warps is None and prefetch is None:
+    if _tracing() and block_n is None and block_k is None and num_warps is None and prefetch is None and out is None:
         return _gemv_op(
             x,
             w,
@@ -807,7 +813,9 @@ def gemv(
         pv, pi, cnt = _argmax_workspace(x.device)
         am = (pv, pi, cnt, argmax_map.contiguous())
     else:
-        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        if out is not None and (out.numel() != N or out.dtype != x.dtype or not out.is_contiguous()):
+            raise ValueError(f"gemv: out must be {N} contiguous {x.dtype} outputs, not {tuple(out.shape)} {out.dtype}")
+        y = out.view(1, N) if out is not None else torch.empty(1, N, dtype=x.dtype, device=x.device)
         am = (dummy,) * 4
     _gemv_kernel[grid](
         xf,
@@ -974,6 +982,7 @@ def tune_gemv(
         return []
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
+    x, out = chained_io(1, x.shape[1], N, x) if cfg.tune_chained else (x, None)
 
     def launch(tile):
         bn, bk, nw, pf = tile
@@ -991,6 +1000,7 @@ def tune_gemv(
                 prefetch=pf,
                 glu=glu,
                 config=cfg,
+                out=out,
             )
 
     return sweep_tiles(
@@ -1003,6 +1013,17 @@ def tune_gemv(
         key,
         cfg.tuned_us,
     )
+
+
+def chained_io(T: int, n_in: int, n_out: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [T, n_in], out [T, n_out]) over one buffer, for a tuner's timed launches (`KernelConfig.tune_chained`):
+    a launch that reads x and writes out, repeated, runs as a dependent chain — each launch waits for the previous
+    one's outputs before reading its input, as in a forward — where launches on a fixed input are independent and
+    overlap (under PDL a whole launch can run in the previous one's tail), which ranks tiles by throughput instead
+    of by the latency a forward pays. Timing only: a launch reads what others of its programs write (the values are
+    meaningless)."""
+    buf = torch.randn(T * max(n_in, n_out), device=like.device, dtype=like.dtype)
+    return buf[: T * n_in].view(T, n_in), buf[: T * n_out].view(T, n_out)
 
 
 def sweep_tiles(
@@ -1730,6 +1751,7 @@ def tune_attention(
 
 
 __all__ = [
+    "chained_io",
     "KernelConfig",
     "available",
     "gemv",

@@ -359,6 +359,9 @@ class TritonRowsOps(TritonStepOps):
         self.ssq_on = f.hidden_size >= SSQ_MIN_K
         self._ssq = None  # (the tensor, its ssq) of the last producer in this forward
 
+    def _fold_rope(self) -> bool:
+        return self.config.rope_fold and self.config.rope_fold_rows
+
     def _launcher(self):
         from draftsmith.decode.experimental.gemm_rows import gemm_rows
 

@@ -606,6 +606,7 @@ def gemm_rows(
     swap: bool = False,
     num_stages: int | None = None,
     rope: tuple | None = None,
+    out: torch.Tensor | None = None,
 ):
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
@@ -620,11 +621,15 @@ def gemm_rows(
     rope = (positions [T], slots [T], cos, sin, k_cache, v_cache, n_heads, n_kv) as `kernels.rope_and_cache` takes
     them (no q/k norm): w is the fused q/k/v projection, RoPE and the cache writes happen in the epilogue, and the
     return is q [T, n_heads * d] — `rope_and_cache(gemm_rows(x, w, ...))` in one launch (`KernelConfig.rope_fold`;
-    the unfolded projection's tile with half the outputs a program, one K range; traced as `draftsmith::qkv_rope`)."""
+    the unfolded projection's tile with half the outputs a program, one K range; traced as `draftsmith::qkv_rope`).
+    out [T, N] contiguous: where the outputs go (the tuner's dependent chain, `kernels.chained_io`); not with rope or
+    under tracing."""
     _need()
     if rope is not None:
+        if out is not None:
+            raise ValueError("gemm_rows: out takes the outputs of a plain launch, not of rope")
         return _gemm_rows_rope(x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps)
-    if _tracing() and block_n is None and block_k is None and num_warps is None and split is None:
+    if _tracing() and block_n is None and block_k is None and num_warps is None and split is None and out is None:
         y = _gemm_rows_op(x, w, norm_weight, float(eps), bias, residual, bool(glu), config_key(config))
         return (y, None) if want_ssq else y
     cfg = config if config is not None else KernelConfig()
@@ -653,7 +658,9 @@ def gemm_rows(
         k_split = K
     if row_ssq is not None and (row_ssq.dim() != 2 or row_ssq.shape[1] != T or row_ssq.dtype != torch.float32):
         raise ValueError(f"gemm_rows: row_ssq {tuple(row_ssq.shape)} {row_ssq.dtype} is not [tiles, {T}] float32")
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if out is not None and (out.numel() != T * N or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemm_rows: out must be [{T}, {N}] contiguous {x.dtype}, not {tuple(out.shape)} {out.dtype}")
+    y = out.view(T, N) if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
     dummy = x
     part = torch.empty(sp, 2 if glu else 1, T, N, dtype=torch.float32, device=x.device) if sp > 1 else dummy
     ssq = torch.empty(grid_n, T, dtype=torch.float32, device=x.device) if want_ssq else None
@@ -797,7 +804,7 @@ def tune_rows(
     `config.rows_split_sweep` from SSQ_MIN_K inputs on) on `mats` with
     `rows` tokens and keep the fastest in `config.rows_tuned` (the default tile is among those timed, so the choice is
     never slower than it at tuning time). One row per tile; [] when tuned before (unless `force`) or on the CPU."""
-    from draftsmith.decode.kernels import sweep_tiles
+    from draftsmith.decode.kernels import chained_io, sweep_tiles
 
     _need()
     cfg = config if config is not None else KernelConfig()
@@ -809,6 +816,7 @@ def tune_rows(
     x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
     r = torch.randn(rows, N, device=w0.device, dtype=w0.dtype) if residual else None
     key = _rows_key(N, K, w0.dtype, norm_weight, bias, r, glu)
+    x, out = chained_io(rows, K, N, x) if cfg.tune_chained else (x, None)
     if key in cfg.rows_tuned and not force:
         return []
     # split tiles whose K ranges would round to fewer splits than asked time another tile: dropped
@@ -825,7 +833,7 @@ def tune_rows(
         for w in mats:
             gemm_rows(
                 x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw, split=sp,
-                row_ssq=ssq,
+                row_ssq=ssq, out=out,
             )  # fmt: skip
 
     out = sweep_tiles(

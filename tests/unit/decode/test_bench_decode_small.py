@@ -48,6 +48,14 @@ def test_decode_small_bench_smoke(tmp_path):
     # lossless either way: the same tokens with the lookahead off and the graphed (here: padded) prefill on
     assert speed[("torch", "chain2")]["differ"] == 0 and speed[(other, "chain2")]["differ"] == 0
     assert "ms_per_round" in md.read_text() and "graph_mb" in md.read_text()
+    # the census splits each chain round into its parts (verify, drafting, hand-off, the rest)
+    chain = [x for x in res["census"] if x["setting"] == "chain2"]
+    assert len(chain) == 2
+    for row in chain:
+        parts = row["parts_us"]
+        assert all(parts[k] > 0 for k in ("verify", "token", "step", "handoff"))
+        assert abs(sum(row["parts_plain_steps"].values()) - row["plain_steps"]) < 1e-3
+    assert "handoff_ps" in md.read_text()
 
 
 def _bench_module():

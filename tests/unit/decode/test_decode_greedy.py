@@ -564,9 +564,12 @@ def test_cpu_chain_round_equals_generic_round(trained):
 
 def test_cpu_draft_step_matches_the_drafter_module(trained):
     """`CpuDraftStep` (transposed weights, no module calls) against the Drafter's own forward, fc and logits on the
-    same inputs and cache."""
+    same inputs and cache (a prefill first writes the cache slots the rows see)."""
+    from draftsmith.decode.sampling import SamplingParams
+
     eng, d, _, _ = trained
     g = torch.Generator().manual_seed(0)
+    eng.prefill(torch.randint(0, eng.vocab_size, (12,), generator=g).tolist(), SamplingParams(), draft=True)
     T, H = 4, int(d.config.hidden_size)
     ids = torch.randint(0, eng.vocab_size, (T,), generator=g)
     aux = torch.randn(T, d.fc.in_features, generator=g)
@@ -711,3 +714,28 @@ def test_graphs_are_kept_for_a_bounded_number_of_sampling_settings(qwen3_overfit
     assert {k[2] for k in eng._pf_graphs} == {hot, warm.canonical()}
     assert eng.generate(p, 6, mode=CHAIN).token_ids == want  # and comes back when asked for
     assert {k[1] for k in eng._graphs} == {warm.canonical(), SamplingParams()}
+
+
+def test_public_drafter_calls_see_weights_changed_under_the_engine():
+    """The engine's decoding view of the drafter (fused q/k/v, the CPU draft step) is rebuilt when the drafter's
+    weights change under it (trained further, loaded): the rounds did that, the public calls (`fuse`,
+    `draft_forward`, `draft_logits`, `draft_token`) did not — run before any round they used the stale copy."""
+    from decode_helpers import random_drafter, tiny_llama
+
+    m = tiny_llama(vocab_size=64, hidden=64, layers=2)
+    d = random_drafter(m, seed=3)
+    eng = SpeculativeDecoder(m, d, max_len=32)
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(3, d.fc.in_features, generator=g)
+    ids = torch.randint(0, 64, (3,), generator=g)
+    pos = torch.arange(3)
+    with torch.no_grad():
+        before = eng.draft_logits(eng.draft_forward(ids, eng.fuse(aux), pos, pos, eng.mask(pos)))
+        for p_ in d.parameters():  # an optimizer step's in-place update
+            p_.mul_(1.5)
+        after = eng.draft_logits(eng.draft_forward(ids, eng.fuse(aux), pos, pos, eng.mask(pos)))
+        ref = d.compute_logits(d(ids[None], d.fuse(aux)[None], pos[None])[0]).float()
+        tok = eng.draft_token(eng.draft_forward(ids[:1], eng.fuse(aux[:1]), pos[:1], pos[:1], eng.mask(pos[:1]))[0])
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, ref, atol=1e-4, rtol=1e-4)
+    assert tok.shape == (1,) and int(tok) == int(eng.d_ids[torch.argmax(ref[0])])

@@ -452,6 +452,36 @@ def test_gemm_rows_tuned_tiles():
         assert tune_rows([w], T, config=bad) == []  # nothing timed off the GPU
 
 
+def test_out_buffers_and_the_tuners_chained_io():
+    """`gemv(out=)` / `gemm_rows(out=)` write the launch's outputs where given (the same values as a fresh buffer);
+    `chained_io`'s x and out share one buffer, so each timed launch reads what the previous one wrote (the tuners'
+    dependent chain, `KernelConfig.tune_chained`), for outputs wider and narrower than the inputs; bad buffers fail."""
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.experimental.gemm_rows import gemm_rows
+
+    g = torch.Generator().manual_seed(5)
+    for T, Kd, N in ((1, 64, 96), (1, 96, 32), (5, 64, 96), (5, 96, 32)):
+        w = (torch.randn(N, Kd, generator=g) * 0.05).to(DEV)
+        nw = (torch.rand(Kd, generator=g) + 0.5).to(DEV)
+        x = torch.randn(T, Kd, generator=g).to(DEV)
+        fn = gemv if T == 1 else gemm_rows
+        ref = fn(x, w, nw)
+        out = torch.full((T, N), float("nan"), device=DEV)
+        assert fn(x, w, nw, out=out).data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        xc, oc = K.chained_io(T, Kd, N, x)
+        assert xc.shape == (T, Kd) and oc.shape == (T, N) and xc.data_ptr() == oc.data_ptr()
+        assert xc.untyped_storage().data_ptr() == oc.untyped_storage().data_ptr()
+        x0 = xc.clone()
+        fn(xc, w, nw, out=oc)
+        m = T * min(N, Kd)  # the outputs landed on the inputs the next launch reads
+        assert not torch.equal(xc.flatten()[:m], x0.flatten()[:m])
+        with pytest.raises(ValueError, match="out"):
+            fn(x, w, nw, out=torch.empty(T, N + 1, device=DEV))
+    with pytest.raises(ValueError, match="out"):
+        gemv(x[:1], w, argmax_map=torch.arange(N, device=DEV), out=torch.empty(1, N, device=DEV))
+
+
 def test_verify_forward_through_rows_attention_equals_torch_path():
     """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
     matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
@@ -710,6 +740,43 @@ def _assert_rows_rope_fold(model):
     torch.testing.assert_close(a1, a0, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fwds[1].k_cache, fwds[0].k_cache, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fwds[1].v_cache, fwds[0].v_cache, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_fold_rows_off_folds_the_one_row_step_only(monkeypatch):
+    """`KernelConfig.rope_fold_rows` off: a verify through the row kernels keeps rope_and_cache (its q/k/v launch
+    takes no rope), the one-token step still folds it into the gemv — and both give the unfolded forward's logits."""
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.experimental import gemm_rows as GR
+
+    model = tiny_llama(vocab_size=50).to(DEV)
+    n = model.config.num_hidden_layers
+    fwds = [LlamaFamilyForward.from_hf(model, [0, n - 1], 48) for _ in range(2)]
+    for f in fwds:
+        f.kernels, f.triton_max_rows = "triton", 64
+    fwds[1].kernel_config.rope_fold, fwds[1].kernel_config.rope_fold_rows = True, False
+    calls = {"rows": 0, "gemv": 0}
+    rows_rope, gemv_rope = GR._gemm_rows_rope, K._gemv_rope
+
+    def count(kind, fn):
+        def wrapped(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(GR, "_gemm_rows_rope", count("rows", rows_rope))
+    monkeypatch.setattr(K, "_gemv_rope", count("gemv", gemv_rope))
+    ids = torch.randint(0, model.config.vocab_size, (10,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    pos = torch.arange(10, device=DEV)
+    with torch.no_grad():
+        outs = []
+        for f in fwds:
+            a = f(ids[:9], pos[:9], pos[:9], causal_mask(48, pos[:9], DEV))[0]
+            b = f(ids[9:], pos[9:], pos[9:], causal_mask(48, pos[9:], DEV))[0]
+            outs.append((a, b))
+    assert calls == {"rows": 0, "gemv": n}
+    for x, y in zip(outs[0], outs[1]):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
