@@ -191,8 +191,10 @@ def census(
                 "handoff": pr["handoff"] / ps,
                 "rest": pr["rest"] / ps,
             }
-            log(f"  parts (us): {row['parts_us']}; in plain steps: "
-                + ", ".join(f"{k} {v:.2f}" for k, v in row["parts_plain_steps"].items()))
+            log(
+                f"  parts (us): {row['parts_us']}; in plain steps: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["parts_plain_steps"].items())
+            )
         rows.append(row)
         log(
             f"{config} {key}: {per * 1e3:.3f} ms = {per / t_plain:.2f} plain steps, {cen['kernels']} kernels "
@@ -266,8 +268,10 @@ def round_parts(eng, K: int, dev) -> dict:
     def handoff():
         eng.draft_forward(ids, eng.fuse(aux), pos, pos, mask)
 
-    return {name: _graph_us(fn, dev) for name, fn in (("verify", verify), ("token", token), ("step", step),
-                                                      ("handoff", handoff))}
+    return {
+        name: _graph_us(fn, dev)
+        for name, fn in (("verify", verify), ("token", token), ("step", step), ("handoff", handoff))
+    }
 
 
 def graph_pool_bytes(segments: list[dict], device_index: int | None) -> int:
@@ -532,8 +536,13 @@ def main() -> None:
             ),
         ]
     parts_rows = [
-        {"config": r["config"], "setting": r["setting"], "round_us": round(r["ms"] * 1e3, 1), **r["parts_us"],
-         **{f"{k}_ps": v for k, v in r["parts_plain_steps"].items()}}
+        {
+            "config": r["config"],
+            "setting": r["setting"],
+            "round_us": round(r["ms"] * 1e3, 1),
+            **r["parts_us"],
+            **{f"{k}_ps": v for k, v in r["parts_plain_steps"].items()},
+        }
         for r in rows
         if r.get("parts_us")
     ]
@@ -549,8 +558,20 @@ def main() -> None:
             "",
             common.markdown_table(
                 parts_rows,
-                ["config", "setting", "round_us", "verify", "token", "step", "handoff", "rest", "verify_ps",
-                 "drafting_ps", "handoff_ps", "rest_ps"],
+                [
+                    "config",
+                    "setting",
+                    "round_us",
+                    "verify",
+                    "token",
+                    "step",
+                    "handoff",
+                    "rest",
+                    "verify_ps",
+                    "drafting_ps",
+                    "handoff_ps",
+                    "rest_ps",
+                ],
             ),
         ]
     for r in rows:
