@@ -75,7 +75,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     does RoPE and the cache writes: `KernelConfig.rope_fold` on, one launch a layer fewer in plain steps and in
     verifies through the row kernels), "ropefold1" (the same in the one-row gemv only: plain and draft steps,
     `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
-    `KernelConfig.tune_chained` on). A config may appear twice in --configs (e.g. A,B,A: the second engine of a
+    `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
+    cache's capacity into 64: `KernelConfig.attn_live_chunks`). A config may appear twice in --configs (e.g. A,B,A: the second engine of a
     process has run slower; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
@@ -85,6 +86,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
         rope_fold="ropefold" in parts or "ropefold1" in parts,
         rope_fold_rows="ropefold1" not in parts,
         tune_chained="chained" in parts,
+        attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
     )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)

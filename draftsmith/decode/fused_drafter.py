@@ -377,7 +377,7 @@ class KernelDraftStep:
             else:
                 q = K.rope_and_cache(qkv, positions, slots, cos, sin, kc, vc, nh, nkv, config=self.config)
             if T == 1:
-                o = K.decode_attention(q, kc, vc, mask[0], d**-0.5, config=self.config)
+                o = K.decode_attention(q, kc, vc, mask[0], d**-0.5, config=self.config, slot=slots)
             else:
                 o = K.rows_attention(q, kc, vc, mask, d**-0.5, slots, config=self.config)
             h = self._mm(o, L["o"], bias=L["o_b"], residual=residual)

@@ -106,7 +106,10 @@ class KernelConfig:
     a layer fewer; off until a GPU run measures it — models without q/k norms only); rope_fold_rows: with rope_fold, the
     T-row forwards too (off: the one-row gemv only — the fold measured slower in the row kernels). pdl: programmatic dependent launch (used on CUDA sm_90+ where
     triton supports it; off = each kernel waits for the previous one at launch: bench/decode_kernels.py --pdl
-    off,on measures both). tune_chained: the tuners time each tile as a dependent chain (every launch's input the
+    off,on measures both). attn_live_chunks: the attention kernels (one token, and T rows with their slots) split
+    the live keys — up to the forward's highest slot, read on the device — into this many chunks, so a graph's fixed
+    grid follows the context (one chunk: no combine launch); 0 = the rule on the mask's width S (the cache's
+    capacity under CUDA graphs: 64 chunks, most past the context, all combined). tune_chained: the tuners time each tile as a dependent chain (every launch's input the
     previous launch's output, `kernels.chained_io`), as a forward runs them, not on one fixed input (launches that
     overlap under PDL: a throughput, where a forward pays each kernel's latency). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows (rows_split_sweep: its tiles for matrices of
@@ -128,6 +131,7 @@ class KernelConfig:
     rope_fold_rows: bool = True
     pdl: bool = True
     tune_chained: bool = False
+    attn_live_chunks: int = 0
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS

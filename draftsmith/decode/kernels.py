@@ -478,7 +478,12 @@ if triton is not None:
         SINGLE: tl.constexpr,
         IEEE: tl.constexpr,
         USE_PDL: tl.constexpr,
+        slot_ptr=None,
+        LIVE: tl.constexpr = False,
     ):
+        """One query token's attention over key chunk `sp` (flash-decoding): split_len keys a chunk, or with LIVE
+        the live keys (up to the token's slot, `slot_ptr`) in n_split equal chunks of whole blocks — the grid is
+        fixed at capture, the chunks follow the context at every replay (`KernelConfig.attn_live_chunks`)."""
         _pdl_start(USE_PDL)
         h = tl.program_id(0)  # KV head: its G query heads are the rows of one tile
         sp = tl.program_id(1)  # key chunk
@@ -491,10 +496,17 @@ if triton is not None:
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         kbase = kc_ptr + h.to(tl.int64) * stride_cache_h
         vbase = vc_ptr + h.to(tl.int64) * stride_cache_h
-        start = sp * split_len
-        for s0 in range(start, start + split_len, BLOCK_S):
+        if LIVE:
+            kv_hi = tl.minimum(tl.load(slot_ptr).to(tl.int32) + 1, S)
+            span = tl.cdiv(tl.cdiv(kv_hi, n_split), BLOCK_S) * BLOCK_S
+            start = sp * span
+            stop = tl.minimum(start + span, kv_hi)
+        else:
+            start = sp * split_len
+            stop = start + split_len
+        for s0 in range(start, stop, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
-            s_ok = rs < S
+            s_ok = (rs < S) & (rs < stop)
             valid = s_ok & (tl.load(mask_ptr + rs, mask=s_ok, other=0) != 0)
             # keys no mask row sees are not read (masked lanes issue no loads): the cache's unused tail costs a mask
             # read, not a K/V read, so attention time follows the context, not the cache capacity. Branch-free, so
@@ -542,6 +554,7 @@ if triton is not None:
         SINGLE: tl.constexpr,
         IEEE: tl.constexpr,
         USE_PDL: tl.constexpr,
+        LIVE: tl.constexpr = False,
     ):
         """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
         are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program. With HAS_SLOTS the
@@ -569,8 +582,14 @@ if triton is not None:
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         kbase = kc_ptr + h.to(tl.int64) * stride_cache_h
         vbase = vc_ptr + h.to(tl.int64) * stride_cache_h
-        start = sp * split_len
-        stop = tl.minimum(start + split_len, tl.minimum(kv_hi, S))
+        if LIVE:  # (with HAS_SLOTS) the live keys in n_split equal chunks of whole blocks, as `_attn_split_kernel`
+            live = tl.minimum(kv_hi, S)
+            span = tl.cdiv(tl.cdiv(live, n_split), BLOCK_S) * BLOCK_S
+            start = sp * span
+            stop = tl.minimum(start + span, live)
+        else:
+            start = sp * split_len
+            stop = tl.minimum(start + split_len, tl.minimum(kv_hi, S))
         for s0 in range(start, stop, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
             s_ok = rs < stop
@@ -1179,14 +1198,17 @@ def decode_attention(
     block_s: int | None = None,
     num_warps: int | None = None,
     config: KernelConfig | None = None,
+    slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token: q [nh, d] (or [1, nh, d]); caches [1, nkv, max_len, d] (one layer, the first S slots
     used); mask [S] bool (True = attend) -> [1, nh * d] in q's dtype. `split_len` (a multiple of `block_s`):
     keys per program; by default the plan `config.attn_plans` keeps for this shape, else the rule of `_attn_plan`.
+    `slot` [1] (the token's cache slot; keys past it are not read — true of causal decoding) with
+    `config.attn_live_chunks` > 0: that many chunks over the live keys instead (one: no combine launch).
     Traced by torch.compile: the `draftsmith::decode_attention` operator."""
     _need()
     if _tracing() and split_len is None and block_s is None and num_warps is None:
-        return _decode_attention_op(q, k_cache, v_cache, mask, float(scale), config_key(config))
+        return _decode_attention_op(q, k_cache, v_cache, mask, float(scale), config_key(config), slot)
     cfg = config if config is not None else KernelConfig()
     nkv, max_len, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q = q.reshape(-1, d)
@@ -1201,7 +1223,8 @@ def decode_attention(
     split_len, bs, nw = _attn_plan(S, nkv, G, d, q.dtype, q.device, split_len, block_s, num_warps, cfg.attn_plans)
     if split_len % bs:
         raise ValueError(f"decode_attention: split_len {split_len} is not a multiple of the key block {bs}")
-    n_split = triton.cdiv(S, split_len)
+    live = slot is not None and cfg.attn_live_chunks > 0
+    n_split = int(cfg.attn_live_chunks) if live else triton.cdiv(S, split_len)
     o = torch.empty(nh, d, dtype=q.dtype, device=q.device)
     single = n_split == 1
     if single:
@@ -1232,6 +1255,8 @@ def decode_attention(
         SINGLE=single,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         num_warps=nw,
+        slot_ptr=slot.reshape(-1) if live else mask,
+        LIVE=live,
         **_pdl(q, cfg.pdl),
     )
     if not single:
@@ -1274,6 +1299,7 @@ def _rows_attention(
     block_r: int | None = None,
     num_warps: int | None = None,
     pdl: bool = True,
+    live_chunks: int = 0,
 ) -> torch.Tensor:
     _need()
     T, nh, d = q.shape
@@ -1301,7 +1327,8 @@ def _rows_attention(
     split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
     if split_len % bs:
         raise ValueError(f"rows_attention: split_len {split_len} is not a multiple of the key block {bs}")
-    n_split = triton.cdiv(S, split_len)
+    live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
+    n_split = int(live_chunks) if live else triton.cdiv(S, split_len)
     o = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
     single = n_split == 1
     if single:
@@ -1343,6 +1370,7 @@ def _rows_attention(
         SINGLE=single,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         num_warps=num_warps or ROWS_ATTN_WARPS,
+        LIVE=live,
         **_pdl(q, pdl),
     )
     if not single:
@@ -1365,11 +1393,12 @@ if triton is not None:
         slots: torch.Tensor | None,
         scale: float,
         pdl: bool,
+        live_chunks: int = 0,
     ) -> torch.Tensor:
-        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, pdl=pdl)
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, pdl=pdl, live_chunks=live_chunks)
 
     @_rows_attention_op.register_fake
-    def _(q, k_cache, v_cache, mask, slots, scale, pdl):
+    def _(q, k_cache, v_cache, mask, slots, scale, pdl, live_chunks=0):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.custom_op("draftsmith::gemv", mutates_args=())
@@ -1481,12 +1510,18 @@ if triton is not None:
 
     @torch.library.custom_op("draftsmith::decode_attention", mutates_args=())
     def _decode_attention_op(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float, config: int
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+        config: int,
+        slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, mask, scale, config=config_for(config))
+        return decode_attention(q, k_cache, v_cache, mask, scale, config=config_for(config), slot=slot)
 
     @_decode_attention_op.register_fake
-    def _(q, k_cache, v_cache, mask, scale, config):
+    def _(q, k_cache, v_cache, mask, scale, config, slot=None):
         return q.new_empty(1, q.numel())
 
 
@@ -1527,7 +1562,8 @@ def rows_attention(
     if split_len or block_s or block_r or num_warps:
         return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl)
     _need()
-    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl)
+    live = int(config.attn_live_chunks) if config is not None and slots is not None else 0
+    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl, live)
 
 
 # topk_logprobs: columns per program of the first pass (each keeps its k best), and the largest k it takes

@@ -301,7 +301,7 @@ class TritonStepOps(TorchOps):
         )[None]  # [1, T, nh, d]
 
     def _attention_kernel(self, q, kc, vc, mask, slots, S):
-        return self.K.decode_attention(q, kc, vc, mask[0], self.f.scale, config=self.config)  # [1, nh * d]
+        return self.K.decode_attention(q, kc, vc, mask[0], self.f.scale, config=self.config, slot=slots)  # [1, nh*d]
 
     def _o_proj_kernel(self, o, h, L):
         return self.lin(o, L.o, bias=L.o_bias, residual=h)

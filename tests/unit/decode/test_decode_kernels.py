@@ -221,6 +221,66 @@ def test_decode_attention_equals_reference(dtype, nh, nkv, d, S, M, split, bs):
     torch.testing.assert_close(o.float(), ref, **tol)
 
 
+class _GridSpy:
+    """Wraps a triton kernel: records each launch's grid (`kernel[grid](...)`) and launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_attention_live_chunks_equal_the_reference(chunks, monkeypatch):
+    """`KernelConfig.attn_live_chunks`: the one-token and the T-row attention split the live keys (up to the slot
+    the forward wrote, read on the device) into a fixed number of chunks — contexts shorter than the chunks' blocks
+    (empty chunks), longer, and a cache far wider than the context — against the compact forward's attention
+    (fp32); the torch operators (what a traced round calls) take the setting from the config."""
+    from draftsmith.decode import kernels as K
+
+    g = torch.Generator().manual_seed(chunks)
+    nh, nkv, d, M = 6, 2, 16, 256
+    cfg = K.KernelConfig(attn_live_chunks=chunks)
+    spies = {n: _GridSpy(getattr(K, n)) for n in ("_attn_split_kernel", "_rows_attn_kernel", "_attn_combine_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(K, n, spy)
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    for L in (5, 37, 200):  # the token's slot; the mask is the cache's width, as under CUDA graphs
+        q = torch.randn(nh, d, generator=g).to(DEV)
+        mask = torch.arange(M, device=DEV) <= L
+        mask[L // 3] = False  # a masked key inside the live range
+        ref = grouped_attention(q.view(1, nh, 1, d), kc.float(), vc.float(), mask[None], d**-0.5, "bmm").reshape(
+            1, nh * d
+        )
+        slot = torch.tensor([L], device=DEV)
+        got = decode_attention(q, kc, vc, mask, d**-0.5, config=cfg, slot=slot)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-6)
+        got_op = K._decode_attention_op(q, kc, vc, mask, d**-0.5, K.config_key(cfg), slot)
+        torch.testing.assert_close(got_op, ref, atol=2e-6, rtol=2e-6)
+        # T rows (a chain verify's causal rows ending at slot L)
+        T = 4
+        qr = torch.randn(T, nh, d, generator=g).to(DEV)
+        slots = torch.arange(L - T + 1, L + 1, device=DEV)
+        rmask = torch.arange(M, device=DEV)[None] <= slots[:, None]
+        ref_r = (
+            grouped_attention(qr.transpose(0, 1)[None], kc.float(), vc.float(), rmask, d**-0.5, "bmm")
+            .transpose(1, 2)
+            .reshape(T, nh * d)
+        )
+        got_r = rows_attention(qr, kc, vc, rmask, d**-0.5, slots, config=cfg)
+        torch.testing.assert_close(got_r, ref_r, atol=2e-6, rtol=2e-6)
+    # the grids: `chunks` programs per KV head whatever the context; a combine launch only with more than one
+    assert {gr[1] for gr in spies["_attn_split_kernel"].grids} == {chunks}
+    assert {gr[1] for gr in spies["_rows_attn_kernel"].grids} == {chunks}
+    assert len(spies["_attn_combine_kernel"].grids) == (0 if chunks == 1 else 9)
+    # without the slot, the rule on the mask's width as before (64 chunks at most)
+    torch.testing.assert_close(decode_attention(q, kc, vc, mask, d**-0.5, config=cfg), ref, atol=2e-6, rtol=2e-6)
+    assert spies["_attn_split_kernel"].grids[-1][1] == M // K.ATTN_BLOCK_S
+
+
 def test_decode_attention_uses_the_tuned_plan():
     """A plan kept for this shape in the KernelConfig is what decode_attention launches (split_len not a multiple
     of the default key block: the call fails if the plan is ignored), and only under that config; without one, the

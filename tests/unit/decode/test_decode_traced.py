@@ -73,6 +73,35 @@ def test_rope_fold_rounds_eager_and_traced_equal_plain_decoding():
     torch._dynamo.reset()
 
 
+def test_attn_live_chunks_rounds_eager_and_traced_equal_plain_decoding():
+    """`KernelConfig.attn_live_chunks`: the one-token attention (plain steps, the drafter's steps) and the T-row one
+    (verifies, hand-offs, tree levels) split the live keys into fixed chunks — plain, chain and tree decoding equal
+    the torch engine's plain decoding eagerly, and a chain round traced whole (the operators take the slots:
+    fullgraph)."""
+    import torch._dynamo
+
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    m = tiny_llama(vocab_size=64, hidden=64, layers=2).to(DEV)
+    d = random_drafter(m, seed=2).to(DEV)
+    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 4, mode=DecodeMode("plain")).token_ids
+    torch._dynamo.reset()
+    eng = SpeculativeDecoder(
+        m, d, max_len=48, kernels="triton", kernel_rows=4, kernel_config=KernelConfig(attn_live_chunks=2)
+    )
+    modes = (
+        DecodeMode("plain"),
+        DecodeMode("chain", draft_tokens=2),
+        DecodeMode("tree", top_k=2, depth=2, tree_tokens=3),
+    )
+    for mode in modes:
+        assert eng.generate(p, 4, mode=mode).token_ids == want, mode
+    eng.compile_rounds(backend="aot_eager", fullgraph=True)  # (the chain round traced: the tree's tracing is slow)
+    assert eng.generate(p, 4, mode=modes[1]).token_ids == want
+    torch._dynamo.reset()
+
+
 def test_traced_forward_makes_its_index_inputs_once():
     """In a traced round the forward's positions, slots and mask are pointwise of the round's length (L + arange);
     inductor re-computes such an input for every opaque operator that takes it — 2-3 small kernels per layer on
