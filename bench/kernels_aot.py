@@ -328,26 +328,32 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "SINGLE": "constexpr",
         "IEEE": "constexpr",
         "USE_PDL": "constexpr",
+        "slot_ptr": "*i64",
+        "LIVE": "constexpr",
     }
     g = nh // nkv
-    for bs, nw in sorted({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS}):
-        for single, pdl in ((True, False), (False, False), (False, True)):
-            yield (
-                f"decode_attention split {bs}/{nw} single={single}{' pdl' if pdl else ''}",
-                K._attn_split_kernel,
-                attn_sig,
-                dict(
-                    G=g,
-                    BLOCK_R=max(16, 1 << (g - 1).bit_length()),
-                    D=d,
-                    BLOCK_S=bs,
-                    SINGLE=single,
-                    IEEE=dtype == "fp32",
-                    USE_PDL=pdl,
-                ),
-                nw,
-                [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
-            )
+    # (+ 1: the split over the live keys, `KernelConfig.attn_live_chunks`, at the default plan with PDL)
+    variants = [(bs, nw, single, pdl, False) for bs, nw in sorted({(bs, nw) for bs, _, nw in K.ATTN_CONFIGS})
+                for single, pdl in ((True, False), (False, False), (False, True))]  # fmt: skip
+    variants.append((K.ATTN_BLOCK_S, 4, False, True, True))
+    for bs, nw, single, pdl, live in variants:
+        yield (
+            f"decode_attention split {bs}/{nw} single={single}{' live' if live else ''}{' pdl' if pdl else ''}",
+            K._attn_split_kernel,
+            attn_sig,
+            dict(
+                G=g,
+                BLOCK_R=max(16, 1 << (g - 1).bit_length()),
+                D=d,
+                BLOCK_S=bs,
+                SINGLE=single,
+                IEEE=dtype == "fp32",
+                USE_PDL=pdl,
+                LIVE=live,
+            ),
+            nw,
+            [n for n in attn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
+        )
     rattn_sig = {
         "q_ptr": p,
         "kc_ptr": p,
@@ -377,15 +383,18 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "SINGLE": "constexpr",
         "IEEE": "constexpr",
         "USE_PDL": "constexpr",
+        "LIVE": "constexpr",
     }
-    for br, single, pdl in (
-        (K.ROWS_ATTN_BLOCK_R, False, False),
-        (K.ROWS_ATTN_BLOCK_R, False, True),
-        (K.ROWS_ATTN_BLOCK_R, True, True),
-        (16, False, True),
+    for br, single, pdl, live in (
+        (K.ROWS_ATTN_BLOCK_R, False, False, False),
+        (K.ROWS_ATTN_BLOCK_R, False, True, False),
+        (K.ROWS_ATTN_BLOCK_R, True, True, False),
+        (16, False, True, False),
+        (K.ROWS_ATTN_BLOCK_R, False, True, True),  # the live-key split (`KernelConfig.attn_live_chunks`)
     ):
         yield (
-            f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}{' pdl' if pdl else ''}",
+            f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}"
+            f"{' live' if live else ''}{' pdl' if pdl else ''}",
             K._rows_attn_kernel,
             rattn_sig,
             dict(
@@ -399,6 +408,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 SINGLE=single,
                 IEEE=dtype == "fp32",
                 USE_PDL=pdl,
+                LIVE=live,
             ),
             K.ROWS_ATTN_WARPS,
             [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
