@@ -181,7 +181,13 @@ def census(
             row["tiles"] = tiles_chosen(eng)
         if parts and m.kind == "chain":
             eng.prefill(prompt, sp, draft=True)
-            pr = round_parts(eng, m.draft_tokens, dev)
+            try:
+                pr = round_parts(eng, m.draft_tokens, dev)
+            except Exception as e:  # noqa: BLE001 - the census row stands without its parts
+                row["parts_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                pr = None
+        if parts and m.kind == "chain" and pr is not None:
             K = m.draft_tokens
             pr["rest"] = per * 1e6 - (K * pr["token"] + (K - 1) * pr["step"] + pr["verify"] + pr["handoff"])
             row["parts_us"] = {k: round(v, 1) for k, v in pr.items()}
@@ -210,34 +216,15 @@ def census(
 
 
 def _graph_us(fn, dev, copies: int = 16, reps: int = 20) -> float:
-    """Best microseconds a call of `fn` replayed as one CUDA graph of `copies` calls (a single short graph would
-    time its own launch from the host); on CPU, the mean of eager calls."""
-    if dev.type != "cuda":
-        fn()
-        t1 = time.perf_counter()
-        for _ in range(copies):
-            fn()
-        return (time.perf_counter() - t1) / copies * 1e6
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(copies):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
+    """Best microseconds a call of `fn`, replayed from one CUDA graph of `copies` calls (bench/decode.py's `graphed`:
+    a side-stream warm-up, then the capture; one call alone would time the graph's launch from the host); on CPU the
+    calls run eagerly, once."""
+    replay = DB.graphed(lambda: [fn() for _ in range(copies)], dev)
     best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / copies)
-    del g
+    for _ in range(reps if dev.type == "cuda" else 1):
+        with DB.Timer(dev) as t:
+            replay()
+        best = min(best, t.s / copies * 1e6)
     return best
 
 

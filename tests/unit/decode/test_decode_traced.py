@@ -41,12 +41,15 @@ def test_traced_rounds_with_triton_kernels():
     torch._dynamo.reset()
 
 
-def test_rope_fold_rounds_eager_and_traced_equal_plain_decoding():
-    """`KernelConfig.rope_fold` on an engine whose target and drafter have no q/k norms (a Llama): the plain step's
-    gemv, the verify's and hand-off's row kernels and the drafter's kernel steps (its first-layer embedding fold
-    included) rotate and write the caches in the q/k/v matmul — chain and tree rounds decode exactly as plain
-    decoding eagerly, and a chain round traced whole (the `draftsmith::qkv_rope` operator, mutating the caches:
-    fullgraph)."""
+@pytest.mark.parametrize("setting", ["rope_fold", "attn_live_chunks"])
+def test_kernel_settings_rounds_eager_and_traced_equal_plain_decoding(setting):
+    """Kernel settings that change what the forwards launch, on an engine whose target and drafter have no q/k
+    norms (a Llama) — plain, chain and tree decoding equal plain decoding eagerly, and a chain round traced whole
+    (fullgraph). rope_fold: the plain step's gemv, the verify's and hand-off's row kernels and the drafter's kernel
+    steps (its first-layer embedding fold included) rotate and write the caches in the q/k/v matmul (the
+    `draftsmith::qkv_rope` operator, mutating the caches). attn_live_chunks: the one-token attention (plain and
+    draft steps) and the T-row one (verifies, hand-offs, tree levels) split the live keys into fixed chunks (the
+    operators take the slots)."""
     import torch._dynamo
 
     from draftsmith.decode.kernel_config import KernelConfig
@@ -56,40 +59,11 @@ def test_rope_fold_rounds_eager_and_traced_equal_plain_decoding():
     p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
     want = SpeculativeDecoder(m, d, max_len=48).generate(p, 4, mode=DecodeMode("plain")).token_ids
     torch._dynamo.reset()
-    eng = SpeculativeDecoder(
-        m, d, max_len=48, kernels="triton", kernel_rows=4, kernel_config=KernelConfig(rope_fold=True)
-    )
-    assert eng.runner.plan(1)._can_fold_rope and eng.runner.plan(4)._can_fold_rope
-    assert eng._d_kern is not None and eng._d_kern._fold_rope(1, 16)
-    modes = (
-        DecodeMode("plain"),
-        DecodeMode("chain", draft_tokens=2),
-        DecodeMode("tree", top_k=2, depth=2, tree_tokens=3),
-    )
-    for mode in modes:
-        assert eng.generate(p, 4, mode=mode).token_ids == want, mode
-    eng.compile_rounds(backend="aot_eager", fullgraph=True)  # (the chain round traced: the tree's tracing is slow)
-    assert eng.generate(p, 4, mode=modes[1]).token_ids == want
-    torch._dynamo.reset()
-
-
-def test_attn_live_chunks_rounds_eager_and_traced_equal_plain_decoding():
-    """`KernelConfig.attn_live_chunks`: the one-token attention (plain steps, the drafter's steps) and the T-row one
-    (verifies, hand-offs, tree levels) split the live keys into fixed chunks — plain, chain and tree decoding equal
-    the torch engine's plain decoding eagerly, and a chain round traced whole (the operators take the slots:
-    fullgraph)."""
-    import torch._dynamo
-
-    from draftsmith.decode.kernel_config import KernelConfig
-
-    m = tiny_llama(vocab_size=64, hidden=64, layers=2).to(DEV)
-    d = random_drafter(m, seed=2).to(DEV)
-    p = torch.randint(0, m.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
-    want = SpeculativeDecoder(m, d, max_len=48).generate(p, 4, mode=DecodeMode("plain")).token_ids
-    torch._dynamo.reset()
-    eng = SpeculativeDecoder(
-        m, d, max_len=48, kernels="triton", kernel_rows=4, kernel_config=KernelConfig(attn_live_chunks=2)
-    )
+    kc = KernelConfig(rope_fold=True) if setting == "rope_fold" else KernelConfig(attn_live_chunks=2)
+    eng = SpeculativeDecoder(m, d, max_len=48, kernels="triton", kernel_rows=4, kernel_config=kc)
+    if setting == "rope_fold":
+        assert eng.runner.plan(1)._can_fold_rope and eng.runner.plan(4)._can_fold_rope
+        assert eng._d_kern is not None and eng._d_kern._fold_rope(1, 16)
     modes = (
         DecodeMode("plain"),
         DecodeMode("chain", draft_tokens=2),
