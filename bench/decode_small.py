@@ -76,8 +76,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     verifies through the row kernels), "ropefold1" (the same in the one-row gemv only: plain and draft steps,
     `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
     `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
-    cache's capacity into 64: `KernelConfig.attn_live_chunks`). A config may appear twice in --configs (e.g. A,B,A: the second engine of a
-    process has run slower; its rows are labelled "#2")."""
+    cache's capacity into 64: `KernelConfig.attn_live_chunks`). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
@@ -179,6 +179,7 @@ def census(
             row["projected_speedup"] = taus[key] * t_plain / per
         if m.kind == "plain":  # the tiles the engine's tuning chose (which row-kernel path a verify runs)
             row["tiles"] = tiles_chosen(eng)
+        pr = None
         if parts and m.kind == "chain":
             eng.prefill(prompt, sp, draft=True)
             try:
@@ -186,8 +187,7 @@ def census(
             except Exception as e:  # noqa: BLE001 - the census row stands without its parts
                 row["parts_error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-                pr = None
-        if parts and m.kind == "chain" and pr is not None:
+        if pr is not None:
             K = m.draft_tokens
             pr["rest"] = per * 1e6 - (K * pr["token"] + (K - 1) * pr["step"] + pr["verify"] + pr["handoff"])
             row["parts_us"] = {k: round(v, 1) for k, v in pr.items()}

@@ -1001,7 +1001,7 @@ def tune_gemv(
         return []
     x = torch.randn(1, 2 * K if act_mul else K, device=w0.device, dtype=dt)
     r = torch.randn(1, N, device=w0.device, dtype=dt) if residual else None
-    x, out = chained_io(1, x.shape[1], N, x) if cfg.tune_chained else (x, None)
+    x, y_buf = chained_io(1, x.shape[1], N, x) if cfg.tune_chained else (x, None)
 
     def launch(tile):
         bn, bk, nw, pf = tile
@@ -1019,7 +1019,7 @@ def tune_gemv(
                 prefetch=pf,
                 glu=glu,
                 config=cfg,
-                out=out,
+                out=y_buf,
             )
 
     return sweep_tiles(

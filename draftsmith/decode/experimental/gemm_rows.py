@@ -816,9 +816,9 @@ def tune_rows(
     x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
     r = torch.randn(rows, N, device=w0.device, dtype=w0.dtype) if residual else None
     key = _rows_key(N, K, w0.dtype, norm_weight, bias, r, glu)
-    x, out = chained_io(rows, K, N, x) if cfg.tune_chained else (x, None)
     if key in cfg.rows_tuned and not force:
         return []
+    x, y_buf = chained_io(rows, K, N, x) if cfg.tune_chained else (x, None)
     # split tiles whose K ranges would round to fewer splits than asked time another tile: dropped
     configs = configs or (cfg.rows_split_sweep if K >= SSQ_MIN_K else cfg.rows_sweep)
     sweep = [_tile4(t) for t in configs if _tile4(t)[3] == 1 or _splits(K, *_tile4(t)[1::2])]
@@ -833,7 +833,7 @@ def tune_rows(
         for w in mats:
             gemm_rows(
                 x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw, split=sp,
-                row_ssq=ssq, out=out,
+                row_ssq=ssq, out=y_buf,
             )  # fmt: skip
 
     out = sweep_tiles(
