@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (shared helpers; puts the repository on sys.path)
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.llama import LlamaFamilyForward  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 
@@ -615,20 +616,30 @@ def p2b(args, dev, dtype, runner, best):
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
-    combos = [(kn, impl, 1) for kn in kernels for impl in args.attn_impls]
+    combos = [(kn, impl, 1, 0) for kn in kernels for impl in args.attn_impls]
     # --kernel-rows: also the triton engine whose verifies of up to N rows run through the row kernels
     combos += [
-        ("triton", impl, r) for r in args.kernel_rows if r > 1 and "triton" in kernels for impl in args.attn_impls
+        ("triton", impl, r, 0) for r in args.kernel_rows if r > 1 and "triton" in kernels for impl in args.attn_impls
+    ]
+    # --attn-live-chunks: also the triton engine whose attention kernels split the live keys into N chunks
+    combos += [
+        ("triton", impl, 1, n)
+        for n in args.attn_live_chunks
+        if n > 0 and "triton" in kernels
+        for impl in args.attn_impls
     ]
     graphs = None
     rows_kernels = []
-    for kn, impl, krows in combos:
+    for kn, impl, krows, live in combos:
+        kc = KernelConfig(attn_live_chunks=live) if kn == "triton" else None
         eng = SpeculativeDecoder(
-            runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows
-        )
+            runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows,
+            kernel_config=kc,
+        )  # fmt: skip
         plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
+        pname += f" live{live}" if live else ""
         if krows > 1 and dev.type == "cuda":
             rows_kernels += row_kernel_table(eng, runner, pname)
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
@@ -660,7 +671,7 @@ def p2b(args, dev, dtype, runner, best):
                     "mode": mode.kind,
                     "setting": mode.__dict__,
                     "attention": impl,
-                    "kernels": kn if krows == 1 else f"{kn} rows{krows}",
+                    "kernels": (kn if krows == 1 else f"{kn} rows{krows}") + (f" live{live}" if live else ""),
                     "context": ctx,
                     "cache_slots": eng.max_len,
                     "t_plain_own_ms": t_own * 1e3,
@@ -818,6 +829,13 @@ def main(argv=None):
         default=[1],
         help="P2b: also measure the triton engine with kernel_rows=N (verifies of up to N rows through the row "
         "kernels), e.g. 8,64",
+    )
+    ap.add_argument(
+        "--attn-live-chunks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="P2b: also measure the triton engine with KernelConfig.attn_live_chunks=N (the attention kernels split "
+        "the live keys into N chunks, not the cache's width), e.g. 0,4,8",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

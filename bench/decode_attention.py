@@ -29,8 +29,10 @@ from bench.common import markdown_table, record  # noqa: E402
 SHAPES = {"8b": (32, 8, 128, 32), "small": (6, 2, 64, 10)}
 
 
-def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int]]:
-    """(block_r, block_s, n_split, warps) candidates; block_r at most the rows rounded up."""
+def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int, int]]:
+    """(block_r, block_s, split_len, warps, live) candidates; block_r at most the rows rounded up. live > 0: the
+    chunks split the live keys (up to the forward's highest slot) into `live` parts (`KernelConfig.attn_live_chunks`),
+    not the mask's width into split_len-wide ones."""
     from draftsmith.decode import kernels as K
 
     rows = T * G
@@ -45,8 +47,12 @@ def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int]
                 if -(-S // split_len) != n_split:
                     continue
                 for nw in (4, 8):
-                    out.append((br, bs, split_len, nw))
-    return out[:6] if smoke else out
+                    out.append((br, bs, split_len, nw, 0))
+        for bs in (32, 64):
+            for live in (1, 2, 4, 8, 16):
+                for nw in (4, 8):
+                    out.append((br, bs, bs, nw, live))
+    return out[:6] + [p for p in out if p[4]][:2] if smoke else out
 
 
 @torch.no_grad()
@@ -124,11 +130,16 @@ def main(argv=None) -> int:
                 }
             )
         slots = torch.arange(min(ctx, S - T), min(ctx, S - T) + T, device=dev)  # what the forward wrote
-        for br, bs, sl, nw in plans(T, G, S, args.smoke):
-            try:
-                o = K.rows_attention(
-                    q, kcs[0], vcs[0], mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw
+        for br, bs, sl, nw, live in plans(T, G, S, args.smoke):
+            chunks = f"live {live}" if live else -(-S // sl)
+
+            def attend(kc, vc, br=br, bs=bs, sl=sl, nw=nw, live=live):
+                return K._rows_attention(
+                    q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw, live_chunks=live
                 )
+
+            try:
+                o = attend(kcs[0], vcs[0])
                 diff = float((o.float() - ref).abs().max())
             except Exception as e:  # noqa: BLE001 - a plan this GPU cannot run is a row, not the end
                 res.append(
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
                         "path": "rows_attention",
                         "block_r": br,
                         "block_s": bs,
-                        "chunks": -(-S // sl),
+                        "chunks": chunks,
                         "warps": nw,
                         "us/layer": None,
                         "error": type(e).__name__,
@@ -145,9 +156,9 @@ def main(argv=None) -> int:
                 )
                 continue
 
-            def run(br=br, bs=bs, sl=sl, nw=nw):
+            def run(attend=attend):
                 for kc, vc in zip(kcs, vcs):
-                    K.rows_attention(q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw)
+                    attend(kc, vc)
 
             us, err = timed(run)
             res.append(
@@ -156,7 +167,7 @@ def main(argv=None) -> int:
                     "path": "rows_attention",
                     "block_r": br,
                     "block_s": bs,
-                    "chunks": -(-S // sl),
+                    "chunks": chunks,
                     "warps": nw,
                     "us/layer": us,
                     "max |Δ|": diff,

@@ -57,6 +57,14 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+# "fewwarps": one- and two-warp tiles added to the sweeps (the default sweeps' tiles have 4-8 warps, whose programs
+# reduce across warps through shared memory and a barrier; on a launch-bound target a program's latency is the cost)
+FEW_WARP_ROWS = ((16, 512, 2), (16, 512, 1), (16, 256, 2), (16, 256, 1), (16, 1024, 2), (32, 512, 2), (8, 512, 2),
+                 (4, 512, 2), (4, 512, 1), (2, 512, 1))  # fmt: skip
+FEW_WARP_GEMV = ((8, 512, 2, 1), (8, 512, 1, 1), (4, 512, 2, 1), (4, 512, 1, 1), (16, 512, 2, 1), (8, 1024, 2, 1),
+                 (4, 1024, 2, 1), (2, 1024, 1, 1), (16, 256, 2, 1), (2, 512, 1, 1))  # fmt: skip
+
+
 def make_engine(t, d, config: str) -> SpeculativeDecoder:
     """config: "torch" (torch kernels, CUDA graphs), or "+"-joined parts: "triton", "compile" (greedy rounds traced
     whole, the default of compile=True), "perfwd" (only the forwards compiled, the rounds' bookkeeping eager: the
@@ -76,7 +84,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     verifies through the row kernels), "ropefold1" (the same in the one-row gemv only: plain and draft steps,
     `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
     `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
-    cache's capacity into 64: `KernelConfig.attn_live_chunks`). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
     differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
@@ -90,6 +98,9 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
+    if "fewwarps" in parts:  # tiles of one or two warps too: no cross-warp reduction or barrier in a program
+        kc.rows_sweep = kc.rows_sweep + FEW_WARP_ROWS
+        kc.gemv_sweep = kc.gemv_sweep + FEW_WARP_GEMV
     eng = SpeculativeDecoder(
         t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
     )
