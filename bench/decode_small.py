@@ -84,7 +84,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     verifies through the row kernels), "ropefold1" (the same in the one-row gemv only: plain and draft steps,
     `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
     `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
-    cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps), "norowslive" (the T-row attention of a few rows
+    by the width rule, not over the live keys: `KernelConfig.rows_attn_live` off, the engine before 2026-12-03). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
     differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
@@ -95,6 +96,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
         rope_fold_rows="ropefold1" not in parts,
         tune_chained="chained" in parts,
         attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
+        rows_attn_live="norowslive" not in parts,
     )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)

@@ -1275,6 +1275,14 @@ ROWS_ATTN_BLOCK_R = 64
 ROWS_ATTN_BLOCK_S = 32
 ROWS_ATTN_WARPS = 4
 ROWS_ATTN_MAX = 256
+# A forward with slots and at most ROWS_ATTN_LIVE_MAX_ROWS tile rows (T x query heads of a KV head: a small target's
+# verify and hand-off, an 8B tree's draft step) splits the live keys into ROWS_ATTN_LIVE_CHUNKS chunks
+# (`KernelConfig.rows_attn_live`; None as the config means on): with so few row blocks the width rule above launches up to 64 chunks over the
+# cache's capacity, most past the context, and combines them all. Measured 2026-12-03 (bench/decode_attention.py,
+# BENCHMARKS.md): pycode-small T=5 3.3 vs 4.2 us a layer, T=7 3.6 vs 5.7, 8B T=8 8.6 vs 8.8; at a 1,800-token context
+# (T=5) 4.6 vs 4.4. The 8B 49-row verify (196 rows) keeps the width rule: live chunks were no faster there.
+ROWS_ATTN_LIVE_CHUNKS = 16
+ROWS_ATTN_LIVE_MAX_ROWS = 64
 
 
 def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int | None) -> tuple[int, int]:
@@ -1557,12 +1565,20 @@ def rows_attention(
     masked — true of every causal use (a token sees what was written before it or with it), and it lets the K/V
     loads run ahead of the mask; masked keys below the bound are read and weigh 0 (a cache holds finite values).
     Without `slots` a key block is read only where the tile's mask rows see it. The plan
-    arguments (benchmarks) bypass the torch operator that torch.compile sees. `config`: its `pdl`."""
+    arguments (benchmarks) bypass the torch operator that torch.compile sees. `config`: its `pdl`, `attn_live_chunks`
+    and `rows_attn_live` (few rows with slots: ROWS_ATTN_LIVE_CHUNKS chunks over the live keys, unless None or off)."""
     pdl = True if config is None else bool(config.pdl)
     if split_len or block_s or block_r or num_warps:
         return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl)
     _need()
     live = int(config.attn_live_chunks) if config is not None and slots is not None else 0
+    if (
+        live == 0
+        and slots is not None
+        and (config is None or config.rows_attn_live)
+        and q.shape[0] * (q.shape[1] // k_cache.shape[1]) <= ROWS_ATTN_LIVE_MAX_ROWS
+    ):
+        live = ROWS_ATTN_LIVE_CHUNKS
     return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl, live)
 
 

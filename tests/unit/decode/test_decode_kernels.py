@@ -281,6 +281,46 @@ def test_attention_live_chunks_equal_the_reference(chunks, monkeypatch):
     assert spies["_attn_split_kernel"].grids[-1][1] == M // K.ATTN_BLOCK_S
 
 
+def test_rows_attention_splits_live_keys_for_few_rows(monkeypatch):
+    """The T-row attention's default (`KernelConfig.rows_attn_live`): a forward of at most ROWS_ATTN_LIVE_MAX_ROWS
+    tile rows (a chain verify, a hand-off) splits the live keys into ROWS_ATTN_LIVE_CHUNKS chunks, a wider one (an 8B
+    tree verify) and a forward without slots keep the width rule, and the setting off restores it; every result
+    against the compact forward's attention (fp32)."""
+    from draftsmith.decode import kernels as K
+
+    g = torch.Generator().manual_seed(11)
+    nh, nkv, d, M, L = 6, 2, 16, 512, 300
+    spy = _GridSpy(K._rows_attn_kernel)
+    monkeypatch.setattr(K, "_rows_attn_kernel", spy)
+    kc = torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    vc = torch.randn(1, nkv, M, d, generator=g).to(DEV)
+    few = K.ROWS_ATTN_LIVE_MAX_ROWS // (nh // nkv)  # the most tokens that still take the live split
+    for T, cfg, live in (
+        (few, None, True),
+        (few, K.KernelConfig(), True),
+        (few + 1, None, False),
+        (few, K.KernelConfig(rows_attn_live=False), False),
+    ):
+        q = torch.randn(T, nh, d, generator=g).to(DEV)
+        slots = torch.arange(L - T + 1, L + 1, device=DEV)
+        rmask = torch.arange(M, device=DEV)[None] <= slots[:, None]
+        ref = (
+            grouped_attention(q.transpose(0, 1)[None], kc.float(), vc.float(), rmask, d**-0.5, "bmm")
+            .transpose(1, 2)
+            .reshape(T, nh * d)
+        )
+        torch.testing.assert_close(
+            rows_attention(q, kc, vc, rmask, d**-0.5, slots, config=cfg), ref, atol=2e-6, rtol=2e-6
+        )
+        n_rb = spy.grids[-1][2]
+        expect = K.ROWS_ATTN_LIVE_CHUNKS if live else -(-M // K._rows_attn_plan(M, n_rb, None, None)[0])
+        assert spy.grids[-1][1] == expect, (T, cfg, spy.grids[-1])
+    # no slots: the width rule whatever the rows
+    q = torch.randn(2, nh, d, generator=g).to(DEV)
+    rows_attention(q, kc, vc, torch.ones(2, M, dtype=torch.bool, device=DEV), d**-0.5)
+    assert spy.grids[-1][1] == -(-M // K._rows_attn_plan(M, spy.grids[-1][2], None, None)[0])
+
+
 def test_decode_attention_uses_the_tuned_plan():
     """A plan kept for this shape in the KernelConfig is what decode_attention launches (split_len not a multiple
     of the default key block: the call fails if the plan is ignored), and only under that config; without one, the
