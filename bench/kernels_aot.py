@@ -385,16 +385,17 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "USE_PDL": "constexpr",
         "LIVE": "constexpr",
     }
-    for br, single, pdl, live in (
-        (K.ROWS_ATTN_BLOCK_R, False, False, False),
-        (K.ROWS_ATTN_BLOCK_R, False, True, False),
-        (K.ROWS_ATTN_BLOCK_R, True, True, False),
-        (16, False, True, False),
-        (K.ROWS_ATTN_BLOCK_R, False, True, True),  # the live-key split (`KernelConfig.attn_live_chunks`)
+    live_warps = 8 if d >= 128 else 4
+    for br, bs, nw, single, pdl, live in (
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, False, False),
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, True, True, False),
+        (16, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
+        # the live-key split (few rows by default, `KernelConfig.rows_attn_live`; `attn_live_chunks`) and its tile
+        (K.ROWS_ATTN_LIVE_BLOCK_R, K.ROWS_ATTN_LIVE_BLOCK_S, live_warps, False, True, True),
     ):
         yield (
-            f"rows_attention {br}/{K.ROWS_ATTN_BLOCK_S}/{K.ROWS_ATTN_WARPS} single={single}"
-            f"{' live' if live else ''}{' pdl' if pdl else ''}",
+            f"rows_attention {br}/{bs}/{nw} single={single}{' live' if live else ''}{' pdl' if pdl else ''}",
             K._rows_attn_kernel,
             rattn_sig,
             dict(
@@ -402,7 +403,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 G=g,
                 BLOCK_R=br,
                 D=d,
-                BLOCK_S=K.ROWS_ATTN_BLOCK_S,
+                BLOCK_S=bs,
                 BLOCK_T=64,
                 HAS_SLOTS=True,
                 SINGLE=single,
@@ -410,7 +411,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 USE_PDL=pdl,
                 LIVE=live,
             ),
-            K.ROWS_ATTN_WARPS,
+            nw,
             [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
         )
     topk_sig = {

@@ -1280,9 +1280,14 @@ ROWS_ATTN_MAX = 256
 # (`KernelConfig.rows_attn_live`; None as the config means on): with so few row blocks the width rule above launches up to 64 chunks over the
 # cache's capacity, most past the context, and combines them all. Measured 2026-12-03 (bench/decode_attention.py,
 # BENCHMARKS.md): pycode-small T=5 3.3 vs 4.2 us a layer, T=7 3.6 vs 5.7, 8B T=8 8.6 vs 8.8; at a 1,800-token context
-# (T=5) 4.6 vs 4.4. The 8B 49-row verify (196 rows) keeps the width rule: live chunks were no faster there.
+# (T=5) 4.6 vs 4.4 (with the tile below). The 8B 49-row verify (196 rows) keeps the width rule: live chunks were no faster there.
 ROWS_ATTN_LIVE_CHUNKS = 16
 ROWS_ATTN_LIVE_MAX_ROWS = 64
+# The live split's tile (any live split, `attn_live_chunks` too): the fastest at every few-row shape measured (16 rows,
+# 64-key blocks; 8 warps for 128-wide heads, 4 for 64): 8B T=5 6.2 us vs 8.0 with the width rule's tile, T=8 6.5 vs
+# 8.6; pycode-small T=5 3.4 (BENCHMARKS.md, 2026-12-03).
+ROWS_ATTN_LIVE_BLOCK_R = 16
+ROWS_ATTN_LIVE_BLOCK_S = 64
 
 
 def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int | None) -> tuple[int, int]:
@@ -1330,12 +1335,16 @@ def _rows_attention(
             "heads a multiple of the KV heads, one mask row per token over at most the cache's slots"
         )
     G = nh // nkv
+    live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
+    if live:  # the live split's own tile (ROWS_ATTN_LIVE_*: 16 rows, 64 keys a block, 8 warps for 128-wide heads)
+        block_r = block_r or ROWS_ATTN_LIVE_BLOCK_R
+        block_s = block_s or ROWS_ATTN_LIVE_BLOCK_S
+        num_warps = num_warps or (8 if d >= 128 else 4)
     br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
     n_rb = triton.cdiv(T * G, br)
     split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
     if split_len % bs:
         raise ValueError(f"rows_attention: split_len {split_len} is not a multiple of the key block {bs}")
-    live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
     n_split = int(live_chunks) if live else triton.cdiv(S, split_len)
     o = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
     single = n_split == 1

@@ -27,6 +27,7 @@ from decode_helpers import (  # noqa: E402
 )
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder, causal_mask  # noqa: E402
+from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.kernels import decode_attention, gemv, rope_and_cache, rows_attention  # noqa: E402
 from draftsmith.decode.kernels import interpreted as K_interpreted  # noqa: E402
 from draftsmith.decode.llama import TRITON_OPS, LlamaFamilyForward, _rotate_half, grouped_attention  # noqa: E402
@@ -398,9 +399,10 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
     o = rows_attention(q, kc, vc, mask, d**-0.5, split_len=split, block_s=bs, block_r=br)
     # the slots this forward wrote (ctx..ctx+T-1): no visible key lies past them, so the bound changes nothing but
     # the kernel's specialisation (another compiled loop: on an H200 fp32 results moved by one ulp, 1.2e-7)
-    o_slots = rows_attention(
-        q, kc, vc, mask, d**-0.5, torch.arange(ctx, ctx + T, device=DEV), split_len=split, block_s=bs, block_r=br
-    )
+    # (the width rule's plan: with slots and few rows the default splits the live keys instead, checked below)
+    slots = torch.arange(ctx, ctx + T, device=DEV)
+    width = KernelConfig(rows_attn_live=False)
+    o_slots = rows_attention(q, kc, vc, mask, d**-0.5, slots, split_len=split, block_s=bs, block_r=br, config=width)
     tol = 2e-6 if dtype == torch.float32 else 0
     torch.testing.assert_close(o_slots, o, atol=tol, rtol=tol)
     ref = (
@@ -415,6 +417,8 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
     torch.testing.assert_close(o.float(), ref, **tol)
     if split is None:  # the default plan through the torch operator gives the same
         torch.testing.assert_close(rows_attention(q, kc, vc, mask, d**-0.5), o, atol=0, rtol=0)
+        # with the slots: the live-key split for few rows (`KernelConfig.rows_attn_live`), else the width rule
+        torch.testing.assert_close(rows_attention(q, kc, vc, mask, d**-0.5, slots).float(), ref, **tol)
 
 
 def test_rows_attention_skips_unseen_keys_and_checks_shapes():
