@@ -616,22 +616,29 @@ def p2b(args, dev, dtype, runner, best):
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
-    combos = [(kn, impl, 1, 0) for kn in kernels for impl in args.attn_impls]
+    combos = [(kn, impl, 1, 0, True) for kn in kernels for impl in args.attn_impls]
     # --kernel-rows: also the triton engine whose verifies of up to N rows run through the row kernels
     combos += [
-        ("triton", impl, r, 0) for r in args.kernel_rows if r > 1 and "triton" in kernels for impl in args.attn_impls
+        ("triton", impl, r, 0, True)
+        for r in args.kernel_rows
+        if r > 1 and "triton" in kernels
+        for impl in args.attn_impls
     ]
     # --attn-live-chunks: also the triton engine whose attention kernels split the live keys into N chunks
     combos += [
-        ("triton", impl, 1, n)
+        ("triton", impl, 1, n, True)
         for n in args.attn_live_chunks
         if n > 0 and "triton" in kernels
         for impl in args.attn_impls
     ]
+    # --rows-attn-live off: also the triton engine whose few-row attention keeps the width rule (the engine before
+    # 2026-12-03)
+    if "off" in args.rows_attn_live and "triton" in kernels:
+        combos += [("triton", impl, 1, 0, False) for impl in args.attn_impls]
     graphs = None
     rows_kernels = []
-    for kn, impl, krows, live in combos:
-        kc = KernelConfig(attn_live_chunks=live) if kn == "triton" else None
+    for kn, impl, krows, live, rows_live in combos:
+        kc = KernelConfig(attn_live_chunks=live, rows_attn_live=rows_live) if kn == "triton" else None
         eng = SpeculativeDecoder(
             runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows,
             kernel_config=kc,
@@ -639,7 +646,7 @@ def p2b(args, dev, dtype, runner, best):
         plain = eng.step_fn(DecodeMode("plain"), sp)
         eng.prefill(prompt, sp)
         pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
-        pname += f" live{live}" if live else ""
+        pname += (f" live{live}" if live else "") + ("" if rows_live else " norowslive")
         if krows > 1 and dev.type == "cuda":
             rows_kernels += row_kernel_table(eng, runner, pname)
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
@@ -671,7 +678,9 @@ def p2b(args, dev, dtype, runner, best):
                     "mode": mode.kind,
                     "setting": mode.__dict__,
                     "attention": impl,
-                    "kernels": (kn if krows == 1 else f"{kn} rows{krows}") + (f" live{live}" if live else ""),
+                    "kernels": (kn if krows == 1 else f"{kn} rows{krows}")
+                    + (f" live{live}" if live else "")
+                    + ("" if rows_live else " norowslive"),
                     "context": ctx,
                     "cache_slots": eng.max_len,
                     "t_plain_own_ms": t_own * 1e3,
@@ -836,6 +845,13 @@ def main(argv=None):
         default=[0],
         help="P2b: also measure the triton engine with KernelConfig.attn_live_chunks=N (the attention kernels split "
         "the live keys into N chunks, not the cache's width), e.g. 0,4,8",
+    )
+    ap.add_argument(
+        "--rows-attn-live",
+        type=lambda s: s.split(","),
+        default=["on"],
+        help="P2b: 'on,off' also measures the triton engine with KernelConfig.rows_attn_live off (few-row attention "
+        "by the width rule)",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")
