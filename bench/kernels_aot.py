@@ -385,14 +385,14 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "USE_PDL": "constexpr",
         "LIVE": "constexpr",
     }
-    live_warps = 8 if d >= 128 else 4
+    live_bs, live_warps = (K.ROWS_ATTN_LIVE_BLOCK_S, 8) if d >= 128 else (K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS)
     for br, bs, nw, single, pdl, live in (
         (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, False, False),
         (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
         (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, True, True, False),
         (16, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
         # the live-key split (few rows by default, `KernelConfig.rows_attn_live`; `attn_live_chunks`) and its tile
-        (K.ROWS_ATTN_LIVE_BLOCK_R, K.ROWS_ATTN_LIVE_BLOCK_S, live_warps, False, True, True),
+        (K.ROWS_ATTN_LIVE_BLOCK_R, live_bs, live_warps, False, True, True),
     ):
         yield (
             f"rows_attention {br}/{bs}/{nw} single={single}{' live' if live else ''}{' pdl' if pdl else ''}",

@@ -1283,9 +1283,10 @@ ROWS_ATTN_MAX = 256
 # (T=5) 4.6 vs 4.4 (with the tile below). The 8B 49-row verify (196 rows) keeps the width rule: live chunks were no faster there.
 ROWS_ATTN_LIVE_CHUNKS = 16
 ROWS_ATTN_LIVE_MAX_ROWS = 64
-# The live split's tile (any live split, `attn_live_chunks` too): the fastest at every few-row shape measured (16 rows,
-# 64-key blocks; 8 warps for 128-wide heads, 4 for 64): 8B T=5 6.2 us vs 8.0 with the width rule's tile, T=8 6.5 vs
-# 8.6; pycode-small T=5 3.4 (BENCHMARKS.md, 2026-12-03).
+# The live split's tile (any live split, `attn_live_chunks` too), the fastest at the few-row shapes measured: 16 rows;
+# for 128-wide heads 64-key blocks and 8 warps (8B T=5 6.2 us vs 8.0 with the width rule's tile, T=8 6.4 vs 8.6), for
+# 64-wide ones the width rule's 32-key blocks and 4 warps (pycode-small T=5 3.3 vs 3.4 with the wide tile, T=7 3.6
+# vs 4.0). BENCHMARKS.md, 2026-12-03. In a round on the 8B shape the rule is neutral (chain4 5.83 vs 5.77 ms off).
 ROWS_ATTN_LIVE_BLOCK_R = 16
 ROWS_ATTN_LIVE_BLOCK_S = 64
 
@@ -1336,10 +1337,11 @@ def _rows_attention(
         )
     G = nh // nkv
     live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
-    if live:  # the live split's own tile (ROWS_ATTN_LIVE_*: 16 rows, 64 keys a block, 8 warps for 128-wide heads)
+    if live:  # the live split's own tile: 16 rows; 128-wide heads 64 keys a block and 8 warps (ROWS_ATTN_LIVE_*)
+        wide = d >= 128
         block_r = block_r or ROWS_ATTN_LIVE_BLOCK_R
-        block_s = block_s or ROWS_ATTN_LIVE_BLOCK_S
-        num_warps = num_warps or (8 if d >= 128 else 4)
+        block_s = block_s or (ROWS_ATTN_LIVE_BLOCK_S if wide else ROWS_ATTN_BLOCK_S)
+        num_warps = num_warps or (8 if wide else ROWS_ATTN_WARPS)
     br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
     n_rb = triton.cdiv(T * G, br)
     split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
