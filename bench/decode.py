@@ -796,6 +796,11 @@ def flush(partial: bool = True) -> None:
     (Path(out) / "BENCHMARKS.decode.md").write_text("\n".join(LINES) + "\n")
 
 
+def _ints(s: str) -> list[int]:
+    """'4,8' -> [4, 8] (a comma-separated flag)."""
+    return [int(x) for x in s.split(",")]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
@@ -807,7 +812,7 @@ def main(argv=None):
     ap.add_argument("--prompts", default=None, help="humaneval.jsonl (EAGLE question format)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--chain-k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4, 5])
+    ap.add_argument("--chain-k", type=_ints, default=[2, 3, 4, 5])
     ap.add_argument(
         "--tree-cfgs",
         type=lambda s: [tuple(int(y) for y in x.split("/")) for x in s.split(",")],
@@ -834,14 +839,14 @@ def main(argv=None):
     )
     ap.add_argument(
         "--kernel-rows",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=_ints,
         default=[1],
         help="P2b: also measure the triton engine with kernel_rows=N (verifies of up to N rows through the row "
         "kernels), e.g. 8,64",
     )
     ap.add_argument(
         "--attn-live-chunks",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=_ints,
         default=[0],
         help="P2b: also measure the triton engine with KernelConfig.attn_live_chunks=N (the attention kernels split "
         "the live keys into N chunks, not the cache's width), e.g. 0,4,8",

@@ -233,6 +233,17 @@ class _GridSpy:
         return self.kernel[grid]
 
 
+def _causal_rows(T: int, L: int, nh: int, kc, vc, g):
+    """T query tokens of a chain verify whose causal rows end at slot L -> (q [T, nh, d], slots, mask over the cache's
+    width, the compact forward's attention in fp32 [T, nh * d])."""
+    d, M = kc.shape[-1], kc.shape[2]
+    q = torch.randn(T, nh, d, generator=g).to(DEV)
+    slots = torch.arange(L - T + 1, L + 1, device=DEV)
+    rmask = torch.arange(M, device=DEV)[None] <= slots[:, None]
+    ref = grouped_attention(q.transpose(0, 1)[None], kc.float(), vc.float(), rmask, d**-0.5, "bmm")
+    return q, slots, rmask, ref.transpose(1, 2).reshape(T, nh * d)
+
+
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_attention_live_chunks_equal_the_reference(chunks, monkeypatch):
     """`KernelConfig.attn_live_chunks`: the one-token and the T-row attention split the live keys (up to the slot
@@ -262,15 +273,7 @@ def test_attention_live_chunks_equal_the_reference(chunks, monkeypatch):
         got_op = K._decode_attention_op(q, kc, vc, mask, d**-0.5, K.config_key(cfg), slot)
         torch.testing.assert_close(got_op, ref, atol=2e-6, rtol=2e-6)
         # T rows (a chain verify's causal rows ending at slot L)
-        T = 4
-        qr = torch.randn(T, nh, d, generator=g).to(DEV)
-        slots = torch.arange(L - T + 1, L + 1, device=DEV)
-        rmask = torch.arange(M, device=DEV)[None] <= slots[:, None]
-        ref_r = (
-            grouped_attention(qr.transpose(0, 1)[None], kc.float(), vc.float(), rmask, d**-0.5, "bmm")
-            .transpose(1, 2)
-            .reshape(T, nh * d)
-        )
+        qr, slots, rmask, ref_r = _causal_rows(4, L, nh, kc, vc, g)
         got_r = rows_attention(qr, kc, vc, rmask, d**-0.5, slots, config=cfg)
         torch.testing.assert_close(got_r, ref_r, atol=2e-6, rtol=2e-6)
     # the grids: `chunks` programs per KV head whatever the context; a combine launch only with more than one
@@ -302,14 +305,7 @@ def test_rows_attention_splits_live_keys_for_few_rows(monkeypatch):
         (few + 1, None, False),
         (few, K.KernelConfig(rows_attn_live=False), False),
     ):
-        q = torch.randn(T, nh, d, generator=g).to(DEV)
-        slots = torch.arange(L - T + 1, L + 1, device=DEV)
-        rmask = torch.arange(M, device=DEV)[None] <= slots[:, None]
-        ref = (
-            grouped_attention(q.transpose(0, 1)[None], kc.float(), vc.float(), rmask, d**-0.5, "bmm")
-            .transpose(1, 2)
-            .reshape(T, nh * d)
-        )
+        q, slots, rmask, ref = _causal_rows(T, L, nh, kc, vc, g)
         torch.testing.assert_close(
             rows_attention(q, kc, vc, rmask, d**-0.5, slots, config=cfg), ref, atol=2e-6, rtol=2e-6
         )
