@@ -310,8 +310,15 @@ def test_rows_attention_splits_live_keys_for_few_rows(monkeypatch):
             rows_attention(q, kc, vc, rmask, d**-0.5, slots, config=cfg), ref, atol=2e-6, rtol=2e-6
         )
         n_rb = spy.grids[-1][2]
-        expect = K.ROWS_ATTN_LIVE_CHUNKS if live else -(-M // K._rows_attn_plan(M, n_rb, None, None)[0])
+        live_chunks = min(K.ROWS_ATTN_LIVE_CHUNKS, M // K.ROWS_ATTN_BLOCK_S)  # (d=16: the narrow heads' key block)
+        expect = live_chunks if live else -(-M // K._rows_attn_plan(M, n_rb, None, None)[0])
         assert spy.grids[-1][1] == expect, (T, cfg, spy.grids[-1])
+    # a short cache (the tests' engines: 64 slots): no more chunks than its key blocks
+    q, slots, rmask, ref = _causal_rows(3, 40, nh, kc[:, :, :64], vc[:, :, :64], g)
+    torch.testing.assert_close(
+        rows_attention(q, kc[:, :, :64], vc[:, :, :64], rmask, d**-0.5, slots), ref, atol=2e-6, rtol=2e-6
+    )
+    assert spy.grids[-1][1] == 64 // K.ROWS_ATTN_BLOCK_S
     # no slots: the width rule whatever the rows
     q = torch.randn(2, nh, d, generator=g).to(DEV)
     rows_attention(q, kc, vc, torch.ones(2, M, dtype=torch.bool, device=DEV), d**-0.5)
