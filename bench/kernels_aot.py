@@ -385,7 +385,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "USE_PDL": "constexpr",
         "LIVE": "constexpr",
     }
-    live_bs, live_warps = (K.ROWS_ATTN_LIVE_BLOCK_S, 8) if d >= 128 else (K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS)
+    live_bs, live_warps = K._rows_live_tile(d)
     for br, bs, nw, single, pdl, live in (
         (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, False, False),
         (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),

@@ -1277,24 +1277,25 @@ ROWS_ATTN_WARPS = 4
 ROWS_ATTN_MAX = 256
 # A forward with slots and at most ROWS_ATTN_LIVE_MAX_ROWS tile rows (T x query heads of a KV head: a small target's
 # verify and hand-off, an 8B tree's draft step) splits the live keys into ROWS_ATTN_LIVE_CHUNKS chunks, at most one
-# per key block of the mask's width (`KernelConfig.rows_attn_live`; None as the config means on): with so few row
-# blocks the width rule above launches up to 64 chunks over the cache's capacity, most past the context, and combines
-# them all. Measured 2026-12-03 (bench/decode_attention.py,
-# BENCHMARKS.md): pycode-small T=5 3.3 vs 4.2 us a layer, T=7 3.6 vs 5.7, 8B T=8 8.6 vs 8.8; at a 1,800-token context
-# (T=5) 4.6 vs 4.4 (with the tile below). The 8B 49-row verify (196 rows) keeps the width rule: live chunks were no faster there.
+# per key block of the mask's width (`KernelConfig.rows_attn_live`; a None config means on): with so few row blocks
+# the width rule above launches up to 64 chunks over the cache's capacity, most past the context, and combines them
+# all. Measured 2026-12-03 (bench/decode_attention.py, BENCHMARKS.md): pycode-small T=5 3.3 vs 4.2 us a layer, T=7
+# 3.6 vs 5.7, at an 1,800-token context (T=5) 4.6 vs 4.4; rounds -2.4 % (chain4) and -4 % (chain6). The 8B 49-row
+# verify (196 tile rows) keeps the width rule: live chunks were no faster there.
 ROWS_ATTN_LIVE_CHUNKS = 16
 ROWS_ATTN_LIVE_MAX_ROWS = 64
 # The live split's tile (any live split, `attn_live_chunks` too), the fastest at the few-row shapes measured: 16 rows;
 # for 128-wide heads 64-key blocks and 8 warps (8B T=5 6.2 us vs 8.0 with the width rule's tile, T=8 6.4 vs 8.6), for
 # 64-wide ones the width rule's 32-key blocks and 4 warps (pycode-small T=5 3.3 vs 3.4 with the wide tile, T=7 3.6
-# vs 4.0). BENCHMARKS.md, 2026-12-03. In a round on the 8B shape the rule is neutral (chain4 5.83 vs 5.77 ms off).
+# vs 4.0). In a round on the 8B shape the rule is neutral (chain4 5.83 vs 5.77 ms off).
 ROWS_ATTN_LIVE_BLOCK_R = 16
 ROWS_ATTN_LIVE_BLOCK_S = 64
 
 
-def _rows_live_block_s(d: int) -> int:
-    """The key block of the live split's tile for head_dim d (ROWS_ATTN_LIVE_BLOCK_S for 128-wide heads)."""
-    return ROWS_ATTN_LIVE_BLOCK_S if d >= 128 else ROWS_ATTN_BLOCK_S
+def _rows_live_tile(d: int) -> tuple[int, int]:
+    """(key block, warps) of the live split's tile for head_dim d: ROWS_ATTN_LIVE_BLOCK_S and 8 for 128-wide heads,
+    the width rule's for narrower ones."""
+    return (ROWS_ATTN_LIVE_BLOCK_S, 8) if d >= 128 else (ROWS_ATTN_BLOCK_S, ROWS_ATTN_WARPS)
 
 
 def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int | None) -> tuple[int, int]:
@@ -1345,8 +1346,8 @@ def _rows_attention(
     live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
     if live:  # the live split's own tile: 16 rows; 128-wide heads 64 keys a block and 8 warps (ROWS_ATTN_LIVE_*)
         block_r = block_r or ROWS_ATTN_LIVE_BLOCK_R
-        block_s = block_s or _rows_live_block_s(d)
-        num_warps = num_warps or (8 if d >= 128 else ROWS_ATTN_WARPS)
+        block_s = block_s or _rows_live_tile(d)[0]
+        num_warps = num_warps or _rows_live_tile(d)[1]
     br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
     n_rb = triton.cdiv(T * G, br)
     split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
@@ -1582,7 +1583,8 @@ def rows_attention(
     loads run ahead of the mask; masked keys below the bound are read and weigh 0 (a cache holds finite values).
     Without `slots` a key block is read only where the tile's mask rows see it. The plan
     arguments (benchmarks) bypass the torch operator that torch.compile sees. `config`: its `pdl`, `attn_live_chunks`
-    and `rows_attn_live` (few rows with slots: ROWS_ATTN_LIVE_CHUNKS chunks over the live keys, unless None or off)."""
+    and `rows_attn_live` (few rows with slots: up to ROWS_ATTN_LIVE_CHUNKS chunks over the live keys; on for a None
+    config too)."""
     pdl = True if config is None else bool(config.pdl)
     if split_len or block_s or block_r or num_warps:
         return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl)
@@ -1595,7 +1597,7 @@ def rows_attention(
         and q.shape[0] * (q.shape[1] // k_cache.shape[1]) <= ROWS_ATTN_LIVE_MAX_ROWS
     ):
         # never more chunks than the mask's width has key blocks (a short cache: the tests' 64 slots)
-        live = min(ROWS_ATTN_LIVE_CHUNKS, -(-mask.shape[-1] // _rows_live_block_s(q.shape[-1])))
+        live = min(ROWS_ATTN_LIVE_CHUNKS, -(-mask.shape[-1] // _rows_live_tile(q.shape[-1])[0]))
     return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl, live)
 
 
