@@ -801,6 +801,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
+def _on_off(s: str) -> list[str]:
+    """'on,off' -> ['on', 'off']; anything else is an argparse error naming the value."""
+    vals = s.split(",")
+    if not vals or any(v not in ("on", "off") for v in vals):
+        raise argparse.ArgumentTypeError(f"{s!r}: a comma-separated list of on / off")
+    return vals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
@@ -853,7 +861,7 @@ def main(argv=None):
     )
     ap.add_argument(
         "--rows-attn-live",
-        type=lambda s: s.split(","),
+        type=_on_off,
         default=["on"],
         help="P2b: 'on,off' also measures the triton engine with KernelConfig.rows_attn_live off (few-row attention "
         "by the width rule)",

@@ -1345,9 +1345,10 @@ def _rows_attention(
     G = nh // nkv
     live = live_chunks > 0 and slots is not None  # `KernelConfig.attn_live_chunks`: chunks over the live keys
     if live:  # the live split's own tile: 16 rows; 128-wide heads 64 keys a block and 8 warps (ROWS_ATTN_LIVE_*)
+        live_bs, live_warps = _rows_live_tile(d)
         block_r = block_r or ROWS_ATTN_LIVE_BLOCK_R
-        block_s = block_s or _rows_live_tile(d)[0]
-        num_warps = num_warps or _rows_live_tile(d)[1]
+        block_s = block_s or live_bs
+        num_warps = num_warps or live_warps
     br = block_r or min(ROWS_ATTN_BLOCK_R, max(16, triton.next_power_of_2(T * G)))
     n_rb = triton.cdiv(T * G, br)
     split_len, bs = _rows_attn_plan(S, n_rb, split_len, block_s)
