@@ -32,6 +32,7 @@ import decode as DB  # noqa: E402  (timing and census helpers of bench/decode.py
 import torch  # noqa: E402
 
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder  # noqa: E402
+from draftsmith.decode.experimental.gemm_rows import _k_chains  # noqa: E402
 from draftsmith.decode.kernel_config import KernelConfig  # noqa: E402
 from draftsmith.decode.sampling import SamplingParams  # noqa: E402
 
@@ -85,7 +86,8 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     `KernelConfig.rope_fold_rows` off), "chained" (the tuners time each tile as a dependent chain of launches, as a forward runs them:
     `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
     cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps), "norowslive" (the T-row attention of a few rows
-    by the width rule, not over the live keys: `KernelConfig.rows_attn_live` off, the engine before 2026-12-03). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    by the width rule, not over the live keys: `KernelConfig.rows_attn_live` off, the engine before 2026-12-03), "nochains" (gemm_rows's tl.dot tiles walk K in one MMA chain, not all of K as
+    independent chains of BLOCK_K: `KernelConfig.rows_k_chains` off, the engine before 2026-12-03's seventeenth session). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
     differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
@@ -97,6 +99,7 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
         tune_chained="chained" in parts,
         attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
         rows_attn_live="norowslive" not in parts,
+        rows_k_chains="nochains" not in parts,
     )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
@@ -139,8 +142,9 @@ def tiles_chosen(eng) -> dict:
     out = {f"gemv {label(k)}": "/".join(map(str, v)) + us(k) for k, v in cfg.gemv_tuned.items()}
     for k, v in cfg.rows_tuned.items():
         N, K, dt, norm, bias, res, glu = k
+        chains = _k_chains(K, v[1], None, cfg) if v[0] >= 16 and (len(v) < 4 or v[3] == 1) else 1
         out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = (
-            "/".join(map(str, v)) + (" fma" if v[0] < 16 else "") + us(k)
+            "/".join(map(str, v)) + (" fma" if v[0] < 16 else "") + (f" x{chains}" if chains > 1 else "") + us(k)
         )
     # tiles the sweep timed none of (they did not compile or run here): silently skipped by the tuner, so say it
     failed = [r for r in getattr(eng, "kernel_tuning", []) if r.get("us") is None]

@@ -213,6 +213,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "NKV": "i32",
         "ROPE": "constexpr",
         "HALF": "constexpr",
+        "K_CHAINS": "constexpr",
     }
     rows_kinds = {
         "qkv": dict(HAS_NORM=True, HAS_RES=False, GLU=False),
@@ -241,9 +242,14 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
             k = inter if kind == "down" else H
             # the producer/consumer sums of squares as the rows plan passes them at this hidden size
             ssq = H >= G.SSQ_MIN_K
+            # K as independent MMA chains where the launcher's rule takes them (`KernelConfig.rows_k_chains`)
+            esize = 4 if dtype == "fp32" else 2
+            smem_per_k = (bm + bn * (2 if flags["GLU"] else 1)) * esize
+            one_range = not fma and sp == 1 and not flags["ROPE"] and not (ssq and flags["HAS_NORM"] and bk < k)
+            chains = G._k_chains(k, bk, None, rows_tile, smem_per_k) if one_range else 1
             yield (
                 f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{f' split{sp}' if sp > 1 else ''}"
-                f"{' pdl' if pdl else ''}{' fma' if fma else ''}",
+                f"{' pdl' if pdl else ''}{' fma' if fma else ''}{f' x{chains}' if chains > 1 else ''}",
                 G._rows_kernel,
                 rows_sig,
                 dict(
@@ -261,6 +267,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                     SSQ_BLOCK=1 << (H // 16 - 1).bit_length(),
                     USE_PDL=pdl,
                     SWAP=False,
+                    K_CHAINS=chains,
                 ),
                 nw,
                 [

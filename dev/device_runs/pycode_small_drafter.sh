@@ -1,6 +1,7 @@
 #!/bin/bash
 # The pycode-small drafter (dev/device_runs/README.md): regenerate 32,768 greedy continuations + 2,000 online steps
-# (examples/pycode-small.yaml cut to one call), with decode GPU tests alongside (training's speed is not measured here).
+# (examples/pycode-small.yaml cut to one call), with decode GPU tests alongside (training's speed is not measured here;
+# TESTS_K: their -k expression over the kernel tests and tests/gpu/test_decode_gpu.py).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 ) > $OUT/train.log 2>&1 &
 TP=$!
 timeout 280 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_kernels.py \
-  tests/gpu/test_decode_gpu.py -k "embed or draft_step or triton_kernels" > $OUT/tests.log 2>&1
+  tests/gpu/test_decode_gpu.py -k "${TESTS_K:-embed or draft_step or triton_kernels}" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -25 $OUT/tests.log
 timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_traced.py > $OUT/tests2.log 2>&1
 echo "traced rc $?"; tail -15 $OUT/tests2.log

@@ -111,7 +111,10 @@ class KernelConfig:
     grid follows the context (one chunk: no combine launch); 0 = the rule on the mask's width S (the cache's
     capacity under CUDA graphs: 64 chunks, most past the context, all combined). rows_attn_live: with attn_live_chunks 0,
     a T-row attention of at most `kernels.ROWS_ATTN_LIVE_MAX_ROWS` tile rows splits its live keys into
-    `kernels.ROWS_ATTN_LIVE_CHUNKS` chunks, at most one per key block of the mask's width (off: the width rule for those too, the engine before 2026-12-03). tune_chained: the tuners time each tile as a dependent chain (every launch's input the
+    `kernels.ROWS_ATTN_LIVE_CHUNKS` chunks, at most one per key block of the mask's width (off: the width rule for those too, the engine before 2026-12-03). rows_k_chains: gemm_rows's tl.dot tiles take all of K at
+    once as independent MMA chains of BLOCK_K each (up to `gemm_rows.ROWS_MAX_CHAINS`; a batched dot), not one chain
+    over a K loop: on a launch-bound target a K=384 tile's single chain of 24-32 MMAs is latency, not work (off: the
+    engine before 2026-12-03's seventeenth session; pycode-small's chain4 verify 192 vs 249 us). tune_chained: the tuners time each tile as a dependent chain (every launch's input the
     previous launch's output, `kernels.chained_io`), as a forward runs them, not on one fixed input (launches that
     overlap under PDL: a throughput, where a forward pays each kernel's latency). gemv_sweep: the tiles `tune_gemv` times. gemv_tuned: (N, K, dtype, folds) -> (BLOCK_N,
     BLOCK_K, num_warps, prefetch), filled by `kernels.tune_gemv`. rows_sweep / rows_tuned: the same for gemm_rows (rows_split_sweep: its tiles for matrices of
@@ -135,6 +138,7 @@ class KernelConfig:
     tune_chained: bool = False
     attn_live_chunks: int = 0
     rows_attn_live: bool = True
+    rows_k_chains: bool = True
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS

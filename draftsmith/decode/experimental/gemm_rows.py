@@ -159,6 +159,7 @@ if triton is not None:
         NKV=0,
         ROPE: tl.constexpr = False,
         HALF: tl.constexpr = 1,
+        K_CHAINS: tl.constexpr = 1,
     ):
         """`gemv` for the T rows of a verify: one program per BLOCK_N outputs and BLOCK_M rows (axis 1), the
         weights read once for all of them; same folds and rounding as `_gemv_kernel`. The rows' products: one tl.dot
@@ -175,7 +176,9 @@ if triton is not None:
         leaves too few programs to stream a large matrix; the splits restore them.
         HAS_SSQ: the rows' sums of squares arrive as `ssq_in_ptr` [n_ssq, T] (per output tile of the kernel that
         wrote x: WANT_SSQ stores them) instead of every program reading the rows' whole x for the norm — with
-        split-K, ~T * K * 2 bytes of L2 reads per program would outweigh its weights."""
+        split-K, ~T * K * 2 bytes of L2 reads per program would outweigh its weights.
+        K_CHAINS > 1 (one K range, no SSQ/FMA/SWAP/ROPE): the whole range at once in K_CHAINS blocks of BLOCK_K, each
+        block's product its own MMA chain (`_rows_chains`), not one chain over every K block."""
         if USE_PDL:
             gdc_launch_dependents()
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -184,39 +187,47 @@ if triton is not None:
         xrow = rm.to(tl.int64) * stride_x
         k_lo = tl.program_id(2) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(
-            w_ptr, N, k_lo, k_hi, stride_w, GLU, BLOCK_N, BLOCK_K, ROPE, HALF
-        )
-        PAIR: tl.constexpr = GLU or ROPE
-        if USE_PDL:
-            gdc_wait()  # x and the residual are the previous kernels' outputs
-        if ONE_K and HAS_NORM and not HAS_SSQ:  # the whole row is one block: its 1/rms from the same load
-            xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            xf = xv.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-            xv = _rows_apply_norm(xv, rstd, nw_ptr, rk, k_ok, HAS_NORM, out_ty)
+        if K_CHAINS > 1:
+            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn < N
+            acc, acc2 = _rows_chains(
+                x_ptr, w_ptr, nw_ptr, xrow, m_ok, rn, n_ok, N, K, stride_w, eps, HAS_NORM, GLU, BLOCK_K, K_CHAINS,
+                IEEE, USE_PDL, out_ty,
+            )  # fmt: skip
         else:
-            if HAS_SSQ:
-                rstd = _rows_rstd_given(ssq_in_ptr, n_ssq, T, rm, m_ok, K, eps, SSQ_BLOCK)
+            rn, n_ok, row, row2, rk, k_ok, w, w2 = _rows_first_block(
+                w_ptr, N, k_lo, k_hi, stride_w, GLU, BLOCK_N, BLOCK_K, ROPE, HALF
+            )
+            PAIR: tl.constexpr = GLU or ROPE
+            if USE_PDL:
+                gdc_wait()  # x and the residual are the previous kernels' outputs
+            if ONE_K and HAS_NORM and not HAS_SSQ:  # the whole row is one block: its 1/rms from the same load
+                xv = tl.load(x_ptr + xrow[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                xf = xv.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+                xv = _rows_apply_norm(xv, rstd, nw_ptr, rk, k_ok, HAS_NORM, out_ty)
             else:
-                rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
-            # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= the range)
-            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
-        acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP), xv, w, IEEE, FMA, SWAP)
-        acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP)  # up's (GLU) or the partners' (ROPE) sums
-        if PAIR:
-            acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < k_hi
-            xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
-            w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _rows_mac(acc, xv, w, IEEE, FMA, SWAP)
+                if HAS_SSQ:
+                    rstd = _rows_rstd_given(ssq_in_ptr, n_ssq, T, rm, m_ok, K, eps, SSQ_BLOCK)
+                else:
+                    rstd = _rows_rstd(x_ptr, xrow, m_ok, K, eps, HAS_NORM, BLOCK_M, BLOCK_K)
+                # the first K block with the prefetched weights, then the rest (none when BLOCK_K >= the range)
+                xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
+            acc = _rows_mac(_rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP), xv, w, IEEE, FMA, SWAP)
+            acc2 = _rows_acc0(BLOCK_M, BLOCK_N, BLOCK_K, FMA, SWAP)  # up's (GLU) or the partners' (ROPE) sums
             if PAIR:
-                w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
-        acc = _rows_sum(acc, FMA, SWAP)
-        acc2 = _rows_sum(acc2, FMA, SWAP)
+            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = rk < k_hi
+                xv = _rows_x(x_ptr, xrow, m_ok, rk, k_ok, nw_ptr, rstd, HAS_NORM, out_ty)
+                w = tl.load(w_ptr + row[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = _rows_mac(acc, xv, w, IEEE, FMA, SWAP)
+                if PAIR:
+                    w2 = tl.load(w_ptr + row2[:, None] + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc2 = _rows_mac(acc2, xv, w2, IEEE, FMA, SWAP)
+            acc = _rows_sum(acc, FMA, SWAP)
+            acc2 = _rows_sum(acc2, FMA, SWAP)
         if ROPE:  # (never split: the launcher keeps it to one K range)
             _rows_rope_store(
                 acc, acc2, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_cache_h, NH, NKV,
@@ -230,6 +241,68 @@ if triton is not None:
         else:
             _rows_store(acc, acc2, y_ptr, b_ptr, r_ptr, ssq_out_ptr, rm, m_ok, rn, n_ok, T, N, HAS_BIAS, HAS_RES, GLU,
                         WANT_SSQ)  # fmt: skip
+
+    @triton.jit
+    def _rows_chains(
+        x_ptr,
+        w_ptr,
+        nw_ptr,
+        xrow,
+        m_ok,
+        rn,
+        n_ok,
+        N,
+        K,
+        stride_w,
+        eps,
+        HAS_NORM: tl.constexpr,
+        GLU: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHAINS: tl.constexpr,
+        IEEE: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        out_ty: tl.constexpr,
+    ):
+        """The rows' products over all of K as K_CHAINS independent MMA chains -> (acc, acc2) [BLOCK_M, BLOCK_N] fp32.
+        One tl.dot over a K block is a chain of MMAs, each waiting on the last one's accumulator (K / 16 of them:
+        ~0.5 us for 384 inputs at T = 5, most of a small target's row kernel); here x [C, BLOCK_M, BLOCK_K] and the
+        weights [C, BLOCK_N, BLOCK_K] are C = K_CHAINS blocks of one batched dot, whose blocks run side by side (the
+        warps split over them), summed once at the end. Every weight loads before the PDL wait; the norm's 1/rms
+        comes from the same x load. acc2: the up rows' sums with GLU (else acc)."""
+        rk = tl.arange(0, K_CHAINS)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [C, BLOCK_K]
+        k_ok = rk < K
+        w_mask = n_ok[None, :, None] & k_ok[:, None, :]
+        w = tl.load(w_ptr + rn.to(tl.int64)[None, :, None] * stride_w + rk[:, None, :], mask=w_mask, other=0.0)
+        w2 = w
+        if GLU:  # w = cat(gate, up): the up rows N below
+            w2 = tl.load(
+                w_ptr + (rn + N).to(tl.int64)[None, :, None] * stride_w + rk[:, None, :], mask=w_mask, other=0.0
+            )
+        if USE_PDL:
+            gdc_wait()  # x is the previous kernel's output
+        xv = tl.load(
+            x_ptr + xrow[None, :, None] + rk[:, None, :], mask=m_ok[None, :, None] & k_ok[:, None, :], other=0.0
+        )
+        if HAS_NORM:
+            xf = xv.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=0) / K + eps)
+            nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
+            xv = _rms_apply(xv, rstd[None, :, None], nw[:, None, :], out_ty)
+        acc = tl.sum(_rows_batched_dot(xv, w, IEEE), axis=0)
+        acc2 = acc
+        if GLU:
+            acc2 = tl.sum(_rows_batched_dot(xv, w2, IEEE), axis=0)
+        return acc, acc2
+
+    @triton.jit
+    def _rows_batched_dot(xv, w, IEEE: tl.constexpr):
+        """[C, M, K] @ [C, N, K]^T -> [C, M, N] fp32 (exact fp32 products for fp32)."""
+        wt = tl.permute(w, (0, 2, 1))
+        if IEEE:
+            out = tl.dot(xv.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(xv, wt)
+        return out
 
     @triton.jit
     def _rows_rope_store(
@@ -607,6 +680,7 @@ def gemm_rows(
     num_stages: int | None = None,
     rope: tuple | None = None,
     out: torch.Tensor | None = None,
+    k_chains: int | None = None,
 ):
     """`gemv` for x [T, K] with 1 <= T <= ROWS_MAX (the tokens of a verify) -> [T, N] (N = rows of w, halved with
     `glu`); residual [T, N]. Same folds and rounding as `gemv` (no act_mul). The tile: the arguments, else
@@ -623,7 +697,8 @@ def gemm_rows(
     return is q [T, n_heads * d] — `rope_and_cache(gemm_rows(x, w, ...))` in one launch (`KernelConfig.rope_fold`;
     the unfolded projection's tile with half the outputs a program, one K range; traced as `draftsmith::qkv_rope`).
     out [T, N] contiguous: where the outputs go (the tuner's dependent chain, `kernels.chained_io`); not with rope or
-    under tracing."""
+    under tracing. k_chains: K in that many BLOCK_K blocks of one batched dot (independent MMA chains, `_rows_chains`;
+    a power of two, k_chains * BLOCK_K >= K), else `config.rows_k_chains`'s rule (`_k_chains`)."""
     _need()
     if rope is not None:
         if out is not None:
@@ -656,6 +731,8 @@ def gemm_rows(
         k_split, sp = K, 1
     if sp == 1:
         k_split = K
+    smem_per_k = (bm + bn * (2 if glu else 1)) * x.element_size()
+    chains = 1 if fma or swap or sp > 1 or row_ssq is not None else _k_chains(K, bk, k_chains, cfg, smem_per_k)
     if row_ssq is not None and (row_ssq.dim() != 2 or row_ssq.shape[1] != T or row_ssq.dtype != torch.float32):
         raise ValueError(f"gemm_rows: row_ssq {tuple(row_ssq.shape)} {row_ssq.dtype} is not [tiles, {T}] float32")
     if out is not None and (out.numel() != T * N or out.dtype != x.dtype or not out.is_contiguous()):
@@ -698,11 +775,34 @@ def gemm_rows(
         WANT_SSQ=bool(want_ssq),
         SSQ_BLOCK=triton.next_power_of_2(row_ssq.shape[0]) if row_ssq is not None else 1,
         SWAP=bool(swap) and not fma,
+        K_CHAINS=chains,
         num_warps=nw,
-        num_stages=1 if fma else (num_stages or _rows_stages(bm, bn, bk, glu, x.element_size())),
+        num_stages=1 if fma or chains > 1 else (num_stages or _rows_stages(bm, bn, bk, glu, x.element_size())),
         **_pdl(x, cfg.pdl),
     )
     return (y, ssq) if want_ssq else y
+
+
+# The most K blocks `_rows_chains` takes at once (its x and weight tiles hold all of them: registers and shared memory)
+ROWS_MAX_CHAINS = 8
+
+
+def _k_chains(K: int, block_k: int, asked: int | None, cfg: KernelConfig, smem_per_k: int = 0) -> int:
+    """How many independent MMA chains a tl.dot tile runs over K (1: the K loop, one chain). `asked` (a benchmark's
+    or test's) must be a power of two that covers K; else with `cfg.rows_k_chains` every K that needs more than one
+    block and at most ROWS_MAX_CHAINS of them, whose x and weight blocks (smem_per_k bytes an input: (BLOCK_M + BLOCK_N
+    x 1 or 2 with glu) x element size) fit ROWS_SMEM_BUDGET together."""
+    if asked is not None:
+        if asked < 1 or asked & (asked - 1) or asked > ROWS_MAX_CHAINS or (asked > 1 and asked * block_k < K):
+            raise ValueError(
+                f"gemm_rows: k_chains={asked} must be a power of two <= {ROWS_MAX_CHAINS} whose blocks of "
+                f"{block_k} cover K={K}"
+            )
+        return asked
+    if not cfg.rows_k_chains or block_k >= K:
+        return 1
+    c = triton.next_power_of_2(triton.cdiv(K, block_k))
+    return c if c <= ROWS_MAX_CHAINS and c * block_k * smem_per_k <= ROWS_SMEM_BUDGET else 1
 
 
 def _gemm_rows_rope(x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps) -> torch.Tensor:
@@ -833,7 +933,7 @@ def tune_rows(
         for w in mats:
             gemm_rows(
                 x, w, norm_weight, bias=bias, residual=r, glu=glu, block_n=bn, block_k=bk, num_warps=nw, split=sp,
-                row_ssq=ssq, out=y_buf,
+                row_ssq=ssq, out=y_buf, config=cfg,
             )  # fmt: skip
 
     out = sweep_tiles(

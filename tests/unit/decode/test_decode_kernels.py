@@ -665,6 +665,43 @@ def test_gemm_rows_equals_torch(T, dtype, norm, bias, res, glu):
         gemm_rows(torch.randn(65, K, device=DEV, dtype=dtype), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_rows_k_chains_equals_torch(dtype):
+    """K as independent MMA chains (`gemm_rows(k_chains=)`, `KernelConfig.rows_k_chains`: one batched dot over all
+    of K, its blocks summed once): fp32 against F.linear with each fold (norm, bias, residual, silu(gate) * up),
+    bf16 against the K loop's launch of the same tile (the products summed in another order); blocks past K (8
+    chains of 64 over 300 inputs) add nothing. The config's rule, and chain counts that cannot cover K, fail."""
+    from draftsmith.decode.experimental import gemm_rows as G
+
+    g = torch.Generator().manual_seed(17)
+    T, K, N = 5, 300, 40
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * N, K, generator=g) * 0.05).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    b = torch.randn(2 * N, generator=g).to(DEV, dtype)
+    r = torch.randn(T, 2 * N, generator=g).to(DEV, dtype)
+    for norm, bias, res, glu, chains, bk in ((True, True, False, False, 8, 64), (False, True, True, False, 4, 128),
+                                             (True, False, False, True, 4, 128)):  # fmt: skip
+        kw = dict(bias=b if bias else None, residual=r if res else None, glu=glu, block_n=16, block_k=bk)
+        y = G.gemm_rows(x, w, nw if norm else None, 1e-5, **kw, k_chains=chains)
+        if dtype == torch.float32:
+            ref = F.linear(hf_rms_norm(x, nw, 1e-5) if norm else x, w, b if bias else None)
+            if glu:
+                gate, up = ref.chunk(2, -1)
+                ref = F.silu(gate) * up
+            torch.testing.assert_close(y, ref + r if res else ref, atol=1e-5, rtol=1e-5)
+        else:
+            y1 = G.gemm_rows(x, w, nw if norm else None, 1e-5, **kw, k_chains=1)
+            torch.testing.assert_close(y.float(), y1.float(), atol=1e-2, rtol=1e-2)
+    on, off = KernelConfig(), KernelConfig(rows_k_chains=False)
+    assert [G._k_chains(300, bk, None, on) for bk in (64, 128, 256, 512, 32)] == [8, 4, 2, 1, 1]  # 32: 10 blocks
+    assert G._k_chains(300, 64, None, off) == 1
+    assert G._k_chains(4096, 512, None, on, (64 + 32) * 2) == 1  # 768 KB of x and weight blocks: the K loop
+    for bad in (3, 2, 16):  # not a power of two; 2 x 64 < 300; past ROWS_MAX_CHAINS
+        with pytest.raises(ValueError, match="k_chains"):
+            G.gemm_rows(x, w, k_chains=bad, block_n=16, block_k=64)
+
+
 @pytest.mark.parametrize("split,dtype", [(2, torch.float32), (3, torch.bfloat16)], ids=["fp32-split2", "bf16-split3"])
 @pytest.mark.parametrize("glu", [False, True], ids=["norm-bias-res", "norm-glu"])
 def test_gemm_rows_split_k_equals_torch(split, dtype, glu):
