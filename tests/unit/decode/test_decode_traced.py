@@ -102,7 +102,9 @@ def test_traced_forward_makes_its_index_inputs_once():
     ids, L = torch.arange(T, device=DEV), torch.tensor(3, device=DEV)
     want = fwd(ids, L)
     got, codes = run_and_get_code(torch.compile(fwd, fullgraph=True), ids, L)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # (fp32; on a GPU the traced launches may take other triton specialisations — alignment — than the eager ones,
+    # and the row kernels' K chains are summed across warps in the layout's order: 1.2e-5 seen, 2026-12-03)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     call = "".join(codes).split("def call(")[-1]
     launches = [
         ln for ln in call.splitlines() if re.search(r"(cpp_fused|triton_\w+)_\w*arange\w*\(|arange\w*\.run\(", ln)
