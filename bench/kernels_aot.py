@@ -6,7 +6,8 @@ Why: the kernels are tested for numerics in triton's interpreter on CPU, which s
 compile for the device, spill, or load narrowly. This answers those on the development machine, before a GPU call
 (and prunes gemv tiles that spill from the sweep).
 
-Usage:  python bench/kernels_aot.py [--arch 90] [--shape 8b|tiny] [--json FILE]
+Usage:  python bench/kernels_aot.py [--arch 90] [--shape 8b|small|tiny] [--sass] [--json FILE]
+(--sass: each variant's matrix instructions and their longest dependent chain, read from its disassembly)
 (needs triton with its CUDA backend: the ptxas/cuobjdump it bundles; the CPU torch wheel + `pip install triton`)
 """
 
@@ -27,7 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import markdown_table  # noqa: E402
 
 # the shapes of one decode step: (hidden, intermediate, heads, kv heads, head_dim, vocab)
-SHAPES = {"8b": (4096, 14336, 32, 8, 128, 128256), "tiny": (192, 512, 3, 1, 64, 16384)}
+SHAPES = {
+    "8b": (4096, 14336, 32, 8, 128, 128256),
+    "small": (384, 1024, 6, 2, 64, 16384),  # pycode-small
+    "tiny": (192, 512, 3, 1, 64, 16384),
+}
 
 
 def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, aligned: list[str]):
@@ -45,7 +50,20 @@ def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, a
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def _resources(compiled) -> dict:
+def mma_chain(sass: str) -> tuple[int, int]:
+    """(matrix instructions, the longest dependent chain of them) in a kernel's SASS. An `HMMA Rd, Ra, Rb, Rc` whose
+    accumulator Rc is an earlier HMMA's Rd waits for it (~30 cycles on sm_90): a tl.dot over a K block of mma.sync
+    tiles is such a chain of K/16, the latency a few-row kernel pays whatever its tile (`KernelConfig.rows_k_chains`).
+    Hopper's asynchronous warpgroup MMAs (HGMMA) are counted, not chained."""
+    depth: dict[str, int] = {}
+    longest = 0
+    for d, c in re.findall(r"\bHMMA\.\S+\s+(R\d+)[^,]*,[^,]+,[^,]+,\s*(R\d+|RZ)", sass):
+        depth[d] = depth.get(c, 0) + 1
+        longest = max(longest, depth[d])
+    return len(re.findall(r"\bH(?:G)?MMA\.", sass)), longest
+
+
+def _resources(compiled, sass: bool = False) -> dict:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -53,6 +71,9 @@ def _resources(compiled) -> dict:
         f.write(compiled.asm["cubin"])
     try:
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        code = (
+            subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else ""
+        )
     finally:
         os.unlink(f.name)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}:(\d+)", out)) else None  # noqa: E731
@@ -64,8 +85,9 @@ def _resources(compiled) -> dict:
         "v4 loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4", ptx)),
         "scalar loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16 ", ptx)),
         "griddepcontrol": len(re.findall(r"griddepcontrol\.", ptx)),
-        "cp.async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
-    }  # tl.dot operands pipelined via smem
+        "cp.async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),  # tl.dot operands pipelined via smem
+        **(dict(zip(("mma", "mma chain"), mma_chain(code))) if sass else {}),
+    }
 
 
 def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_sweep: bool = False):
@@ -494,6 +516,7 @@ def report(
     only: str | None = None,
     rows_sweep: bool = False,
     pdl_off_sweep: bool = False,
+    sass: bool = False,
 ) -> list[dict]:
     rows = []
     for label, fn, sig, consts, nw, aligned in variants(shape, dtype, rows_sweep, pdl_off_sweep):
@@ -501,7 +524,7 @@ def report(
             continue
         t0 = time.perf_counter()
         try:
-            res = _resources(_compile(fn, sig, consts, arch, nw, aligned))
+            res = _resources(_compile(fn, sig, consts, arch, nw, aligned), sass)
             err = ""
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is the finding
             res, err = {}, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
@@ -527,8 +550,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="also every gemv tile without PDL (by default only the default tile: PDL is on wherever sm_90 runs)",
     )
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="also disassemble each variant: its matrix instructions (mma) and their longest dependent chain (mma "
+        "chain: HMMAs each waiting on the last one's accumulator — latency a launch-bound kernel pays)",
+    )
     args = ap.parse_args(argv)
-    rows = report(args.shape, args.arch, args.dtype, args.only, args.rows_sweep, args.gemv_sweep_without_pdl)
+    rows = report(args.shape, args.arch, args.dtype, args.only, args.rows_sweep, args.gemv_sweep_without_pdl, args.sass)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     print(markdown_table(rows, cols))
     if args.json:

@@ -124,3 +124,28 @@ def test_every_rows_tile_the_tuner_may_pick_compiles(tmp_path):
     assert fma_tiles and len({row["kernel"] for row in rows if row["kernel"].endswith(" fma")}) == 4 * fma_tiles
     bad = [row for row in rows if row["error"] or row["local B"] != 0]
     assert not bad, bad
+
+
+def test_mma_chain_reads_dependent_mmas_from_sass():
+    """bench/kernels_aot.py --sass: the longest run of HMMAs each taking the previous one's result as its
+    accumulator (one tl.dot over a K block), beside independent chains (`KernelConfig.rows_k_chains`'s batched
+    dot) and Hopper's asynchronous HGMMA (counted, not chained)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    from kernels_aot import mma_chain
+
+    one_chain = "\n".join(
+        f"        /*{i:04x}*/                   HMMA.16816.F32.BF16 R{10 + i}, R80.reuse, R2, {'RZ' if i == 0 else f'R{9 + i}'} ;"
+        for i in range(6)
+    )
+    assert mma_chain(one_chain) == (6, 6)
+    two = """
+        HMMA.16816.F32.BF16 R84, R80.reuse, R28, RZ ;
+        HMMA.16816.F32.BF16 R80, R80, R36, RZ ;
+        HMMA.16816.F32.BF16 R28, R72.reuse, R30, R84 ;
+        HMMA.16816.F32.BF16 R80, R72, R38, R80 ;
+        HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+    """
+    assert mma_chain(two) == (5, 2)
+    assert mma_chain("") == (0, 0)
