@@ -188,6 +188,7 @@ if triton is not None:
         k_lo = tl.program_id(2) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         if K_CHAINS > 1:
+            tl.static_assert(SPLIT == 1 and not (FMA or SWAP or ROPE or HAS_SSQ), "K chains: one K range, tl.dot tiles")
             rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = rn < N
             acc, acc2 = _rows_chains(
