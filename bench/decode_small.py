@@ -142,7 +142,8 @@ def tiles_chosen(eng) -> dict:
     out = {f"gemv {label(k)}": "/".join(map(str, v)) + us(k) for k, v in cfg.gemv_tuned.items()}
     for k, v in cfg.rows_tuned.items():
         N, K, dt, norm, bias, res, glu = k
-        chains = _k_chains(K, v[1], None, cfg) if v[0] >= 16 and (len(v) < 4 or v[3] == 1) else 1
+        one_range = v[0] >= 16 and (len(v) < 4 or v[3] == 1)  # (a verify's rows: 16, bf16)
+        chains = _k_chains(K, 16, v[0], v[1], glu, 2, None, cfg) if one_range else 1
         out[f"rows {label((N, K, dt, norm, bias, res, False, glu))}"] = (
             "/".join(map(str, v)) + (" fma" if v[0] < 16 else "") + (f" x{chains}" if chains > 1 else "") + us(k)
         )

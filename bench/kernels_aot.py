@@ -266,9 +266,8 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
             ssq = H >= G.SSQ_MIN_K
             # K as independent MMA chains where the launcher's rule takes them (`KernelConfig.rows_k_chains`)
             esize = 4 if dtype == "fp32" else 2
-            smem_per_k = (bm + bn * (2 if flags["GLU"] else 1)) * esize
             one_range = not fma and sp == 1 and not flags["ROPE"] and not (ssq and flags["HAS_NORM"] and bk < k)
-            chains = G._k_chains(k, bk, None, rows_tile, smem_per_k) if one_range else 1
+            chains = G._k_chains(k, bm, bn, bk, flags["GLU"], esize, None, rows_tile) if one_range else 1
             yield (
                 f"gemm_rows {kind} M={bm} {bn}/{bk}/{nw}{f' split{sp}' if sp > 1 else ''}"
                 f"{' pdl' if pdl else ''}{' fma' if fma else ''}{f' x{chains}' if chains > 1 else ''}",

@@ -732,8 +732,8 @@ def gemm_rows(
         k_split, sp = K, 1
     if sp == 1:
         k_split = K
-    smem_per_k = (bm + bn * (2 if glu else 1)) * x.element_size()
-    chains = 1 if fma or swap or sp > 1 or row_ssq is not None else _k_chains(K, bk, k_chains, cfg, smem_per_k)
+    one_range = not (fma or swap or sp > 1 or row_ssq is not None)
+    chains = _k_chains(K, bm, bn, bk, glu, x.element_size(), k_chains, cfg) if one_range else 1
     if row_ssq is not None and (row_ssq.dim() != 2 or row_ssq.shape[1] != T or row_ssq.dtype != torch.float32):
         raise ValueError(f"gemm_rows: row_ssq {tuple(row_ssq.shape)} {row_ssq.dtype} is not [tiles, {T}] float32")
     if out is not None and (out.numel() != T * N or out.dtype != x.dtype or not out.is_contiguous()):
@@ -788,11 +788,14 @@ def gemm_rows(
 ROWS_MAX_CHAINS = 8
 
 
-def _k_chains(K: int, block_k: int, asked: int | None, cfg: KernelConfig, smem_per_k: int = 0) -> int:
-    """How many independent MMA chains a tl.dot tile runs over K (1: the K loop, one chain). `asked` (a benchmark's
-    or test's) must be a power of two that covers K; else with `cfg.rows_k_chains` every K that needs more than one
-    block and at most ROWS_MAX_CHAINS of them, whose x and weight blocks (smem_per_k bytes an input: (BLOCK_M + BLOCK_N
-    x 1 or 2 with glu) x element size) fit ROWS_SMEM_BUDGET together."""
+def _k_chains(
+    K: int, block_m: int, block_n: int, block_k: int, glu: bool, esize: int, asked: int | None, cfg: KernelConfig
+) -> int:
+    """How many independent MMA chains a one-range tl.dot launch runs over K (1: the K loop, one chain). `asked` (a
+    benchmark's or test's) must be a power of two that covers K; else with `cfg.rows_k_chains` every K that needs more
+    than one block and at most ROWS_MAX_CHAINS of them, whose x and weight blocks ((BLOCK_M + BLOCK_N x 1 or 2 with
+    glu) x K x element size bytes) fit ROWS_SMEM_BUDGET. The launcher, bench/kernels_aot.py and bench/decode_small.py
+    all take the rule from here."""
     if asked is not None:
         if asked < 1 or asked & (asked - 1) or asked > ROWS_MAX_CHAINS or (asked > 1 and asked * block_k < K):
             raise ValueError(
@@ -803,7 +806,8 @@ def _k_chains(K: int, block_k: int, asked: int | None, cfg: KernelConfig, smem_p
     if not cfg.rows_k_chains or block_k >= K:
         return 1
     c = triton.next_power_of_2(triton.cdiv(K, block_k))
-    return c if c <= ROWS_MAX_CHAINS and c * block_k * smem_per_k <= ROWS_SMEM_BUDGET else 1
+    smem = c * block_k * (block_m + block_n * (2 if glu else 1)) * esize
+    return c if c <= ROWS_MAX_CHAINS and smem <= ROWS_SMEM_BUDGET else 1
 
 
 def _gemm_rows_rope(x, w, norm_weight, eps, bias, rope, config, block_n, block_k, num_warps) -> torch.Tensor:

@@ -694,9 +694,10 @@ def test_gemm_rows_k_chains_equals_torch(dtype):
             y1 = G.gemm_rows(x, w, nw if norm else None, 1e-5, **kw, k_chains=1)
             torch.testing.assert_close(y.float(), y1.float(), atol=1e-2, rtol=1e-2)
     on, off = KernelConfig(), KernelConfig(rows_k_chains=False)
-    assert [G._k_chains(300, bk, None, on) for bk in (64, 128, 256, 512, 32)] == [8, 4, 2, 1, 1]  # 32: 10 blocks
-    assert G._k_chains(300, 64, None, off) == 1
-    assert G._k_chains(4096, 512, None, on, (64 + 32) * 2) == 1  # 768 KB of x and weight blocks: the K loop
+    rule = [G._k_chains(300, 16, 16, bk, False, 2, None, on) for bk in (64, 128, 256, 512, 32)]
+    assert rule == [8, 4, 2, 1, 1]  # 32: 10 blocks
+    assert G._k_chains(300, 16, 16, 64, False, 2, None, off) == 1
+    assert G._k_chains(4096, 64, 32, 512, False, 2, None, on) == 1  # 768 KB of x and weight blocks: the K loop
     for bad in (3, 2, 16):  # not a power of two; 2 x 64 < 300; past ROWS_MAX_CHAINS
         with pytest.raises(ValueError, match="k_chains"):
             G.gemm_rows(x, w, k_chains=bad, block_n=16, block_k=64)
