@@ -203,6 +203,61 @@ def kernel_kind(name: str) -> str:
     return "other aten"
 
 
+def anatomy(fn, dev, top: int = 30) -> dict:
+    """One call of `fn` (a CUDA graph's replay: what a round launches, with no host in between) under the profiler,
+    its kernels in launch order -> kernels, busy ms (summed durations), span ms (first start to last end), gap ms
+    (span - busy: the time between kernels), and per kernel name in order of first launch (count, summed us, mean
+    us), the `top` names by summed time. Where a part's time goes, kernel by kernel: `--anatomy`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(dev)
+    ks = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not ks:
+        return {"kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "gap_ms": 0.0, "names": [], "by_kind": {}}
+    busy = sum(b - a for a, b, _ in ks)
+    span = max(b for _, b, _ in ks) - ks[0][0]
+    names: dict = {}
+    by_kind: dict = {}
+    for a, b, name in ks:
+        r = names.setdefault(name, [0, 0.0])
+        r[0] += 1
+        r[1] += b - a
+        k = by_kind.setdefault(kernel_kind(name), [0, 0.0])
+        k[0] += 1
+        k[1] += (b - a) / 1e3
+    keep = set(sorted(names, key=lambda n: -names[n][1])[:top])
+    rows = [(n, c, us, us / c) for n, (c, us) in names.items() if n in keep]
+    return {
+        "kernels": len(ks),
+        "busy_ms": busy / 1e3,
+        "span_ms": span / 1e3,
+        "gap_ms": (span - busy) / 1e3,
+        "names": rows,
+        "by_kind": by_kind,
+    }
+
+
+def anatomy_lines(title: str, a: dict) -> list[str]:
+    out = [
+        f"\n{title}: {a['kernels']} kernels, busy {a['busy_ms']:.3f} ms, span {a['span_ms']:.3f} ms, between "
+        f"kernels {a['gap_ms']:.3f} ms; by kind: "
+        + ", ".join(f"{k} {ms:.3f} ms ({n})" for k, (n, ms) in sorted(a["by_kind"].items(), key=lambda x: -x[1][1]))
+        + "\n",
+        "| kernel (first-launch order) | n | us | us each |",
+        "|---|---|---|---|",
+    ]
+    out += [f"| {n[:70]} | {c} | {us:.1f} | {m:.2f} |" for n, c, us, m in a["names"]]
+    return out
+
+
 def round_census(fn, dev) -> dict:
     """One eager call of a round under the profiler: kernel count, summed ms, by kind, top kernels."""
     n, ms, top = kernel_census(fn, dev, top=10_000)
@@ -612,7 +667,7 @@ def p2b(args, dev, dtype, runner, best):
     from draftsmith.decode.engine import causal_mask
 
     # every slot a timed round can touch stays in range (an out-of-range index is a fatal device assert)
-    max_len = ctx + (n + 2) * (max_acc + 1) + need + 16
+    max_len = ctx + (n + 4) * (max_acc + 1) + need + 16
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
@@ -637,6 +692,7 @@ def p2b(args, dev, dtype, runner, best):
         combos += [("triton", impl, 1, 0, False) for impl in args.attn_impls]
     graphs = None
     rows_kernels = []
+    anatomies = []  # --anatomy: (title, anatomy()) of each engine's plain step and each setting's verify and draft step
     for kn, impl, krows, live, rows_live in combos:
         kc = KernelConfig(attn_live_chunks=live, rows_attn_live=rows_live) if kn == "triton" else None
         eng = SpeculativeDecoder(
@@ -650,13 +706,19 @@ def p2b(args, dev, dtype, runner, best):
         if krows > 1 and dev.type == "cuda":
             rows_kernels += row_kernel_table(eng, runner, pname)
         t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
+        if args.anatomy and dev.type == "cuda":
+            anatomies.append((f"{pname}: plain step", anatomy(plain, dev)))
         for mode, tau in settings:
             if left(args.budget + 60) < 15:
                 log(f"P2b: skipping {kn} {impl} {mode} (time budget)")
                 continue
             fn = eng.step_fn(mode, sp)
             eng.prefill(prompt, sp)
-            t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
+            t_round = time_steps(eng, fn, n, dev)
+            if args.anatomy and dev.type == "cuda":  # two more rounds: max_len leaves room for them
+                anatomies.append(
+                    (f"{pname}: {mode} round", anatomy(fn, dev))
+                )  # random drafter: shapes (and cost) do not depend on acceptance
             # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
             # verify forward, one drafter step (forward + logits, as each tree level or chain step runs)
             T = mode.verify_tokens
@@ -665,13 +727,18 @@ def p2b(args, dev, dtype, runner, best):
             mask = causal_mask(eng.max_len, pos, dev)
             ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
             verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731, F821 (eng is bound above)
-            t_verify = time_steps(eng, graphed(verify, dev), n, dev)
+            g_verify = graphed(verify, dev)
+            t_verify = time_steps(eng, g_verify, n, dev)
             Td = 1 if mode.kind == "chain" else mode.top_k
             dpos = Lt + torch.arange(Td, device=dev)
             dmask = causal_mask(eng.max_len, dpos, dev)
             hid = torch.zeros(Td, H, dtype=dtype, device=dev)
             dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731, F821
-            t_draft = time_steps(eng, graphed(dstep, dev), n, dev)
+            g_draft = graphed(dstep, dev)
+            t_draft = time_steps(eng, g_draft, n, dev)
+            if args.anatomy and dev.type == "cuda":
+                anatomies.append((f"{pname}: {mode} verify ({T} rows)", anatomy(g_verify, dev)))
+                anatomies.append((f"{pname}: {mode} draft step ({Td} rows)", anatomy(g_draft, dev)))
             census = round_census(eng.eager_step_fn(mode, sp), dev) if args.round_census else None
             rows.append(
                 {
@@ -710,6 +777,7 @@ def p2b(args, dev, dtype, runner, best):
         "row_kernels": rows_kernels,
         "cuda_graphs": graphs,
         "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()},
+        "anatomy": {t: a for t, a in anatomies},
     }
     LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, context {ctx}")
     LINES.append(f"Rounds {'torch.compiled' if args.compile else 'eager'}, replayed from CUDA graphs.")
@@ -779,6 +847,13 @@ def p2b(args, dev, dtype, runner, best):
         LINES.append("|" + "---|" * len(cols))
         for r in rows_kernels:
             LINES.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    if anatomies:
+        LINES.append(
+            "\nEach part's CUDA graph replayed once under the profiler (`--anatomy`): kernels in launch order, "
+            "summed by name (the top 30 by time), and the time between kernels (span - busy):"
+        )
+        for title, a in anatomies:
+            LINES.extend(anatomy_lines(title, a))
     LINES.append(
         f"\nt_plain (fastest plain step of all engines above) = {t_plain * 1e3:.2f} ms; break-even τ against it. "
         "own plain: the plain step of the row's own engine (same kernels, attention, compile)."
@@ -879,6 +954,12 @@ def main(argv=None):
         action="store_true",
         help="P2b: profile one round of each setting (kernels "
         "by kind: matmuls, inductor-fused, draftsmith Triton, sort/topk, other)",
+    )
+    ap.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="P2b: replay each engine's plain step and each setting's verify and draft step once under the profiler "
+        "and print their kernels in launch order (summed by name) and the time between kernels",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks every code path")
     ap.add_argument("--no-benchmarks-md", action="store_true")
