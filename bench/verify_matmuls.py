@@ -1,5 +1,6 @@
-"""Can a verify's HBM-idle windows feed its next matmul? Weights read from L2 against HBM, and a prefetch into L2 on
-a second stream while a layer's attention runs (8B shape, bf16).
+"""A verify's matmuls on the 8B shape (bf16): can its HBM-idle windows feed the next matmul (weights from L2 against
+HBM, a prefetch into L2 on a second stream while a layer's attention runs), and does cuBLAS fill the GPU better with
+K split into a batch (one bmm over K slices, summed after)?
 
 Why: a verify layer is matmuls that stream weights (bandwidth-bound) and, between q/k/v and o, the RoPE/cache write
 and the attention (~15 us at 49 rows, latency-bound: HBM nearly idle). The o matrix (32 MiB) fits the H200's L2
@@ -9,10 +10,13 @@ and the attention (~15 us at 49 rows, latency-bound: HBM nearly idle). The o mat
   2. the prefetch alone: how fast each prefetch kernel moves a matrix into L2 (loads kept with evict_last, or the
      TMA's bulk L2 prefetch, `cp.async.bulk.prefetch.L2`), by programs;
   3. the window: L layers of q/k/v -> rows_attention -> o (+ residual), without and with o's weights prefetched on
-     a side stream forked after q/k/v (or before it), us a layer.
+     a side stream forked after q/k/v (or before it), us a layer;
+  4. split-K through cuBLAS: x [T, K] @ W^T as bmm over S slices of K ([S, T, K/S] @ [S, K/S, N], W's own strides,
+     no copy; fp32 slices with bmm's out_dtype) then a sum over S, against F.linear. q/k/v's 6,144 outputs in
+     cuBLAS's 64-wide tiles are 96 programs on 132 SMs (it reaches ~0.75 of copy bandwidth there).
 
-    python bench/l2_prefetch.py                 # H200, ~1 min
-    python bench/l2_prefetch.py --rows 1,8,49   # the widths (1: a plain step's, 8: a tree draft step's)
+    python bench/verify_matmuls.py                 # H200, ~1 min
+    python bench/verify_matmuls.py --rows 1,8,49   # the widths (1: a plain step's, 8: a tree draft step's)
 """
 
 from __future__ import annotations
@@ -119,7 +123,6 @@ def main(argv=None) -> int:
             data["hot_cold"].append(r)
             lines.append(f"| {kind} | {T} | {cold:.1f} | {r['cold_bw']:.3f} | {hot:.1f} | {hot / cold:.2f} |")
             print(lines[-1], flush=True)
-        del mats
     # 2. the prefetch alone (o's shape)
     N, Kd = KINDS["o"]
     mats = [rnd(N, Kd) for _ in range(L)]
@@ -182,13 +185,51 @@ def main(argv=None) -> int:
             data["window"].append({"rows": T, "plan": name, "us": t, "error": err})
             lines.append(f"| {T} | {name} | {t if t is None else round(t, 1)} {err or ''} | {saved} |")
             print(lines[-1], flush=True)
+    # 4. split-K through cuBLAS's batched GEMM
+    lines += ["", "| matrix | rows | F.linear us | ÷ bw | split | bmm+sum us | ÷ bw | bmm fp32+sum us | ÷ bw |"]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    for kind, (N, Kd) in {**KINDS, "gate_up": (28672, 4096)}.items():
+        mats = [rnd(N, Kd) for _ in range(L)]
+        nbytes = N * Kd * 2
+        for T in widths:
+            x = rnd(T, Kd)
+            base, _ = us(lambda: [F.linear(x, w) for w in mats], L)
+            for S in (2, 3, 4, 8):
+                if Kd % S:
+                    continue
+                xs = x.view(T, S, Kd // S).transpose(0, 1)
+                ws = [w.view(N, S, Kd // S).permute(1, 2, 0) for w in mats]
+                want = F.linear(x.float(), mats[0].float())
+                got = torch.bmm(xs, ws[0], out_dtype=torch.float32).sum(0)
+                err = (got - want).abs().max().item()
+                t16, _ = us(lambda: [torch.bmm(xs, w).sum(0) for w in ws], L)
+                t32, _ = us(lambda: [torch.bmm(xs, w, out_dtype=torch.float32).sum(0).to(dt) for w in ws], L)
+
+                def f(t):
+                    return ("-", "-") if not t else (f"{t:.1f}", f"{nbytes / (t * 1e-6) / bw:.3f}")
+
+                data["splitk"] = data.get("splitk", []) + [
+                    {
+                        "matrix": kind,
+                        "rows": T,
+                        "split": S,
+                        "linear_us": base,
+                        "bmm_us": t16,
+                        "bmm_fp32_us": t32,
+                        "max_err_fp32": err,
+                    }  # fmt: skip
+                ]
+                lines.append(
+                    f"| {kind} | {T} | {' | '.join(f(base))} | {S} | {' | '.join(f(t16))} | {' | '.join(f(t32))} |"
+                )
+                print(lines[-1], flush=True)
     body = (
         f"8B shapes, bf16, {L} distinct copies of each matrix per timed graph (cold) or one matrix replayed {L} times "
         f"(hot: L2-resident when it fits); copy bandwidth {bw / 1e12:.2f} TB/s; attention over a {args.cache}-slot "
         f"cache, {args.context} of context.\n\n" + "\n".join(lines)
     )
     print(body)
-    common.record("l2_prefetch", "Weights from L2, and a prefetch into L2 during the attention", body, data,
+    common.record("verify_matmuls", "Weights from L2, and a prefetch into L2 during the attention", body, data,
                   " ".join(sys.argv))  # fmt: skip
     return 0
 
