@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=int, default=816)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
-        print("l2_prefetch: needs a CUDA GPU and triton")
+        print("verify_matmuls: needs a CUDA GPU and triton")
         return 0
     from draftsmith.decode import kernels as K
 
