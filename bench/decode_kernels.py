@@ -135,9 +135,10 @@ def tuning_summary(rows: list[dict], default: tuple[int, int, int, int]) -> list
     return out
 
 
-def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl) -> list[dict]:
+def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl, smoke=False) -> list[dict]:
     """ms/step of the plain step with each attention plan forced in place of the tuned one (graphs recaptured): the
-    runner runs under a copy of its kernel config with that plan kept for this shape, then gets its own back."""
+    runner runs under a copy of its kernel config with that plan kept for this shape, then gets its own back.
+    `smoke`: the default plan and one other (the interpreter takes ~7 s a plan)."""
     key = K._attn_key(S, runner.n_kv, runner.n_heads // runner.n_kv, runner.head_dim, runner.dtype)
     base = runner.kernel_config
     default = K._attn_plan(
@@ -154,7 +155,10 @@ def sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, c
     )
     out = []
     try:
-        for plan in K.attention_plans(S):
+        plans = K.attention_plans(S)
+        if smoke:
+            plans = [default] + [p for p in plans if p != default][:1]
+        for plan in plans:
             runner.kernel_config = dataclasses.replace(base, attn_plans={**base.attn_plans, key: plan})
             eng.drop_graphs()
             plain = eng.step_fn(DecodeMode("plain"), sp)
@@ -383,7 +387,9 @@ def main(argv=None) -> int:
             }
         )
         if args.attn_sweep and kn == "triton":
-            attn_sweep += sweep_attention_in_step(eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl)
+            attn_sweep += sweep_attention_in_step(
+                eng, runner, prompt, sp, S, reps, dev, bw, wbytes, ctx, pdl, args.smoke
+            )
         rows.append(row)
         tops.append((label, top))
         print(row, flush=True)

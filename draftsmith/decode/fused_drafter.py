@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.decode.llama import linear_add
 from draftsmith.drafter.model import MLP, Attention, Drafter, apply_rope
 
 
@@ -296,6 +297,8 @@ class KernelDraftStep:
 
         if norm_weight is not None:
             x = hf_rms_norm(x, norm_weight, eps)
+        if residual is not None and not glu:
+            return linear_add(residual, x, w, bias)  # no addmm under torch.compile (`llama.linear_add`)
         y = F.linear(x, w, bias)
         if glu:
             g, u = y.chunk(2, -1)

@@ -58,6 +58,16 @@ def supports(config, max_len: int | None = None) -> tuple[bool, str]:
 _rms = hf_rms_norm  # HF's RMSNorm numerics, one fused kernel on CUDA
 
 
+def linear_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """residual + F.linear(x, w, bias), HF's residual add (the matmul rounded to the dtype, then the sum), with the
+    matmul kept apart from the add under torch.compile: inductor rewrites add(mm(x, w^T), residual) into
+    addmm(residual, x, w^T), which on CUDA copies the residual into the output buffer (a device-to-device memcpy in
+    the graph, ~1.3 us) before a beta=1 GEMM — two per layer of a compiled 8B verify (docs/LOG.md, 2026-12-03).
+    Through a 3-D linear the add sees a view, not the mm, so the pattern does not match and the add fuses into the
+    next norm's kernel."""
+    return residual + F.linear(x[None], w, bias)[0]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -416,7 +426,7 @@ class LlamaFamilyForward(torch.nn.Module):
         if not routed:
             key = ("cpu",) if self._wt is not None else ("torch",)
         elif T > self._kernel_rows():
-            key = ("attn",)  # `_route` leaves a wider forward the attention alone
+            key = ("attn", routed)  # `_route` leaves a wider forward the attention and RoPE alone
         else:
             key = ("step" if T == 1 else "rows", routed)
         if key not in shared:
@@ -425,7 +435,7 @@ class LlamaFamilyForward(torch.nn.Module):
             elif key[0] == "torch":
                 shared[key] = O.TorchOps(self)
             elif key[0] == "attn":
-                shared[key] = O.TritonAttnOps(self)
+                shared[key] = O.TritonAttnOps(self, routed)
             else:
                 cls = O.TritonStepOps if key[0] == "step" else O.TritonRowsOps
                 shared[key] = cls(self, routed, self._kernel_rows())
@@ -441,7 +451,8 @@ class LlamaFamilyForward(torch.nn.Module):
         one-token step (and, with `triton_max_rows`, up to that many tokens) takes every op of `triton_ops` it can;
         a wider forward of up to `kernels.ROWS_ATTN_MAX` tokens (a verify, a hand-off) takes only the attention
         (`kernels.rows_attention`: one kernel pair over the tree mask where torch needs the mask expanded, two
-        batched matmuls, a softmax and two copies) and keeps torch's matmuls; longer ones (long prefills) none."""
+        batched matmuls, a softmax and two copies) and RoPE with the cache writes (`kernels.rope_and_cache`), and
+        keeps torch's matmuls and norms; longer ones (long prefills) none."""
         if self._kernels != "triton" or len(self.layers[0].qkv) != 1 or len(self.layers[0].gate_up) != 1:
             return frozenset()
         from draftsmith.decode import kernels as K
@@ -451,9 +462,9 @@ class LlamaFamilyForward(torch.nn.Module):
         d = self.head_dim
         attn_ok = d >= 16 and not d & (d - 1)
         if T > self._kernel_rows():
-            return (
-                frozenset({"attn"}) if attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops else frozenset()
-            )
+            if not (attn_ok and T <= K.ROWS_ATTN_MAX and "attn" in self.triton_ops):
+                return frozenset()
+            return frozenset({"attn", "rope"} & set(self.triton_ops))
         ops = set(self.triton_ops)
         if d & (d - 1):
             ops -= {"rope", "attn"}

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from draftsmith.decode.llama import _rms, _rotate_half, grouped_attention, prepare_mask
+from draftsmith.decode.llama import _rms, _rotate_half, grouped_attention, linear_add, prepare_mask
 
 
 def mlp_folds(silu: bool, routed: frozenset, one_row: bool = True) -> tuple[bool, bool]:
@@ -128,11 +128,11 @@ class TorchOps(Ops):
         return o.transpose(1, 2).reshape(q.shape[1], self.nh * self.d)
 
     def o_proj(self, o, h, L):
-        return h + F.linear(o, L.o, L.o_bias)
+        return linear_add(h, o, L.o, L.o_bias)
 
     def mlp(self, h, L):
         g, u = self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias).chunk(2, -1)
-        return h + F.linear(self.f.act(g) * u, L.down, L.down_bias)
+        return linear_add(h, self.f.act(g) * u, L.down, L.down_bias)
 
     def lm_head(self, hs):
         f = self.f
@@ -189,24 +189,38 @@ class CpuTransposedOps(TorchOps):
 
 
 class TritonAttnOps(TorchOps):
-    """A wider forward (a verify, a hand-off; up to `kernels.ROWS_ATTN_MAX` rows): torch's matmuls, norms and RoPE,
-    the attention through `kernels.rows_attention` — one kernel pair over the tree mask where torch needs the mask
-    expanded, two batched matmuls, a softmax and two copies. A torch custom op, so a compiled forward traces it."""
+    """A wider forward (a verify, a hand-off; up to `kernels.ROWS_ATTN_MAX` rows): torch's matmuls and norms, the
+    attention through `kernels.rows_attention` — one kernel pair over the tree mask where torch needs the mask
+    expanded, two batched matmuls, a softmax and two copies — and (with "rope" routed) q/k norm, RoPE and the cache
+    writes through `kernels.rope_and_cache`, one kernel where a compiled torch forward takes two (the 8B verify:
+    ~2.0 against 1.9 + 1.2 us a layer, BENCHMARKS.md "anatomy"). Torch custom ops, so a compiled forward traces
+    them."""
 
     name = "triton_attn"
-    routed = frozenset({"attn"})
 
-    def __init__(self, f):
+    def __init__(self, f, routed: frozenset = frozenset({"attn"})):
         super().__init__(f)
         from draftsmith.decode import kernels as K
 
         self.K = K
         self.config = f.kernel_config
+        self.routed = frozenset(routed)
+        if "rope" in self.routed:
+            self.rope_cache = self._rope_cache_kernel
 
     def prepare(self, mask, positions, slots):
-        # the kernel takes the boolean mask; it and the slots made once for all layers' kernel calls (`_realize`)
+        # the kernels take the boolean mask, the positions and the slots, made once for all layers' calls (`_realize`)
+        if "rope" in self.routed:
+            mask, positions, slots = _realize(mask, positions, slots)
+            return mask, positions, slots
         mask, slots = _realize(mask, slots)
         return mask, self._rope_rows(positions), slots
+
+    def _rope_cache_kernel(self, qkv, positions, slots, kc, vc, L):
+        f = self.f
+        return self.K.rope_and_cache(
+            qkv, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, L.qk_norm, self.eps, config=self.config
+        )[None]  # [1, T, nh, d]
 
     def attention(self, q, kc, vc, mask, slots, S):
         return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]

@@ -68,7 +68,10 @@ def _aot(tmp_path, *args: str) -> tuple[list[dict], int]:
     pytest.importorskip("triton.backends.nvidia")
     root = str(Path(__file__).resolve().parents[3])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    # a cache of its own that outlives the run (~2 min of compiles cold, seconds warm): Triton keys each binary by
+    # its source, constants, target and compiler version, so a changed kernel compiles afresh
+    cache = os.environ.get("DRAFTSMITH_AOT_CACHE") or os.path.join(Path.home(), ".cache", "draftsmith", "triton-aot")
+    env["TRITON_CACHE_DIR"] = cache
     out = tmp_path / "aot.json"
     r = subprocess.run(
         [sys.executable, os.path.join(root, "bench", "kernels_aot.py"), *args, "--json", str(out)],

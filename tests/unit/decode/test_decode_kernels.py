@@ -599,7 +599,7 @@ def test_verify_forward_through_rows_attention_equals_torch_path():
     n = model.config.num_hidden_layers
     ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
     kf.kernels = "triton"
-    assert kf.triton_ops_for(7) == frozenset({"attn"}) and not kf.triton_step(7) and kf.triton_step(1)
+    assert kf.triton_ops_for(7) == frozenset({"attn", "rope"}) and not kf.triton_step(7) and kf.triton_step(1)
     assert kf.triton_ops_for(K.ROWS_ATTN_MAX + 1) == frozenset()
     ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(8)).to(DEV)
     pos = torch.arange(16, device=DEV)
@@ -830,7 +830,7 @@ def test_verify_forward_through_row_kernels_equals_torch_path():
 
     def configure(kf):
         kf.kernels, kf.triton_max_rows = "triton", 64
-        assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn"})
+        assert kf.triton_ops_for(7) == frozenset(TRITON_OPS) and kf.triton_ops_for(65) == frozenset({"attn", "rope"})
         assert kf.triton_ops_for(257) == frozenset() and kf.triton_step(7) and not kf.triton_step(65)
 
     assert_tree_verify_matches_torch(configure, DEV)
@@ -993,7 +993,7 @@ def test_one_token_step_routes_each_op(name, leave_out):
     kf.kernels = "triton"
     kf.triton_ops = set(TRITON_OPS) - {leave_out}
     assert kf.triton_ops_for(1) == frozenset(kf.triton_ops)
-    assert kf.triton_ops_for(2) == (frozenset({"attn"}) if leave_out != "attn" else frozenset())
+    assert kf.triton_ops_for(2) == (frozenset({"attn", "rope"} - {leave_out}) if leave_out != "attn" else frozenset())
     ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(DEV)
     pos = torch.arange(12, device=DEV)
     with torch.no_grad():

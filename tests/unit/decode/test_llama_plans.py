@@ -65,10 +65,12 @@ def test_triton_plans_per_width(qwen3, cpu_t):
     f.set_cpu_transposed(cpu_t)
     f.kernels = "triton"
     wide = O.CpuTransposedOps if cpu_t else O.TorchOps
-    # one-token step; verify / hand-off widths: torch's matmuls and rows_attention; prefill widths: torch
+    # one-token step; verify / hand-off widths: torch's matmuls and norms, rows_attention and rope_and_cache;
+    # prefill widths: torch
     assert _kinds(f) == [O.TritonStepOps] + [O.TritonAttnOps] * 5 + [wide] * 2
     assert f.plan(1).routed == frozenset(TRITON_OPS) and f.plan(1).lin.func is K.gemv
-    assert f.plan(5).routed == frozenset({"attn"}) and f.plan(257).routed == frozenset()
+    assert f.plan(5).routed == frozenset({"attn", "rope"}) and f.plan(257).routed == frozenset()
+    assert f.plan(5).rope_cache == f.plan(5)._rope_cache_kernel
     assert [f.triton_step(T) for T in (1, 2, 65)] == [True, False, False]
     f.triton_max_rows = 64  # the experimental rows plan up to 64 rows
     from draftsmith.decode.experimental.gemm_rows import gemm_rows
@@ -85,6 +87,8 @@ def test_triton_plans_per_width(qwen3, cpu_t):
     assert p._gate_up == p._gate_up_torch and p.qkv == p._qkv_kernel
     f.triton_ops = set(TRITON_OPS) - {"attn"}
     assert type(f.plan(5)) is O.TritonRowsOps and type(f.plan(65)) is wide  # no attention kernel to take
+    f.triton_ops = set(TRITON_OPS) - {"rope"}  # a wide forward's RoPE left to torch
+    assert f.plan(65).routed == frozenset({"attn"}) and f.plan(65).rope_cache.__func__ is O.TorchOps.rope_cache
 
 
 def test_head_dim_not_a_power_of_two_keeps_rope_and_attention_in_torch():
@@ -205,3 +209,26 @@ def test_torch_plans_equal_hf(name, model, cpu_t):
             a = parents[a]
         with torch.no_grad():
             check(logits[t], aux[t], ctx + path[::-1])
+
+
+def test_linear_add_keeps_the_residual_add_out_of_addmm():
+    """`llama.linear_add` equals h + F.linear(x, w, b) bit for bit, and a compiled one leaves the matmul and the add
+    apart, where inductor rewrites the plain expression into addmm (on CUDA a memcpy of h before a beta=1 GEMM, two
+    a layer of a wide forward: BENCHMARKS.md "residual adds kept out of addmm"). If the control stops holding,
+    inductor no longer fuses and the workaround can go."""
+    import torch.nn.functional as F
+    from torch._inductor.utils import run_and_get_code
+
+    from draftsmith.decode.llama import linear_add
+
+    g = torch.Generator().manual_seed(0)
+    h, x, w, b = (torch.randn(*s, generator=g) for s in ((7, 32), (7, 48), (32, 48), (32,)))
+    for bias in (None, b):
+        torch.testing.assert_close(linear_add(h, x, w, bias), h + F.linear(x, w, bias), rtol=0, atol=0)
+    torch._dynamo.reset()
+    _, (plain,) = run_and_get_code(torch.compile(lambda h, x, w: h + F.linear(x, w)), h, x, w)
+    torch._dynamo.reset()
+    _, (apart,) = run_and_get_code(torch.compile(linear_add), h, x, w)
+    torch._dynamo.reset()
+    assert "addmm" in plain  # the control: inductor's rewrite
+    assert "addmm" not in apart and "extern_kernels.mm" in apart

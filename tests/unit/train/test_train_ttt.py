@@ -438,7 +438,9 @@ def test_compiled_unroll_is_one_graph_and_matches_reference(backend, granularity
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    K = 5
+    # inductor's compile time grows with the unrolled graph (~20 s a step on 2 cores): 3 steps still hold step 0 and a
+    # reused later step; aot_eager (seconds) keeps 5
+    K = 3 if backend == "inductor" else 5
     drafter = _tiny_drafter(2 if granularity == "step" else 1).float()
     ids, aux, doc, lmask, teacher = _random_row(drafter, [40, 60, 20], 128, mask_p=0.2)
     pos = positions_from_doc_ids(doc)
