@@ -16,6 +16,6 @@ python -m pip install -q -e ".[dev]"
 python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 python -m pip install -q "loguru>=0.7.2,<=0.7.3" pydantic-settings openai httpx
 # Triton: the CUDA builds of torch bring it, the CPU build does not. The decode kernels' tests run in its
-# interpreter on CPU (tests/test_decode_kernels.py skips without it).
+# interpreter on CPU (tests/unit/decode/test_decode_kernels*.py skips without it).
 python -c "import triton" 2>/dev/null || python -m pip install -q triton \
-  || echo "triton could not be installed: tests/test_decode_kernels.py will be skipped" >&2
+  || echo "triton could not be installed: tests/unit/decode/test_decode_kernels*.py will be skipped" >&2

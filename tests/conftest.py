@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Without a GPU, triton (if installed) can only run kernels in its interpreter, and that mode must be on before
-# triton is first imported (transformers imports it early): tests/test_decode_kernels.py relies on it.
+# triton is first imported (transformers imports it early): tests/unit/decode/test_decode_kernels*.py relies on it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

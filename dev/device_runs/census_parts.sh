@@ -13,5 +13,5 @@ python3 bench/decode_small.py --target .carry8/pycode-small --prompts .carry8/hu
 cp BENCHMARKS.md $OUT/
 [ -n "${TESTS_K:-}" ] || exit 0
 timeout ${TESTS_S:-150} python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_decode_gpu.py \
-  tests/unit/decode/test_decode_kernels.py tests/unit/decode/test_decode_traced.py -k "$TESTS_K" > $OUT/tests.log 2>&1
+  tests/unit/decode/test_decode_kernels.py tests/unit/decode/test_decode_kernels_engine.py tests/unit/decode/test_decode_traced.py -k "$TESTS_K" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -15 $OUT/tests.log

@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
   echo TRAIN_DONE
 ) > $OUT/train.log 2>&1 &
 TP=$!
-timeout 280 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_kernels.py \
+timeout 280 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_kernels.py tests/unit/decode/test_decode_kernels_engine.py \
   tests/gpu/test_decode_gpu.py -k "${TESTS_K:-embed or draft_step or triton_kernels}" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -25 $OUT/tests.log
 timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_traced.py > $OUT/tests2.log 2>&1

@@ -13,6 +13,6 @@ python3 bench/decode_small.py --target .carry8/pycode-small --drafter .carry8/fi
   --speed-prompts 12 --speed-tokens 200 ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log | grep -v Loading
 cp BENCHMARKS.md $OUT/
 timeout ${TESTS_S:-150} python3 -m pytest -q --tb=short -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_decode_gpu.py \
-  tests/unit/decode/test_decode_kernels.py -k "${TESTS_K:-graphed_prefill or warmup_captures or graph_rounds_equal or \
+  tests/unit/decode/test_decode_kernels.py tests/unit/decode/test_decode_kernels_engine.py -k "${TESTS_K:-graphed_prefill or warmup_captures or graph_rounds_equal or \
   sampling_reproducible}" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -15 $OUT/tests.log
