@@ -440,7 +440,9 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 LIVE=live,
             ),
             nw,
-            [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h"],
+            # the strides the JIT sees divisible by 16 on the 8B verify (q from rope_and_cache [T, nh, d], the mask's
+            # row = the cache's slots): specialised there too, so the q and mask loads vectorise as they do on the GPU
+            [n for n in rattn_sig if n.endswith("_ptr")] + ["stride_cache_h", "stride_qt", "stride_qh", "stride_mt"],
         )
     topk_sig = {
         "x_ptr": p,
