@@ -192,9 +192,8 @@ class TritonAttnOps(TorchOps):
     """A wider forward (a verify, a hand-off; up to `kernels.ROWS_ATTN_MAX` rows): torch's matmuls and norms, the
     attention through `kernels.rows_attention` — one kernel pair over the tree mask where torch needs the mask
     expanded, two batched matmuls, a softmax and two copies — and (with "rope" routed) q/k norm, RoPE and the cache
-    writes through `kernels.rope_and_cache`, one kernel where a compiled torch forward takes two (the 8B verify:
-    ~2.0 against 1.9 + 1.2 us a layer, BENCHMARKS.md "anatomy"). Torch custom ops, so a compiled forward traces
-    them."""
+    writes through `kernels.rope_and_cache`, one kernel where a compiled torch forward takes two (BENCHMARKS.md,
+    "the wide forwards' residual adds kept out of addmm"). Torch custom ops, so a compiled forward traces them."""
 
     name = "triton_attn"
 
@@ -211,8 +210,7 @@ class TritonAttnOps(TorchOps):
     def prepare(self, mask, positions, slots):
         # the kernels take the boolean mask, the positions and the slots, made once for all layers' calls (`_realize`)
         if "rope" in self.routed:
-            mask, positions, slots = _realize(mask, positions, slots)
-            return mask, positions, slots
+            return tuple(_realize(mask, positions, slots))
         mask, slots = _realize(mask, slots)
         return mask, self._rope_rows(positions), slots
 
@@ -307,12 +305,7 @@ class TritonStepOps(TorchOps):
         q = self.lin(qkv, L.qkv[0], L.input_norm, self.eps, bias=L.qkv_bias[0], rope=rope)
         return q.view(1, q.shape[0], self.nh, self.d)
 
-    def _rope_cache_kernel(self, qkv, positions, slots, kc, vc, L):
-        # q/k norm, RoPE and both cache writes in one kernel
-        f = self.f
-        return self.K.rope_and_cache(
-            qkv, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, L.qk_norm, self.eps, config=self.config
-        )[None]  # [1, T, nh, d]
+    _rope_cache_kernel = TritonAttnOps._rope_cache_kernel  # q/k norm, RoPE and both cache writes in one kernel
 
     def _attention_kernel(self, q, kc, vc, mask, slots, S):
         return self.K.decode_attention(q, kc, vc, mask[0], self.f.scale, config=self.config, slot=slots)  # [1, nh*d]
