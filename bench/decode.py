@@ -132,12 +132,8 @@ def time_steps(engine, fn, n, dev):
     return t.s / n
 
 
-def kernel_census(fn, dev, top: int = 0):
-    """One call of `fn` under the profiler (after one unprofiled call) -> (kernels, summed kernel ms, the `top`
-    kernel names by summed time as (name, count, ms)). On CUDA these are what the call's CUDA-graph replay
-    launches, and ms/step minus their sum is launch gaps; on CPU (smoke) aten ops and their CPU time."""
-    import collections
-
+def _profiled(fn, dev):
+    """The profiler's events of one call of `fn`, after one unprofiled call (CUDA activity on CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -146,14 +142,24 @@ def kernel_census(fn, dev, top: int = 0):
     with profile(activities=acts) as prof:
         fn()
         sync(dev)
+    return prof.events()
+
+
+def kernel_census(fn, dev, top: int = 0):
+    """One call of `fn` under the profiler (after one unprofiled call) -> (kernels, summed kernel ms, the `top`
+    kernel names by summed time as (name, count, ms)). On CUDA these are what the call's CUDA-graph replay
+    launches, and ms/step minus their sum is launch gaps; on CPU (smoke) aten ops and their CPU time."""
+    import collections
+
+    events = _profiled(fn, dev)
     if dev.type == "cuda":
         evs = [
             (e.name, (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
-            for e in prof.events()
+            for e in events
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
     else:
-        evs = [(e.name, e.cpu_time / 1e3) for e in prof.events() if e.name.startswith("aten::")]
+        evs = [(e.name, e.cpu_time / 1e3) for e in events if e.name.startswith("aten::")]
     by = collections.defaultdict(lambda: [0, 0.0])
     for name, ms in evs:
         by[name][0] += 1
@@ -208,16 +214,9 @@ def anatomy(fn, dev, top: int = 30) -> dict:
     its kernels in launch order -> kernels, busy ms (summed durations), span ms (first start to last end), gap ms
     (span - busy: the time between kernels), and per kernel name in order of first launch (count, summed us, mean
     us), the `top` names by summed time. Where a part's time goes, kernel by kernel: `--anatomy`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync(dev)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(dev)
     ks = sorted(
         (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
+        for e in _profiled(fn, dev)
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
     if not ks:
@@ -714,11 +713,9 @@ def p2b(args, dev, dtype, runner, best):
                 continue
             fn = eng.step_fn(mode, sp)
             eng.prefill(prompt, sp)
-            t_round = time_steps(eng, fn, n, dev)
+            t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
             if args.anatomy and dev.type == "cuda":  # two more rounds: max_len leaves room for them
-                anatomies.append(
-                    (f"{pname}: {mode} round", anatomy(fn, dev))
-                )  # random drafter: shapes (and cost) do not depend on acceptance
+                anatomies.append((f"{pname}: {mode} round", anatomy(fn, dev)))
             # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
             # verify forward, one drafter step (forward + logits, as each tree level or chain step runs)
             T = mode.verify_tokens
