@@ -670,17 +670,17 @@ def p2b(args, dev, dtype, runner, best):
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
-    combos = [(kn, impl, 1, 0, True) for kn in kernels for impl in args.attn_impls]
+    combos = [(kn, impl, 1, 0, True, False) for kn in kernels for impl in args.attn_impls]
     # --kernel-rows: also the triton engine whose verifies of up to N rows run through the row kernels
     combos += [
-        ("triton", impl, r, 0, True)
+        ("triton", impl, r, 0, True, False)
         for r in args.kernel_rows
         if r > 1 and "triton" in kernels
         for impl in args.attn_impls
     ]
     # --attn-live-chunks: also the triton engine whose attention kernels split the live keys into N chunks
     combos += [
-        ("triton", impl, 1, n, True)
+        ("triton", impl, 1, n, True, False)
         for n in args.attn_live_chunks
         if n > 0 and "triton" in kernels
         for impl in args.attn_impls
@@ -688,76 +688,94 @@ def p2b(args, dev, dtype, runner, best):
     # --rows-attn-live off: also the triton engine whose few-row attention keeps the width rule (the engine before
     # 2026-12-03)
     if "off" in args.rows_attn_live and "triton" in kernels:
-        combos += [("triton", impl, 1, 0, False) for impl in args.attn_impls]
+        combos += [("triton", impl, 1, 0, False, False) for impl in args.attn_impls]
+    # --lt-matmuls on: also the triton engine whose wide forwards take the tuned cuBLASLt algorithms (experimental)
+    if "on" in args.lt_matmuls and "triton" in kernels and dev.type == "cuda":
+        combos += [("triton", impl, 1, 0, True, True) for impl in args.attn_impls]
     graphs = None
     rows_kernels = []
     anatomies = []  # --anatomy: (title, anatomy()) of each engine's plain step and each setting's verify and draft step
-    for kn, impl, krows, live, rows_live in combos:
-        kc = KernelConfig(attn_live_chunks=live, rows_attn_live=rows_live) if kn == "triton" else None
-        eng = SpeculativeDecoder(
-            runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows,
-            kernel_config=kc,
-        )  # fmt: skip
-        plain = eng.step_fn(DecodeMode("plain"), sp)
-        eng.prefill(prompt, sp)
-        pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
-        pname += (f" live{live}" if live else "") + ("" if rows_live else " norowslive")
-        if krows > 1 and dev.type == "cuda":
-            rows_kernels += row_kernel_table(eng, runner, pname)
-        t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
-        if args.anatomy and dev.type == "cuda":
-            anatomies.append((f"{pname}: plain step", anatomy(plain, dev)))
-        for mode, tau in settings:
-            if left(args.budget + 60) < 15:
-                log(f"P2b: skipping {kn} {impl} {mode} (time budget)")
-                continue
-            fn = eng.step_fn(mode, sp)
-            eng.prefill(prompt, sp)
-            t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
-            if args.anatomy and dev.type == "cuda":  # two more rounds: max_len leaves room for them
-                anatomies.append((f"{pname}: {mode} round", anatomy(fn, dev)))
-            # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
-            # verify forward, one drafter step (forward + logits, as each tree level or chain step runs)
-            T = mode.verify_tokens
-            Lt = torch.tensor(ctx, device=dev)
-            pos = Lt + torch.arange(T, device=dev)
-            mask = causal_mask(eng.max_len, pos, dev)
-            ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
-            verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731, F821 (eng is bound above)
-            g_verify = graphed(verify, dev)
-            t_verify = time_steps(eng, g_verify, n, dev)
-            Td = 1 if mode.kind == "chain" else mode.top_k
-            dpos = Lt + torch.arange(Td, device=dev)
-            dmask = causal_mask(eng.max_len, dpos, dev)
-            hid = torch.zeros(Td, H, dtype=dtype, device=dev)
-            dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731, F821
-            g_draft = graphed(dstep, dev)
-            t_draft = time_steps(eng, g_draft, n, dev)
-            if args.anatomy and dev.type == "cuda":
-                anatomies.append((f"{pname}: {mode} verify ({T} rows)", anatomy(g_verify, dev)))
-                anatomies.append((f"{pname}: {mode} draft step ({Td} rows)", anatomy(g_draft, dev)))
-            census = round_census(eng.eager_step_fn(mode, sp), dev) if args.round_census else None
-            rows.append(
-                {
-                    "mode": mode.kind,
-                    "setting": mode.__dict__,
-                    "attention": impl,
-                    "kernels": (kn if krows == 1 else f"{kn} rows{krows}")
-                    + (f" live{live}" if live else "")
-                    + ("" if rows_live else " norowslive"),
-                    "context": ctx,
-                    "cache_slots": eng.max_len,
-                    "t_plain_own_ms": t_own * 1e3,
-                    "t_round_ms": t_round * 1e3,
-                    "t_verify_ms": t_verify * 1e3,
-                    "t_draft_step_ms": t_draft * 1e3,
-                    "tau_from_P2a": tau,
-                    "census": census,
-                }
+    lt_lines = []
+    for kn, impl, krows, live, rows_live, lt in combos:
+        try:
+            kc = (
+                KernelConfig(attn_live_chunks=live, rows_attn_live=rows_live, lt_matmuls=lt) if kn == "triton" else None
             )
-            log(f"P2b {kn} {impl} {mode}: round {t_round * 1e3:.2f} ms (own plain {t_own * 1e3:.2f} ms)")
-        graphs = eng.cuda_graphs
-        del eng
+            eng = SpeculativeDecoder(
+                runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows,
+                kernel_config=kc,
+            )  # fmt: skip
+            plain = eng.step_fn(DecodeMode("plain"), sp)
+            eng.prefill(prompt, sp)
+            pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
+            pname += (f" live{live}" if live else "") + ("" if rows_live else " norowslive") + (" lt" if lt else "")
+            if krows > 1 and dev.type == "cuda":
+                rows_kernels += row_kernel_table(eng, runner, pname)
+            t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
+            if args.anatomy and dev.type == "cuda":
+                anatomies.append((f"{pname}: plain step", anatomy(plain, dev)))
+            for mode, tau in settings:
+                if left(args.budget + 60) < 15:
+                    log(f"P2b: skipping {kn} {impl} {mode} (time budget)")
+                    continue
+                fn = eng.step_fn(mode, sp)
+                eng.prefill(prompt, sp)
+                t_round = time_steps(eng, fn, n, dev)  # random drafter: shapes (and cost) do not depend on acceptance
+                if args.anatomy and dev.type == "cuda":  # two more rounds: max_len leaves room for them
+                    anatomies.append((f"{pname}: {mode} round", anatomy(fn, dev)))
+                # components, each from its own CUDA graph through the engine's own (compiled, if so) forwards: one
+                # verify forward, one drafter step (forward + logits, as each tree level or chain step runs)
+                T = mode.verify_tokens
+                Lt = torch.tensor(ctx, device=dev)
+                pos = Lt + torch.arange(T, device=dev)
+                mask = causal_mask(eng.max_len, pos, dev)
+                ids = torch.zeros(max(T, mode.top_k), dtype=torch.long, device=dev)
+                verify = lambda: eng.target_forward(ids[:T], pos, pos, mask)  # noqa: E731, F821 (eng is bound above)
+                g_verify = graphed(verify, dev)
+                t_verify = time_steps(eng, g_verify, n, dev)
+                Td = 1 if mode.kind == "chain" else mode.top_k
+                dpos = Lt + torch.arange(Td, device=dev)
+                dmask = causal_mask(eng.max_len, dpos, dev)
+                hid = torch.zeros(Td, H, dtype=dtype, device=dev)
+                dstep = lambda: eng.draft_logits(eng.draft_forward(ids[:Td], hid, dpos, dpos, dmask))  # noqa: E731, F821
+                g_draft = graphed(dstep, dev)
+                t_draft = time_steps(eng, g_draft, n, dev)
+                if args.anatomy and dev.type == "cuda":
+                    anatomies.append((f"{pname}: {mode} verify ({T} rows)", anatomy(g_verify, dev)))
+                    anatomies.append((f"{pname}: {mode} draft step ({Td} rows)", anatomy(g_draft, dev)))
+                census = round_census(eng.eager_step_fn(mode, sp), dev) if args.round_census else None
+                rows.append(
+                    {
+                        "mode": mode.kind,
+                        "setting": mode.__dict__,
+                        "attention": impl,
+                        "kernels": (kn if krows == 1 else f"{kn} rows{krows}")
+                        + (f" live{live}" if live else "")
+                        + ("" if rows_live else " norowslive")
+                        + (" lt" if lt else ""),
+                        "context": ctx,
+                        "cache_slots": eng.max_len,
+                        "t_plain_own_ms": t_own * 1e3,
+                        "t_round_ms": t_round * 1e3,
+                        "t_verify_ms": t_verify * 1e3,
+                        "t_draft_step_ms": t_draft * 1e3,
+                        "tau_from_P2a": tau,
+                        "census": census,
+                    }
+                )
+                log(f"P2b {kn} {impl} {mode}: round {t_round * 1e3:.2f} ms (own plain {t_own * 1e3:.2f} ms)")
+            graphs = eng.cuda_graphs
+            lt_lines += [
+                f"- {pname}: {r['rows']} rows {r['kind']} ({r['n']}x{r['k']}): F.linear {r['torch_us']} us, chosen "
+                f"{r['label']} {r['us']} us ({r['bit_equal']} of {r['candidates']} candidates bit-equal)"
+                for r in eng.lt_tuning
+            ]
+            del eng
+        except Exception as e:  # an experimental engine's failure (--lt-matmuls) must not cost the others' rows
+            if not lt:
+                raise
+            RESULTS["errors"]["P2b lt"] = f"{type(e).__name__}: {e}"
+            log(f"P2b: the lt engine failed: {type(e).__name__}: {e}")
     t_plain = min(t_plains.values())  # the fastest plain decode is the baseline
     for row in rows:
         tau = row["tau_from_P2a"]
@@ -775,6 +793,7 @@ def p2b(args, dev, dtype, runner, best):
         "cuda_graphs": graphs,
         "t_plain_ms": {a: v * 1e3 for a, v in t_plains.items()},
         "anatomy": {t: a for t, a in anatomies},
+        "lt_tuning": lt_lines,
     }
     LINES.append(f"\n### P2b — PROJECTED speedup, Llama-3.1-8B shape (random bf16), 8B-sized drafter, context {ctx}")
     LINES.append(f"Rounds {'torch.compiled' if args.compile else 'eager'}, replayed from CUDA graphs.")
@@ -844,6 +863,13 @@ def p2b(args, dev, dtype, runner, best):
         LINES.append("|" + "---|" * len(cols))
         for r in rows_kernels:
             LINES.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    if lt_lines:
+        LINES.append(
+            "\n`--lt-matmuls on` (experimental.cublaslt): the wide forwards' matmuls, per width and kind, F.linear "
+            "against the fastest cuBLASLt candidate whose output equals F.linear's bit for bit (every layer's matrix "
+            "in one CUDA graph, us a matrix; F.linear kept unless 1 % faster):\n"
+        )
+        LINES.extend(lt_lines)
     if anatomies:
         LINES.append(
             "\nEach part's CUDA graph replayed once under the profiler (`--anatomy`): kernels in launch order, "
@@ -937,6 +963,13 @@ def main(argv=None):
         default=["on"],
         help="P2b: 'on,off' also measures the triton engine with KernelConfig.rows_attn_live off (few-row attention "
         "by the width rule)",
+    )
+    ap.add_argument(
+        "--lt-matmuls",
+        type=_on_off,
+        default=["off"],
+        help="P2b: 'off,on' also measures the triton engine with KernelConfig.lt_matmuls (experimental: the wide "
+        "forwards' matmuls through the cuBLASLt algorithm timed fastest among those equal to F.linear bit for bit)",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

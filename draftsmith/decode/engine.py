@@ -298,6 +298,7 @@ class SpeculativeDecoder:
         self.device = self.runner.device
         self.dtype = self.runner.dtype
         self.kernel_tuning: list[dict] = []  # the Triton gemv sweep of kernels="triton" on CUDA (tune_kernels)
+        self.lt_tuning: list[dict] = []  # experimental KernelConfig.lt_matmuls: the cuBLASLt choices (tune_lt)
         if self.backend == "llama":
             self.runner.kernels = "torch"
             if kernel_config is not None:
@@ -1075,6 +1076,9 @@ class SpeculativeDecoder:
 
     def _runner_for(self, mode: DecodeMode, sp: SamplingParams):
         self._refresh_drafter_view()
+        if mode.kind != "plain" and getattr(getattr(self.runner, "kernel_config", None), "lt_matmuls", False):
+            # experimental: the verify's matmuls through tuned cuBLASLt algorithms, chosen before it is traced
+            self.lt_tuning += self.runner.tune_lt([mode.verify_tokens])
         sp = sp.canonical()
         fn = self._step_fn(mode, sp)
         if not self.cuda_graphs:

@@ -122,7 +122,10 @@ class KernelConfig:
     ((N, K, dtype, folds) -> (BLOCK_N, BLOCK_K, num_warps, split), `experimental.gemm_rows.tune_rows`). tuned_us: a tuned
     key of either -> its tile's microseconds a matrix when it was chosen (benchmarks report them). attn_plans: (S, n_kv, G, head_dim, dtype) ->
     (split_len, BLOCK_S, num_warps) of `kernels.decode_attention`, overriding its rule (benchmarks forcing a plan,
-    `kernels.tune_attention(keep=True)`)."""
+    `kernels.tune_attention(keep=True)`). lt_matmuls (experimental, CUDA): a wide forward's matmuls (verify widths past the
+    kernel rows: q/k/v, o, gate/up, down, lm_head) through the cuBLASLt algorithm `experimental.cublaslt.tune_lt` timed
+    fastest among those whose output equals F.linear's bit for bit, per width, tuned when a mode's round is first
+    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -139,6 +142,7 @@ class KernelConfig:
     attn_live_chunks: int = 0
     rows_attn_live: bool = True
     rows_k_chains: bool = True
+    lt_matmuls: bool = False
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS
@@ -146,6 +150,7 @@ class KernelConfig:
     rows_tuned: dict = field(default_factory=dict)
     tuned_us: dict = field(default_factory=dict)
     attn_plans: dict = field(default_factory=dict)
+    lt_tuned: dict = field(default_factory=dict)
 
     @property
     def gemv_default(self) -> tuple[int, int, int, int]:

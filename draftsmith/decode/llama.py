@@ -535,6 +535,39 @@ class LlamaFamilyForward(torch.nn.Module):
                 out += [{"matrix": kind, **r} for r in tune_rows(mats, rows, **kw, config=cfg)]
         return out
 
+    def tune_lt(self, widths) -> list[dict]:
+        """Experimental (`KernelConfig.lt_matmuls`, CUDA): for each width whose forward takes the wide plan, time
+        cuBLASLt's algorithms for every weight kind (`experimental.cublaslt.tune_lt`: only those equal to F.linear bit
+        for bit) and keep the winners in `kernel_config.lt_tuned`; call it before that width's forward is traced or
+        captured. One row per (width, kind); [] when off or nothing is left to tune."""
+        cfg = self.kernel_config
+        if not cfg.lt_matmuls or self.device.type != "cuda":
+            return []
+        done = {k[0] for k in cfg.lt_tuned} | getattr(self, "_lt_widths", set())
+        # the widths whose plan takes the lt matmuls (TritonAttnOps built with lt_matmuls; `_plans` holds one entry
+        # per width up to ROWS_ATTN_MAX, so identity with `_wide_plan` would miss them)
+        widths = [int(T) for T in widths if hasattr(self.plan(int(T)), "_lt_linear") and int(T) not in done]
+        if not widths:
+            return []
+        from draftsmith.decode.experimental.cublaslt import tune_lt
+
+        L0 = self.layers[0]
+        kinds = {
+            "qkv": [L.qkv[0] for L in self.layers] if len(L0.qkv) == 1 and L0.qkv_bias[0] is None else None,
+            "o": [L.o for L in self.layers] if L0.o_bias is None else None,
+            "gate_up": [L.gate_up[0] for L in self.layers]
+            if len(L0.gate_up) == 1 and L0.gate_up_bias[0] is None
+            else None,
+            "down": [L.down for L in self.layers] if L0.down_bias is None else None,
+            "lm_head": [self.lm_head],
+        }
+        rows = tune_lt({k: v for k, v in kinds.items() if v}, widths)
+        for r in rows:
+            if r["algo"] is not None:
+                cfg.lt_tuned[(r["rows"], r["n"], r["k"], str(self.dtype))] = r["algo"]
+        self._lt_widths = set(widths) | getattr(self, "_lt_widths", set())
+        return rows
+
     def _silu(self) -> bool:
         return str(getattr(self.cfg, "hidden_act", "silu")) == "silu"
 

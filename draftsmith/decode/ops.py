@@ -206,6 +206,47 @@ class TritonAttnOps(TorchOps):
         self.routed = frozenset(routed)
         if "rope" in self.routed:
             self.rope_cache = self._rope_cache_kernel
+        if self.config.lt_matmuls and f.device.type == "cuda":
+            from draftsmith.decode.experimental.cublaslt import lt_linear
+
+            self._lt_linear = lt_linear
+            self._lin, self.o_proj, self.mlp, self.lm_head = (
+                self._lin_lt,
+                self._o_proj_lt,
+                self._mlp_lt,
+                self._lm_head_lt,
+            )
+
+    # experimental (KernelConfig.lt_matmuls): the matmuls through the cuBLASLt algorithm tuned for this width, F.linear
+    # (and linear_add's form for the residual adds) where none was
+    def _lt_algo(self, x, w, b):
+        return None if b is not None else self.config.lt_tuned.get((x.shape[0], w.shape[0], w.shape[1], str(x.dtype)))
+
+    def _lt(self, x, w, b):
+        algo = self._lt_algo(x, w, b)
+        return F.linear(x, w, b) if algo is None else self._lt_linear(x, w, algo)
+
+    def _lt_add(self, h, x, w, b):
+        algo = self._lt_algo(x, w, b)
+        # linear_add, not h + F.linear: inductor's addmm rewrite would bring back a memcpy a matmul (measured: the
+        # first lt A/B, whose untuned fallback was `h + F.linear`, lost 0.1-0.2 ms a verify)
+        return linear_add(h, x, w, b) if algo is None else h + self._lt_linear(x, w, algo)
+
+    def _lin_lt(self, x, ws, bs):
+        if len(ws) == 1:
+            return self._lt(x, ws[0], bs[0])
+        return torch.cat([self._lt(x, w, b) for w, b in zip(ws, bs)], -1)
+
+    def _o_proj_lt(self, o, h, L):
+        return self._lt_add(h, o, L.o, L.o_bias)
+
+    def _mlp_lt(self, h, L):
+        g, u = self._lin_lt(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias).chunk(2, -1)
+        return self._lt_add(h, self.f.act(g) * u, L.down, L.down_bias)
+
+    def _lm_head_lt(self, hs):
+        f = self.f
+        return self._lt(_rms(hs, f.norm, self.eps), f.lm_head, None).float()
 
     def prepare(self, mask, positions, slots):
         # the kernels take the boolean mask, the positions and the slots, made once for all layers' calls (`_realize`)

@@ -268,3 +268,46 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
         gd = e["greedy_divergences"]
         assert gd["equal"] + gd["near_tie"] + gd["real"] == len(prompts)
         assert gd["real"] == 0, f"{mode}: greedy divergence at a real margin: {e['greedy_divergence_details']}"
+
+
+def test_lt_linear_tuned_algorithms_equal_f_linear():
+    """experimental.cublaslt: every candidate runs, and `tune_lt` keeps only algorithms whose output is F.linear's
+    bit for bit (on fresh inputs too, not only the probe it chose with), or none."""
+    from draftsmith.decode.experimental.cublaslt import lt_for, lt_linear, tune_lt
+
+    torch.manual_seed(0)
+    mats = [torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
+    rows = tune_lt({"m": mats}, [5, 49], min_gain=-1.0)  # min_gain < 0: keep the fastest equal one, even if slower
+    assert {r["rows"] for r in rows} == {5, 49}
+    for r in rows:
+        assert r["candidates"] >= 1 and r["bit_equal"] >= 1 and r["algo"] is not None
+        x = torch.randn(r["rows"], 256, device="cuda", dtype=torch.bfloat16)
+        for w in mats:
+            assert torch.equal(lt_linear(x, w, r["algo"]), torch.nn.functional.linear(x, w))
+        lt = lt_for(r["rows"], 384, 256, torch.bfloat16, x.device)
+        for i in range(len(lt.algos)):  # every candidate computes the product (split-K: in another order)
+            torch.testing.assert_close(lt(x, mats[0], algo=i), x @ mats[0].t(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
+def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
+    """KernelConfig.lt_matmuls (experimental): compiled bf16 rounds whose verify takes the tuned cuBLASLt algorithms
+    decode what the same engine without them decodes, token for token (the algorithms are F.linear's bit for bit)."""
+    pytest.importorskip("triton")
+    from draftsmith.decode.kernel_config import KernelConfig
+    from draftsmith.drafter import Drafter
+    from draftsmith.target_model import load_target
+
+    tb = load_target(PYCODE_TINY, dtype="bf16", device="cuda")
+    torch.manual_seed(0)
+    d = Drafter.from_target(tb).to("cuda", torch.bfloat16).eval()
+    d.requires_grad_(False)
+    outs = []
+    for lt in (False, True):
+        eng = SpeculativeDecoder(
+            tb, d, max_len=160, kernels="triton", compile=True, kernel_config=KernelConfig(lt_matmuls=lt)
+        )
+        outs.append([eng.generate(p, 32, mode=mode).token_ids for p in _prompts(tb.tokenizer, 6)])
+        if lt:
+            assert eng.lt_tuning and {r["rows"] for r in eng.lt_tuning} == {mode.verify_tokens}
+    assert outs[0] == outs[1]

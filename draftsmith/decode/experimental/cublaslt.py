@@ -1,0 +1,348 @@
+"""cuBLASLt through ctypes: few-row GEMMs `out[M, N] = x[M, K] @ w[N, K]^T` (bf16/fp16 in and out, fp32 accumulate)
+with an algorithm chosen by timing cuBLASLt's candidates instead of taking its heuristic's first pick.
+
+Why: on the 8B verify (M = 49) cuBLAS's pick for q/k/v and o reaches only ~0.7 of copy bandwidth (96 and 64 tiles on
+132 SMs); `torch.nn.functional.linear` exposes one algorithm per shape and torch's TunableOp has no cuBLASLt backend
+on CUDA. cuBLASLt's heuristic returns a ranked list (other tiles, split-K with an in-kernel or separate reduction,
+other cluster shapes); this module lists them (`LtLinear`), runs any of them, and `tune_lt` times each over a
+forward's matrices. Matmul calls are stream-ordered and use a workspace allocated once per device, so they are
+captured into CUDA graphs like any kernel. Measured on the 8B shapes at 49 rows (BENCHMARKS.md, "cuBLASLt's other
+algorithms"): the faster bit-equal candidates are worth ~0.13 ms a verify; q/k/v and o have none much better.
+
+The library is the one torch already loaded (found in /proc/self/maps after a first matmul), so both share one
+cuBLASLt instance. Layout (column-major, as cuBLASLt sees row-major tensors): A = w as K x N (ld = w.stride(0)),
+op(A) = T; B = x as K x M (ld = x.stride(0)); D = out as N x M (ld = out.stride(0)). Status codes other than 0
+raise with the call's name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+_COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
+_R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
+_DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
+# cublasLtMatmulAlgoConfigAttributes_t (read for the report only)
+_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+_LIB: ctypes.CDLL | None = None
+_HANDLE: ctypes.c_void_p | None = None
+
+
+def _library_path() -> str:
+    """libcublasLt as torch mapped it (one matmul first so that torch has loaded it)."""
+    a = torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(a, a)
+    torch.cuda.synchronize()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if "libcublasLt" in os.path.basename(path):
+                return path
+    raise RuntimeError("cublaslt: torch has not loaded libcublasLt (no matmul backend on this device?)")
+
+
+def _lib() -> ctypes.CDLL:
+    global _LIB, _HANDLE
+    if _LIB is None:
+        lib = ctypes.CDLL(_library_path())
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args in {
+            "cublasLtCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int],
+            "cublasLtMatmulDescSetAttribute": [vp, ctypes.c_int, vp, sz],
+            "cublasLtMatrixLayoutCreate": [
+                ctypes.POINTER(vp),
+                ctypes.c_int,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.c_int64,
+            ],
+            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, ctypes.c_int, vp, sz],
+            "cublasLtMatmulAlgoGetHeuristic": [
+                vp,
+                vp,
+                vp,
+                vp,
+                vp,
+                vp,
+                vp,
+                ctypes.c_int,
+                ctypes.POINTER(_Heuristic),
+                ctypes.POINTER(ctypes.c_int),
+            ],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
+            "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), ctypes.c_int, vp, sz, ctypes.POINTER(sz)],
+        }.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        handle = vp()
+        _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        _LIB, _HANDLE = lib, handle
+    return _LIB
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cublaslt: {what} returned status {status}")
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(nbytes: int) -> torch.Tensor:
+    """One cuBLASLt workspace per device and size, shared by every descriptor (calls on one stream are serial)."""
+    key = (torch.cuda.current_device(), nbytes)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return _WORKSPACES[key]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    codes = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+    if dtype not in codes:
+        raise ValueError(f"cublaslt: unsupported dtype {dtype}")
+    return codes[dtype]
+
+
+@dataclass(frozen=True)
+class AlgoInfo:
+    index: int  # rank in the heuristic's list
+    workspace: int
+    waves: float
+    config: dict
+
+    def label(self) -> str:
+        c = self.config
+        return f"#{self.index} id{c.get('id')} tile{c.get('tile')} sk{c.get('splitk')} st{c.get('stages')} w{self.waves:.2f}"
+
+
+class LtLinear:
+    """`out = x @ w^T` for one shape (M, N, K), strides and dtype; `algos` from cuBLASLt's heuristic (up to
+    `max_algos`, ranked), `algo` the one `__call__` runs (the heuristic's first until `choose`/`tune`)."""
+
+    def __init__(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        ldx: int | None = None,
+        ldw: int | None = None,
+        ldo: int | None = None,
+        workspace_bytes: int = 32 << 20,
+        max_algos: int = 64,
+    ):
+        lib = _lib()
+        self.m, self.n, self.k, self.dtype = m, n, k, dtype
+        ldx, ldw, ldo = ldx or k, ldw or k, ldo or n
+        code = _dtype_code(dtype)
+        vp = ctypes.c_void_p
+        self._desc = vp()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
+        for attr, val in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            v = ctypes.c_int32(val)
+            _check(lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(v), 4), "MatmulDescSetAttribute")
+        self._a, self._b, self._d = vp(), vp(), vp()
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), code, k, n, ldw), "MatrixLayoutCreate(A)")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), code, k, m, ldx), "MatrixLayoutCreate(B)")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), code, n, m, ldo), "MatrixLayoutCreate(D)")
+        pref = vp()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        ws = ctypes.c_uint64(workspace_bytes)
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
+            "MatmulPreferenceSetAttribute",
+        )
+        results = (_Heuristic * max_algos)()
+        count = ctypes.c_int(0)
+        _check(
+            lib.cublasLtMatmulAlgoGetHeuristic(
+                _HANDLE, self._desc, self._a, self._b, self._d, self._d, pref, max_algos, results, ctypes.byref(count)
+            ),
+            "MatmulAlgoGetHeuristic",
+        )
+        self._algos = [results[i].algo for i in range(count.value) if results[i].state == 0]
+        self.algos = [
+            AlgoInfo(i, results[i].workspace_size, results[i].waves_count, _config(lib, results[i].algo))
+            for i in range(count.value)
+            if results[i].state == 0
+        ]
+        if not self._algos:
+            raise RuntimeError(f"cublaslt: no algorithm for M={m} N={n} K={k} {dtype}")
+        self.workspace = _workspace(workspace_bytes)
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.algo = 0
+
+    def choose(self, index: int) -> None:
+        self.algo = index
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: int | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.m, self.n, dtype=self.dtype, device=x.device)
+        i = self.algo if algo is None else algo
+        _check(
+            _lib().cublasLtMatmul(
+                _HANDLE,
+                self._desc,
+                ctypes.byref(self._alpha),
+                w.data_ptr(),
+                self._a,
+                x.data_ptr(),
+                self._b,
+                ctypes.byref(self._beta),
+                out.data_ptr(),
+                self._d,
+                out.data_ptr(),
+                self._d,
+                ctypes.byref(self._algos[i]),
+                self.workspace.data_ptr(),
+                self.workspace.numel(),
+                torch.cuda.current_stream().cuda_stream,
+            ),
+            "Matmul",
+        )
+        return out
+
+
+def _config(lib: ctypes.CDLL, algo: _Algo) -> dict:
+    """The algorithm's config attributes (asked for their size first: a mismatched size is an error)."""
+    out = {}
+    for name, attr in _CONFIG_ATTRS.items():
+        size = ctypes.c_size_t(0)
+        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(size)) != 0:
+            continue
+        buf, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        if (
+            0 < size.value <= 8
+            and lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(algo), attr, ctypes.byref(buf), size.value, ctypes.byref(written)
+            )
+            == 0
+        ):
+            out[name] = int(buf.value)
+    return out
+
+
+# ---------------------------------------------------------------- the verify's matmuls through tuned algorithms
+# One descriptor set per (M, N, K, dtype, device), built on first use: the heuristic's list for a shape is the same
+# within a process, so an algorithm is named by its index in it (`KernelConfig.lt_tuned` holds the index).
+_DESCRIPTORS: dict[tuple, LtLinear] = {}
+
+
+def lt_for(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> LtLinear:
+    key = (m, n, k, dtype, device.index)
+    if key not in _DESCRIPTORS:
+        with torch.cuda.device(device):
+            _DESCRIPTORS[key] = LtLinear(m, n, k, dtype)
+    return _DESCRIPTORS[key]
+
+
+def _contiguous_2d(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1]
+
+
+@torch.library.custom_op("draftsmith::lt_linear", mutates_args=())
+def lt_linear(x: torch.Tensor, w: torch.Tensor, algo: int) -> torch.Tensor:
+    """F.linear(x, w) (no bias) through cuBLASLt's algorithm `algo` for x's shape (`tune_lt` chose it among those
+    whose output equals F.linear's bit for bit); F.linear itself for strided inputs."""
+    if not (_contiguous_2d(x) and _contiguous_2d(w)):
+        return torch.nn.functional.linear(x, w)
+    return lt_for(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)(x, w, algo=algo)
+
+
+@lt_linear.register_fake
+def _(x, w, algo):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def graph_us(fn, calls: int, reps: int = 5) -> float:
+    """us per call: fn() enqueues `calls` launches; captured once in a CUDA graph, replayed `reps` times (best of 3)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (reps * calls))
+    return best
+
+
+def tune_lt(kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01) -> list[dict]:
+    """For each width M and weight kind (its matrices, one per layer: timed in turn, so each call reads its weights
+    from HBM as a forward does), time F.linear and every cuBLASLt candidate whose output on a random x equals
+    F.linear's bit for bit (the verify must compute what the torch path computes; split-K candidates sum in another
+    order and are skipped). Returns one row per (M, kind): `algo` the fastest candidate's index when it beats
+    F.linear by `min_gain` or more, else None (the torch path keeps F.linear)."""
+    rows = []
+    for m in sorted(set(int(w) for w in widths)):
+        for kind, mats in kinds.items():
+            w0 = mats[0]
+            n, k = w0.shape
+            x = torch.randn(m, k, device=w0.device, dtype=w0.dtype)
+            out = torch.empty(m, n, device=w0.device, dtype=w0.dtype)
+            ref = torch.nn.functional.linear(x, w0)
+
+            def run_torch():
+                for w in mats:
+                    torch.mm(x, w.t(), out=out)
+
+            t_torch = graph_us(run_torch, len(mats))
+            lt = lt_for(m, n, k, w0.dtype, w0.device)
+            best, best_us, same = None, t_torch, 0
+            for i in range(len(lt.algos)):
+                try:
+                    if not torch.equal(lt(x, w0, algo=i), ref):
+                        continue
+                except RuntimeError:
+                    continue
+                same += 1
+
+                def run_lt(i=i):
+                    for w in mats:
+                        lt(x, w, out, algo=i)
+
+                us = graph_us(run_lt, len(mats))
+                if us < best_us:
+                    best, best_us = i, us
+            if best is not None and best_us > t_torch * (1 - min_gain):
+                best, best_us = None, t_torch
+            rows.append({"rows": m, "kind": kind, "n": n, "k": k, "torch_us": round(t_torch, 2),
+                         "algo": best, "us": round(best_us, 2), "candidates": len(lt.algos), "bit_equal": same,
+                         "label": lt.algos[best].label() if best is not None else "F.linear"})  # fmt: skip
+    return rows
