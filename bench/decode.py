@@ -670,45 +670,45 @@ def p2b(args, dev, dtype, runner, best):
     # one engine per (step kernels, attention): its plain step and its rounds are measured side by side, so a
     # row's projection can also be read against its own engine's plain step (one configuration for both)
     kernels = [k for k in args.kernels if k == "torch" or _triton_ok(dev)]
-    combos = [(kn, impl, 1, 0, True, False) for kn in kernels for impl in args.attn_impls]
+    # each engine: (kernels, attention, kernel_rows, KernelConfig overrides, label); the first per attention is the
+    # default engine, each option below adds one that differs from it in one setting
+    combos = [(kn, impl, 1, {}, "") for kn in kernels for impl in args.attn_impls]
+    tri = "triton" in kernels
     # --kernel-rows: also the triton engine whose verifies of up to N rows run through the row kernels
     combos += [
-        ("triton", impl, r, 0, True, False)
-        for r in args.kernel_rows
-        if r > 1 and "triton" in kernels
-        for impl in args.attn_impls
+        ("triton", impl, r, {}, f" rows{r}") for r in args.kernel_rows if r > 1 and tri for impl in args.attn_impls
     ]
     # --attn-live-chunks: also the triton engine whose attention kernels split the live keys into N chunks
     combos += [
-        ("triton", impl, 1, n, True, False)
+        ("triton", impl, 1, {"attn_live_chunks": n}, f" live{n}")
         for n in args.attn_live_chunks
-        if n > 0 and "triton" in kernels
+        if n > 0 and tri
         for impl in args.attn_impls
     ]
     # --rows-attn-live off: also the triton engine whose few-row attention keeps the width rule (the engine before
     # 2026-12-03)
-    if "off" in args.rows_attn_live and "triton" in kernels:
-        combos += [("triton", impl, 1, 0, False, False) for impl in args.attn_impls]
+    if "off" in args.rows_attn_live and tri:
+        combos += [("triton", impl, 1, {"rows_attn_live": False}, " norowslive") for impl in args.attn_impls]
     # --lt-matmuls on: also the triton engine whose wide forwards take the tuned cuBLASLt algorithms (experimental)
-    if "on" in args.lt_matmuls and "triton" in kernels and dev.type == "cuda":
-        combos += [("triton", impl, 1, 0, True, True) for impl in args.attn_impls]
+    if "on" in args.lt_matmuls and tri and dev.type == "cuda":
+        combos += [("triton", impl, 1, {"lt_matmuls": True}, " lt") for impl in args.attn_impls]
+    # --rows-attn-fused on: also the triton engine whose T-row attention merges its chunks in its own launch
+    if "on" in args.rows_attn_fused and tri:
+        combos += [("triton", impl, 1, {"rows_attn_fused": True}, " fused") for impl in args.attn_impls]
     graphs = None
     rows_kernels = []
     anatomies = []  # --anatomy: (title, anatomy()) of each engine's plain step and each setting's verify and draft step
     lt_lines = []
-    for kn, impl, krows, live, rows_live, lt in combos:
+    for kn, impl, krows, overrides, label in combos:
         try:
-            kc = (
-                KernelConfig(attn_live_chunks=live, rows_attn_live=rows_live, lt_matmuls=lt) if kn == "triton" else None
-            )
+            kc = KernelConfig(**overrides) if kn == "triton" else None
             eng = SpeculativeDecoder(
                 runner, d, max_len=max_len, attn_impl=impl, compile=args.compile, kernels=kn, kernel_rows=krows,
                 kernel_config=kc,
             )  # fmt: skip
             plain = eng.step_fn(DecodeMode("plain"), sp)
             eng.prefill(prompt, sp)
-            pname = impl if kn == "torch" else f"{impl}+triton kernels" + (f" rows{krows}" if krows > 1 else "")
-            pname += (f" live{live}" if live else "") + ("" if rows_live else " norowslive") + (" lt" if lt else "")
+            pname = impl if kn == "torch" else f"{impl}+triton kernels{label}"
             if krows > 1 and dev.type == "cuda":
                 rows_kernels += row_kernel_table(eng, runner, pname)
             t_plains[pname] = t_own = time_steps(eng, plain, n, dev)
@@ -749,10 +749,7 @@ def p2b(args, dev, dtype, runner, best):
                         "mode": mode.kind,
                         "setting": mode.__dict__,
                         "attention": impl,
-                        "kernels": (kn if krows == 1 else f"{kn} rows{krows}")
-                        + (f" live{live}" if live else "")
-                        + ("" if rows_live else " norowslive")
-                        + (" lt" if lt else ""),
+                        "kernels": kn + label,
                         "context": ctx,
                         "cache_slots": eng.max_len,
                         "t_plain_own_ms": t_own * 1e3,
@@ -771,11 +768,11 @@ def p2b(args, dev, dtype, runner, best):
                 for r in eng.lt_tuning
             ]
             del eng
-        except Exception as e:  # an experimental engine's failure (--lt-matmuls) must not cost the others' rows
-            if not lt:
+        except Exception as e:  # an A/B engine's failure (an option's) must not cost the default engines' rows
+            if not label:
                 raise
-            RESULTS["errors"]["P2b lt"] = f"{type(e).__name__}: {e}"
-            log(f"P2b: the lt engine failed: {type(e).__name__}: {e}")
+            RESULTS["errors"][f"P2b{label}"] = f"{type(e).__name__}: {e}"
+            log(f"P2b: the{label} engine failed: {type(e).__name__}: {e}")
     t_plain = min(t_plains.values())  # the fastest plain decode is the baseline
     for row in rows:
         tau = row["tau_from_P2a"]
@@ -970,6 +967,13 @@ def main(argv=None):
         default=["off"],
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.lt_matmuls (experimental: the wide "
         "forwards' matmuls through the cuBLASLt algorithm timed fastest among those equal to F.linear bit for bit)",
+    )
+    ap.add_argument(
+        "--rows-attn-fused",
+        type=_on_off,
+        default=["off"],
+        help="P2b: 'off,on' also measures the triton engine with KernelConfig.rows_attn_fused (the T-row attention "
+        "merges its key chunks in its own launch, no combine kernel)",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

@@ -125,7 +125,9 @@ class KernelConfig:
     `kernels.tune_attention(keep=True)`). lt_matmuls (experimental, CUDA): a wide forward's matmuls (verify widths past the
     kernel rows: q/k/v, o, gate/up, down, lm_head) through the cuBLASLt algorithm `experimental.cublaslt.tune_lt` timed
     fastest among those whose output equals F.linear's bit for bit, per width, tuned when a mode's round is first
-    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear)."""
+    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear). rows_attn_fused: a T-row attention split
+    into chunks merges them in its own launch (each row block's last-arriving program, `kernels.rows_attention`'s
+    `fused`) instead of a combine kernel: one launch a layer fewer (off until a GPU run measures it)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -143,6 +145,7 @@ class KernelConfig:
     rows_attn_live: bool = True
     rows_k_chains: bool = True
     lt_matmuls: bool = False
+    rows_attn_fused: bool = False
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS
