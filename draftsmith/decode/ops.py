@@ -89,11 +89,14 @@ class TorchOps(Ops):
         self.eps = f.eps
         self.nh, self.nkv, self.d = f.n_heads, f.n_kv, f.head_dim
 
-    @staticmethod
-    def _lin(x, ws, bs):
+    # the matmul and the matmul + residual every op below takes (a plan may bind others: TritonAttnOps' lt_matmuls)
+    _linear = staticmethod(F.linear)
+    _linear_add = staticmethod(linear_add)
+
+    def _lin(self, x, ws, bs):
         if len(ws) == 1:
-            return F.linear(x, ws[0], bs[0])
-        return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1)
+            return self._linear(x, ws[0], bs[0])
+        return torch.cat([self._linear(x, w, b) for w, b in zip(ws, bs)], -1)
 
     def _rope_rows(self, positions):
         f = self.f
@@ -128,15 +131,15 @@ class TorchOps(Ops):
         return o.transpose(1, 2).reshape(q.shape[1], self.nh * self.d)
 
     def o_proj(self, o, h, L):
-        return linear_add(h, o, L.o, L.o_bias)
+        return self._linear_add(h, o, L.o, L.o_bias)
 
     def mlp(self, h, L):
         g, u = self._lin(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias).chunk(2, -1)
-        return linear_add(h, self.f.act(g) * u, L.down, L.down_bias)
+        return self._linear_add(h, self.f.act(g) * u, L.down, L.down_bias)
 
     def lm_head(self, hs):
         f = self.f
-        return F.linear(_rms(hs, f.norm, self.eps), f.lm_head).float()
+        return self._linear(_rms(hs, f.norm, self.eps), f.lm_head, None).float()
 
 
 @dataclasses.dataclass
@@ -210,15 +213,10 @@ class TritonAttnOps(TorchOps):
             from draftsmith.decode.experimental.cublaslt import lt_linear
 
             self._lt_linear = lt_linear
-            self._lin, self.o_proj, self.mlp, self.lm_head = (
-                self._lin_lt,
-                self._o_proj_lt,
-                self._mlp_lt,
-                self._lm_head_lt,
-            )
+            self._linear, self._linear_add = self._lt, self._lt_add
 
     # experimental (KernelConfig.lt_matmuls): the matmuls through the cuBLASLt algorithm tuned for this width, F.linear
-    # (and linear_add's form for the residual adds) where none was
+    # (and linear_add for the residual adds) where none was
     def _lt_algo(self, x, w, b):
         return None if b is not None else self.config.lt_tuned.get((x.shape[0], w.shape[0], w.shape[1], str(x.dtype)))
 
@@ -231,22 +229,6 @@ class TritonAttnOps(TorchOps):
         # linear_add, not h + F.linear: inductor's addmm rewrite would bring back a memcpy a matmul (measured: the
         # first lt A/B, whose untuned fallback was `h + F.linear`, lost 0.1-0.2 ms a verify)
         return linear_add(h, x, w, b) if algo is None else h + self._lt_linear(x, w, algo)
-
-    def _lin_lt(self, x, ws, bs):
-        if len(ws) == 1:
-            return self._lt(x, ws[0], bs[0])
-        return torch.cat([self._lt(x, w, b) for w, b in zip(ws, bs)], -1)
-
-    def _o_proj_lt(self, o, h, L):
-        return self._lt_add(h, o, L.o, L.o_bias)
-
-    def _mlp_lt(self, h, L):
-        g, u = self._lin_lt(_rms(h, L.post_norm, self.eps), L.gate_up, L.gate_up_bias).chunk(2, -1)
-        return self._lt_add(h, self.f.act(g) * u, L.down, L.down_bias)
-
-    def _lm_head_lt(self, hs):
-        f = self.f
-        return self._lt(_rms(hs, f.norm, self.eps), f.lm_head, None).float()
 
     def prepare(self, mask, positions, slots):
         # the kernels take the boolean mask, the positions and the slots, made once for all layers' calls (`_realize`)
