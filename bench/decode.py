@@ -692,9 +692,14 @@ def p2b(args, dev, dtype, runner, best):
     # --lt-matmuls on: also the triton engine whose wide forwards take the tuned cuBLASLt algorithms (experimental)
     if "on" in args.lt_matmuls and tri and dev.type == "cuda":
         combos += [("triton", impl, 1, {"lt_matmuls": True}, " lt") for impl in args.attn_impls]
-    # --rows-attn-fused on: also the triton engine whose T-row attention merges its chunks in its own launch
+    # --rows-attn-fused on: also the triton engine whose T-row attention merges its chunks in its own launch, alone
+    # and with each --attn-live-chunks N (fewer chunks, 16-row tiles: a cheaper merge)
     if "on" in args.rows_attn_fused and tri:
-        combos += [("triton", impl, 1, {"rows_attn_fused": True}, " fused") for impl in args.attn_impls]
+        combos += [
+            ("triton", impl, 1, {"rows_attn_fused": True, "attn_live_chunks": n}, " fused" + (f" live{n}" if n else ""))
+            for n in sorted({0, *args.attn_live_chunks})
+            for impl in args.attn_impls
+        ]
     graphs = None
     rows_kernels = []
     anatomies = []  # --anatomy: (title, anatomy()) of each engine's plain step and each setting's verify and draft step
@@ -973,7 +978,7 @@ def main(argv=None):
         type=_on_off,
         default=["off"],
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.rows_attn_fused (the T-row attention "
-        "merges its key chunks in its own launch, no combine kernel)",
+        "merges its key chunks in its own launch, no combine kernel), alone and with each --attn-live-chunks N",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

@@ -414,6 +414,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "USE_PDL": "constexpr",
         "LIVE": "constexpr",
         "FUSED": "constexpr",
+        "MERGE_CH": "constexpr",
     }
     live_bs, live_warps = K._rows_live_tile(d)
     for br, bs, nw, single, pdl, live, fused in (
@@ -445,6 +446,7 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 USE_PDL=pdl,
                 LIVE=live,
                 FUSED=fused,
+                MERGE_CH=K._merge_chunks(br, d, 16) if fused else 1,  # the 8B verify's 13 chunks, the live split's 16
             ),
             nw,
             # the strides the JIT sees divisible by 16 on the 8B verify (q from rope_and_cache [T, nh, d], the mask's

@@ -557,6 +557,7 @@ if triton is not None:
         USE_PDL: tl.constexpr,
         LIVE: tl.constexpr = False,
         FUSED: tl.constexpr = False,
+        MERGE_CH: tl.constexpr = 1,
     ):
         """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
         are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program. With HAS_SLOTS the
@@ -618,13 +619,15 @@ if triton is not None:
             tl.store(pl_ptr + idx, l_sum, mask=r_ok)
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
             if FUSED:
-                _rows_attn_merge(o_ptr, pm_ptr, pl_ptr, po_ptr, cnt_ptr, rows, r_ok, rd, n_split, BLOCK_R, D)
+                _rows_attn_merge(o_ptr, pm_ptr, pl_ptr, po_ptr, cnt_ptr, rows, r_ok, rd, n_split, BLOCK_R, D, MERGE_CH)
 
     @triton.jit
     def _rows_attn_merge(o_ptr, pm_ptr, pl_ptr, po_ptr, cnt_ptr, rows, r_ok, rd, n_split, BLOCK_R: tl.constexpr,
-                         D: tl.constexpr):  # fmt: skip
-        """The fused combine: this row block's arrival; the last of its n_split programs merges the chunks in chunk
-        order (a running max, as the combine kernel's weights exp(m_j - max) over all chunks) and stores [rows, D]."""
+                         D: tl.constexpr, MERGE_CH: tl.constexpr):  # fmt: skip
+        """The fused combine: this row block's arrival; the last of its n_split programs merges the chunks, MERGE_CH
+        at a time (their loads in flight together: a loop without tl.dot is not pipelined, so one chunk a step would
+        wait one L2 round trip per chunk), with a running max — the combine kernel's weights exp(m_j - max) over all
+        chunks, summed in another order — and stores [rows, D]."""
         tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
         # every thread's stores before the one atomic (a CTA barrier); its acq_rel at GPU scope publishes them to
         # the last program, whose loads read L2 (.cg), not a possibly stale L1 — as experimental.gemm_rows' split-K
@@ -634,18 +637,22 @@ if triton is not None:
             mt = tl.full([BLOCK_R], -1.0e30, tl.float32)
             lt = tl.zeros([BLOCK_R], tl.float32)
             at = tl.zeros([BLOCK_R, D], tl.float32)
-            for j in range(0, n_split):
-                jdx = rows * n_split + j
-                mj = tl.load(pm_ptr + jdx, mask=r_ok, other=-1.0e30, cache_modifier=".cg")
-                lj = tl.load(pl_ptr + jdx, mask=r_ok, other=0.0, cache_modifier=".cg")
+            rc = tl.arange(0, MERGE_CH)
+            for j0 in range(0, n_split, MERGE_CH):
+                jj = j0 + rc
+                ok = (jj < n_split)[:, None] & r_ok[None, :]  # [CH, R]
+                jdx = rows[None, :] * n_split + jj[:, None]
+                mj = tl.load(pm_ptr + jdx, mask=ok, other=-1.0e30, cache_modifier=".cg")
+                lj = tl.load(pl_ptr + jdx, mask=ok, other=0.0, cache_modifier=".cg")
                 oj = tl.load(
-                    po_ptr + jdx[:, None] * D + rd[None, :], mask=r_ok[:, None], other=0.0, cache_modifier=".cg"
-                )
-                mn = tl.maximum(mt, mj)  # a chunk with every key masked (m = -1e30) weighs 0 once any chunk has one
+                    po_ptr + jdx[:, :, None] * D + rd[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                mn = tl.maximum(mt, tl.max(mj, axis=0))  # a chunk with every key masked (m = -1e30) weighs 0
                 wa = tl.exp(mt - mn)
-                wb = tl.exp(mj - mn)
-                at = at * wa[:, None] + oj * wb[:, None]
-                lt = lt * wa + lj * wb
+                wb = tl.exp(mj - mn[None, :])
+                at = at * wa[:, None] + tl.sum(oj * wb[:, :, None], axis=0)
+                lt = lt * wa + tl.sum(lj * wb, axis=0)
                 mt = mn
             out = at / tl.where(lt > 0, lt, 1.0)[:, None]
             tl.store(o_ptr + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None])
@@ -1351,6 +1358,13 @@ def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int 
 _ATTN_CNT: dict = {}
 
 
+def _merge_chunks(block_r: int, d: int, n_split: int) -> int:
+    """Chunks the fused combine loads at once: 16K fp32 partials a step at most (the 64-row tile: 2 chunks of
+    64 x 128, 64 registers a thread at 4 warps; the 16-row live tile: 8), and no more than there are."""
+    cap = max(1, 16384 // (block_r * d))
+    return min(triton.next_power_of_2(n_split), 1 << (cap.bit_length() - 1))
+
+
 def _attn_counters(device: torch.device, n: int) -> torch.Tensor:
     cnt = _ATTN_CNT.get(device)
     if cnt is None or cnt.numel() < n:
@@ -1453,6 +1467,7 @@ def _rows_attention(
         num_warps=num_warps or ROWS_ATTN_WARPS,
         LIVE=live,
         FUSED=fused,
+        MERGE_CH=_merge_chunks(br, d, n_split) if fused else 1,
         **_pdl(q, pdl),
     )
     if not single and not fused:

@@ -430,8 +430,9 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
         (49, 8, 2, 32, 150, 256, None, None, None, 0),  # the width rule: row blocks x chunks over the mask's width
         (33, 4, 4, 16, 200, 256, 64, 32, 32, 0),  # several row blocks, a chunk half the rows cannot see
         (5, 3, 1, 64, 40, 128, None, None, None, 4),  # the live split (few rows)
+        (9, 8, 2, 128, 200, 256, 32, 32, 64, 0),  # 128-wide heads: 7 chunks merged 2 at a time, a tail of one
     ],
-    ids=["verify-49", "row-blocks", "live"],
+    ids=["verify-49", "row-blocks", "live", "merge-groups"],
 )
 def test_rows_attention_fused_combine_equals_combine_kernel(dtype, T, nh, nkv, d, ctx, M, split, bs, br, live):
     """`KernelConfig.rows_attn_fused`: each row block's last-arriving program merges the chunks (no combine launch).
