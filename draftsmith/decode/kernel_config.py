@@ -125,7 +125,7 @@ class KernelConfig:
     `kernels.tune_attention(keep=True)`). lt_matmuls (experimental, CUDA): a wide forward's matmuls (verify widths past the
     kernel rows: q/k/v, o, gate/up, down, lm_head) through the cuBLASLt algorithm `experimental.cublaslt.tune_lt` timed
     fastest among those whose output equals F.linear's bit for bit, per width, tuned when a mode's round is first
-    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear). rows_attn_fused: a T-row attention split
+    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear); lt_widths: the widths tuned so far. rows_attn_fused: a T-row attention split
     into chunks merges them in its own launch (each row block's last-arriving program, `kernels.rows_attention`'s
     `fused`) instead of a combine kernel: one launch a layer fewer (off until a GPU run measures it)."""
 
@@ -154,6 +154,7 @@ class KernelConfig:
     tuned_us: dict = field(default_factory=dict)
     attn_plans: dict = field(default_factory=dict)
     lt_tuned: dict = field(default_factory=dict)
+    lt_widths: set = field(default_factory=set)
 
     @property
     def gemv_default(self) -> tuple[int, int, int, int]:

@@ -543,7 +543,7 @@ class LlamaFamilyForward(torch.nn.Module):
         cfg = self.kernel_config
         if not cfg.lt_matmuls or self.device.type != "cuda":
             return []
-        done = {k[0] for k in cfg.lt_tuned} | getattr(self, "_lt_widths", set())
+        done = cfg.lt_widths | {k[0] for k in cfg.lt_tuned}  # tuned with this config (a given table counts as tuned)
         # the widths whose plan takes the lt matmuls (TritonAttnOps built with lt_matmuls; `_plans` holds one entry
         # per width up to ROWS_ATTN_MAX, so identity with `_wide_plan` would miss them)
         widths = [int(T) for T in widths if hasattr(self.plan(int(T)), "_lt_linear") and int(T) not in done]
@@ -565,7 +565,7 @@ class LlamaFamilyForward(torch.nn.Module):
         for r in rows:
             if r["algo"] is not None:
                 cfg.lt_tuned[(r["rows"], r["n"], r["k"], str(self.dtype))] = r["algo"]
-        self._lt_widths = set(widths) | getattr(self, "_lt_widths", set())
+        cfg.lt_widths.update(widths)
         return rows
 
     def _silu(self) -> bool:

@@ -11,7 +11,7 @@ algorithms"): the faster bit-equal candidates are worth ~0.13 ms a verify; q/k/v
 
 The library is the one torch already loaded (found in /proc/self/maps after a first matmul), so both share one
 cuBLASLt instance. Layout (column-major, as cuBLASLt sees row-major tensors): A = w as K x N (ld = w.stride(0)),
-op(A) = T; B = x as K x M (ld = x.stride(0)); D = out as N x M (ld = out.stride(0)). Status codes other than 0
+op(A) = T; B = x as K x M; D = out as N x M (leading dimensions K, K, N: contiguous tensors). Status codes other than 0
 raise with the call's name.
 """
 
@@ -140,8 +140,8 @@ class AlgoInfo:
 
 
 class LtLinear:
-    """`out = x @ w^T` for one shape (M, N, K), strides and dtype; `algos` from cuBLASLt's heuristic (up to
-    `max_algos`, ranked), `algo` the one `__call__` runs (the heuristic's first until `choose`/`tune`)."""
+    """`out = x @ w^T` for one shape (M, N, K) and dtype, contiguous x, w and out; `algos`: cuBLASLt's heuristic's
+    candidates (up to `max_algos`, ranked), any of which `__call__` runs by index."""
 
     def __init__(
         self,
@@ -150,15 +150,11 @@ class LtLinear:
         k: int,
         dtype: torch.dtype = torch.bfloat16,
         *,
-        ldx: int | None = None,
-        ldw: int | None = None,
-        ldo: int | None = None,
         workspace_bytes: int = 32 << 20,
         max_algos: int = 64,
     ):
         lib = _lib()
         self.m, self.n, self.k, self.dtype = m, n, k, dtype
-        ldx, ldw, ldo = ldx or k, ldw or k, ldo or n
         code = _dtype_code(dtype)
         vp = ctypes.c_void_p
         self._desc = vp()
@@ -167,9 +163,9 @@ class LtLinear:
             v = ctypes.c_int32(val)
             _check(lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(v), 4), "MatmulDescSetAttribute")
         self._a, self._b, self._d = vp(), vp(), vp()
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), code, k, n, ldw), "MatrixLayoutCreate(A)")
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), code, k, m, ldx), "MatrixLayoutCreate(B)")
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), code, n, m, ldo), "MatrixLayoutCreate(D)")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), code, k, n, k), "MatrixLayoutCreate(A)")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), code, k, m, k), "MatrixLayoutCreate(B)")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), code, n, m, n), "MatrixLayoutCreate(D)")
         pref = vp()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         ws = ctypes.c_uint64(workspace_bytes)
@@ -195,17 +191,12 @@ class LtLinear:
             raise RuntimeError(f"cublaslt: no algorithm for M={m} N={n} K={k} {dtype}")
         self.workspace = _workspace(workspace_bytes)
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self.algo = 0
-
-    def choose(self, index: int) -> None:
-        self.algo = index
 
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: int | None = None
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: int = 0
     ) -> torch.Tensor:
         if out is None:
             out = torch.empty(self.m, self.n, dtype=self.dtype, device=x.device)
-        i = self.algo if algo is None else algo
         _check(
             _lib().cublasLtMatmul(
                 _HANDLE,
@@ -220,7 +211,7 @@ class LtLinear:
                 self._d,
                 out.data_ptr(),
                 self._d,
-                ctypes.byref(self._algos[i]),
+                ctypes.byref(self._algos[algo]),
                 self.workspace.data_ptr(),
                 self.workspace.numel(),
                 torch.cuda.current_stream().cuda_stream,
@@ -306,8 +297,8 @@ def graph_us(fn, calls: int, reps: int = 5) -> float:
 def tune_lt(kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01) -> list[dict]:
     """For each width M and weight kind (its matrices, one per layer: timed in turn, so each call reads its weights
     from HBM as a forward does), time F.linear and every cuBLASLt candidate whose output on a random x equals
-    F.linear's bit for bit (the verify must compute what the torch path computes; split-K candidates sum in another
-    order and are skipped). Returns one row per (M, kind): `algo` the fastest candidate's index when it beats
+    F.linear's bit for bit (the verify must compute what the torch path computes; split-K candidates, which sum in
+    another order, are not). Returns one row per (M, kind): `algo` the fastest candidate's index when it beats
     F.linear by `min_gain` or more, else None (the torch path keeps F.linear)."""
     rows = []
     for m in sorted(set(int(w) for w in widths)):
