@@ -324,7 +324,8 @@ def p1(args, dev, dtype, bw):
             f"P1 ctx={ctx} {impl} {kn}: {t_step * 1e3:.3f} ms/step, {ach / 1e12:.2f} TB/s = {ach / bw:.3f} of copy bw, "
             f"generate() {row['tokens_per_s_generate']:.1f} tok/s"
         )
-    RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs}
+    # (no engine: --kernels triton on a machine without them)
+    RESULTS["sections"]["P1"] = {"rows": rows, "cuda_graphs": eng.cuda_graphs if combos else None}
     LINES.append("### P1 — plain decode, bs=1, bf16, Llama-3.1-8B shape (random weights)")
     LINES.append(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s; weights {wbytes / 1e9:.2f} GB\n")
     LINES.append(
@@ -692,12 +693,11 @@ def p2b(args, dev, dtype, runner, best):
     # --lt-matmuls on: also the triton engine whose wide forwards take the tuned cuBLASLt algorithms (experimental)
     if "on" in args.lt_matmuls and tri and dev.type == "cuda":
         combos += [("triton", impl, 1, {"lt_matmuls": True}, " lt") for impl in args.attn_impls]
-    # --rows-attn-fused on: also the triton engine whose T-row attention merges its chunks in its own launch, alone
-    # and with each --attn-live-chunks N (fewer chunks, 16-row tiles: a cheaper merge)
-    if "on" in args.rows_attn_fused and tri:
+    # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
+    if tri:
         combos += [
-            ("triton", impl, 1, {"rows_attn_fused": True, "attn_live_chunks": n}, " fused" + (f" live{n}" if n else ""))
-            for n in sorted({0, *args.attn_live_chunks})
+            ("triton", impl, 1, {"rows_attn_plan": plan}, " attn" + "/".join(map(str, plan)))
+            for plan in args.rows_attn_plan
             for impl in args.attn_impls
         ]
     graphs = None
@@ -901,6 +901,17 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
+def _attn_plans(text: str) -> list[tuple[int, int, int, int, int]]:
+    """'16/128/1/8/3,64/32/4/4/3' -> [(16, 128, 1, 8, 3), (64, 32, 4, 4, 3)] (KernelConfig.rows_attn_plan)."""
+    plans = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("/")
+        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{item!r}: block_r/block_s/chunks/warps/stages, five positive integers")
+        plans.append(tuple(int(p) for p in parts))
+    return plans
+
+
 def _on_off(s: str) -> list[str]:
     """'on,off' -> ['on', 'off']; anything else is an argparse error naming the value."""
     vals = s.split(",")
@@ -974,11 +985,12 @@ def main(argv=None):
         "forwards' matmuls through the cuBLASLt algorithm timed fastest among those equal to F.linear bit for bit)",
     )
     ap.add_argument(
-        "--rows-attn-fused",
-        type=_on_off,
-        default=["off"],
-        help="P2b: 'off,on' also measures the triton engine with KernelConfig.rows_attn_fused (the T-row attention "
-        "merges its key chunks in its own launch, no combine kernel), alone and with each --attn-live-chunks N",
+        "--rows-attn-plan",
+        type=_attn_plans,
+        default=[],
+        help="P2b: also the triton engine with KernelConfig.rows_attn_plan P for each P (block_r/block_s/chunks/warps/"
+        "stages, comma-separated: e.g. 16/128/1/8/3, one chunk over the live keys and no combine launch) — the "
+        "T-row attention of forwards wider than kernels.ROWS_ATTN_LIVE_MAX_ROWS tile rows (the 49-row verify)",
     )
     ap.add_argument("--all-temps", action="store_true", help="T=0 and T=1 for every setting (default: first only)")
     ap.add_argument("--sections", default="P1,P2a,P2b,P1c", help="P1c = P1 with torch.compile (runs last)")

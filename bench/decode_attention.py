@@ -29,10 +29,19 @@ from bench.common import markdown_table, record  # noqa: E402
 SHAPES = {"8b": (32, 8, 128, 32), "small": (6, 2, 64, 10)}
 
 
-def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int, int]]:
-    """(block_r, block_s, split_len, warps, live) candidates; block_r at most the rows rounded up. live > 0: the
-    chunks split the live keys (up to the forward's highest slot) into `live` parts (`KernelConfig.attn_live_chunks`),
-    not the mask's width into split_len-wide ones."""
+def plans(
+    T: int,
+    G: int,
+    S: int,
+    smoke: bool,
+    stages=(None,),
+    block_s=(32, 64),
+    chunks=(1, 2, 4, 8, 16),
+    live_only: bool = False,
+) -> list[tuple[int, int, int, int, int, int | None]]:
+    """(block_r, block_s, split_len, warps, live, stages) candidates; block_r at most the rows rounded up. live > 0:
+    the chunks split the live keys (up to the forward's highest slot) into `live` parts (`KernelConfig.attn_live_chunks`),
+    not the mask's width into split_len-wide ones. stages: the launch's num_stages (None: triton's default)."""
     from draftsmith.decode import kernels as K
 
     rows = T * G
@@ -40,18 +49,19 @@ def plans(T: int, G: int, S: int, smoke: bool) -> list[tuple[int, int, int, int,
     for br in (16, 32, 64, 128):
         if br > max(16, K.triton.next_power_of_2(rows)):
             continue
-        for bs in (32, 64):
-            for n_split in (1, 2, 4, 8, 16):
-                split_len = -(-S // n_split)
-                split_len = -(-split_len // bs) * bs
-                if -(-S // split_len) != n_split:
-                    continue
-                for nw in (4, 8):
-                    out.append((br, bs, split_len, nw, 0))
-        for bs in (32, 64):
-            for live in (1, 2, 4, 8, 16):
-                for nw in (4, 8):
-                    out.append((br, bs, bs, nw, live))
+        for st in stages:
+            for bs in block_s if not live_only else ():
+                for n_split in chunks:
+                    split_len = -(-S // n_split)
+                    split_len = -(-split_len // bs) * bs
+                    if -(-S // split_len) != n_split:
+                        continue
+                    for nw in (4, 8):
+                        out.append((br, bs, split_len, nw, 0, st))
+            for bs in block_s:
+                for live in chunks:
+                    for nw in (4, 8):
+                        out.append((br, bs, bs, nw, live, st))
     return out[:6] + [p for p in out if p[4]][:2] if smoke else out
 
 
@@ -68,11 +78,24 @@ def main(argv=None) -> int:
         default="8b",
         help="attention shape: 8b (Llama-3.1-8B) or small (pycode-small: 6 heads, 2 KV heads, d=64, 10 layers)",
     )
+    ap.add_argument(
+        "--regs",
+        action="store_true",
+        help="also the default rule without PDL, and each compiled attention kernel's registers and spills",
+    )
+    ap.add_argument("--no-sweep", action="store_true", help="only torch's paths and the default rule, no plan sweep")
+    ap.add_argument(
+        "--stages", default="", help="num_stages values the sweep tries, e.g. 1,2,3,4 (default: triton's own only)"
+    )
+    ap.add_argument("--block-s", default="32,64", help="key blocks the sweep tries")
+    ap.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts the sweep tries (over the width and live)")
+    ap.add_argument("--live-only", action="store_true", help="sweep only chunks over the live keys, not the width")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU through triton's interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from draftsmith.decode import kernels as K
+    from draftsmith.decode.kernel_config import KernelConfig
     from draftsmith.decode.llama import grouped_attention, prepare_mask
 
     # the tests' reference tree mask (built from parent pointers, independent of the engine's own)
@@ -130,12 +153,34 @@ def main(argv=None) -> int:
                 }
             )
         slots = torch.arange(min(ctx, S - T), min(ctx, S - T) + T, device=dev)  # what the forward wrote
-        for br, bs, sl, nw, live in plans(T, G, S, args.smoke):
+        stages = tuple(int(x) for x in args.stages.split(",")) if args.stages else (None,)
+        sweep = plans(
+            T,
+            G,
+            S,
+            args.smoke,
+            stages,
+            tuple(int(x) for x in args.block_s.split(",")),
+            tuple(int(x) for x in args.chunks.split(",")),
+            args.live_only,
+        )
+        for br, bs, sl, nw, live, st in sweep if not args.no_sweep else []:
             chunks = f"live {live}" if live else -(-S // sl)
 
-            def attend(kc, vc, br=br, bs=bs, sl=sl, nw=nw, live=live):
+            def attend(kc, vc, br=br, bs=bs, sl=sl, nw=nw, live=live, st=st):
                 return K._rows_attention(
-                    q, kc, vc, mask, scale, slots, split_len=sl, block_s=bs, block_r=br, num_warps=nw, live_chunks=live
+                    q,
+                    kc,
+                    vc,
+                    mask,
+                    scale,
+                    slots,
+                    split_len=sl,
+                    block_s=bs,
+                    block_r=br,
+                    num_warps=nw,
+                    live_chunks=live,
+                    num_stages=st,
                 )
 
             try:
@@ -150,6 +195,7 @@ def main(argv=None) -> int:
                         "block_s": bs,
                         "chunks": chunks,
                         "warps": nw,
+                        "stages": st or "-",
                         "us/layer": None,
                         "error": type(e).__name__,
                     }
@@ -169,18 +215,26 @@ def main(argv=None) -> int:
                     "block_s": bs,
                     "chunks": chunks,
                     "warps": nw,
+                    "stages": st or "-",
                     "us/layer": us,
                     "max |Δ|": diff,
                     "error": err,
                 }
             )
 
-        for sl_arg, label in ((slots, "rows_attention (default rule)"), (None, "rows_attention (default, no slots)")):
+        defaults = [(slots, None, "rows_attention (default rule)"), (None, None, "rows_attention (default, no slots)")]
+        if args.regs:
+            defaults += [(slots, KernelConfig(pdl=False), "rows_attention (default rule, no PDL)")]
+        base = K.rows_attention(q, kcs[0], vcs[0], mask, scale, slots)
+        for sl_arg, cfg, label in defaults:
 
-            def run_default(sl_arg=sl_arg):
+            def run_default(sl_arg=sl_arg, cfg=cfg):
                 for kc, vc in zip(kcs, vcs):
-                    K.rows_attention(q, kc, vc, mask, scale, sl_arg)
+                    K.rows_attention(q, kc, vc, mask, scale, sl_arg, config=cfg)
 
+            diff = None
+            if cfg is not None:  # the same plan as the default rule's, so its output must match it closely
+                diff = float((K.rows_attention(q, kcs[0], vcs[0], mask, scale, slots, config=cfg) - base).abs().max())
             us, err = timed(run_default)
             res.append(
                 {
@@ -191,6 +245,7 @@ def main(argv=None) -> int:
                     "chunks": "-",
                     "warps": "-",
                     "us/layer": us,
+                    "max |Δ|": diff,
                     "error": err,
                 }
             )
@@ -201,7 +256,12 @@ def main(argv=None) -> int:
         ]
         for r in ok[:5]:
             print(r, flush=True)
-    cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "us/layer", "max |Δ|", "error"]
+    if args.regs and dev.type == "cuda":  # each specialisation JIT-compiled above: registers, spills, constants
+        for dev_cache in getattr(K._rows_attn_kernel, "device_caches", {}).values():
+            for key, kern in dev_cache[0].items():
+                regs, spills = getattr(kern, "n_regs", "?"), getattr(kern, "n_spills", "?")
+                print(f"_rows_attn_kernel regs {regs} spills {spills}: {str(key)[-400:]}", flush=True)
+    cols = ["T", "path", "block_r", "block_s", "chunks", "warps", "stages", "us/layer", "max |Δ|", "error"]
     body = (
         f"{args.shape} attention shape ({nh} heads, {nkv} KV heads, d={d}), {S} cache slots, {ctx} of context, tree masks; "
         f"each row one CUDA graph over {layers} layers' caches, us per layer (the fastest {args.top} plans per T, "

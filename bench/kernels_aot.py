@@ -392,7 +392,6 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "pm_ptr": "*fp32",
         "pl_ptr": "*fp32",
         "po_ptr": "*fp32",
-        "cnt_ptr": "*i32",
         "T": "i32",
         "S": "i32",
         "split_len": "i32",
@@ -413,24 +412,18 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
         "IEEE": "constexpr",
         "USE_PDL": "constexpr",
         "LIVE": "constexpr",
-        "FUSED": "constexpr",
-        "MERGE_CH": "constexpr",
     }
     live_bs, live_warps = K._rows_live_tile(d)
-    for br, bs, nw, single, pdl, live, fused in (
-        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, False, False, False),
-        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False, False),
-        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, True, True, False, False),
-        (16, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False, False),
+    for br, bs, nw, single, pdl, live in (
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, False, False),
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
+        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, True, True, False),
+        (16, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False),
         # the live-key split (few rows by default, `KernelConfig.rows_attn_live`; `attn_live_chunks`) and its tile
-        (K.ROWS_ATTN_LIVE_BLOCK_R, live_bs, live_warps, False, True, True, False),
-        # the fused combine (`KernelConfig.rows_attn_fused`): the 8B verify's tile and the live split's
-        (K.ROWS_ATTN_BLOCK_R, K.ROWS_ATTN_BLOCK_S, K.ROWS_ATTN_WARPS, False, True, False, True),
-        (K.ROWS_ATTN_LIVE_BLOCK_R, live_bs, live_warps, False, True, True, True),
+        (K.ROWS_ATTN_LIVE_BLOCK_R, live_bs, live_warps, False, True, True),
     ):
         yield (
-            f"rows_attention {br}/{bs}/{nw} single={single}{' live' if live else ''}{' fused' if fused else ''}"
-            f"{' pdl' if pdl else ''}",
+            f"rows_attention {br}/{bs}/{nw} single={single}{' live' if live else ''}{' pdl' if pdl else ''}",
             K._rows_attn_kernel,
             rattn_sig,
             dict(
@@ -445,8 +438,6 @@ def variants(shape: str, dtype: str = "bf16", rows_sweep: bool = False, pdl_off_
                 IEEE=dtype == "fp32",
                 USE_PDL=pdl,
                 LIVE=live,
-                FUSED=fused,
-                MERGE_CH=K._merge_chunks(br, d, 16) if fused else 1,  # the 8B verify's 13 chunks, the live split's 16
             ),
             nw,
             # the strides the JIT sees divisible by 16 on the 8B verify (q from rope_and_cache [T, nh, d], the mask's

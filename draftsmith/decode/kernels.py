@@ -535,7 +535,6 @@ if triton is not None:
         pm_ptr,
         pl_ptr,
         po_ptr,
-        cnt_ptr,
         T,
         S,
         split_len,
@@ -556,16 +555,12 @@ if triton is not None:
         IEEE: tl.constexpr,
         USE_PDL: tl.constexpr,
         LIVE: tl.constexpr = False,
-        FUSED: tl.constexpr = False,
-        MERGE_CH: tl.constexpr = 1,
     ):
         """`_attn_split_kernel` for T query tokens, each with its own mask row (a tree verify): the rows of a tile
         are (token, query head of this KV head) pairs, token-major, BLOCK_R of them per program. With HAS_SLOTS the
         keys read are those up to the highest slot this forward wrote (a scalar bound, so the K/V loads do not
         wait for the mask tile and pipeline across key blocks); else a key block is read where any row of the tile
-        sees one of its keys. FUSED (with n_split > 1): no combine launch — the program of a row block that stores its
-        chunk's partials last (an arrival counter per (KV head, row block) in `cnt_ptr`, acq_rel atomics, reset by it)
-        merges all n_split chunks and stores the output (`_rows_attn_merge`)."""
+        sees one of its keys."""
         _pdl_start(USE_PDL)
         if HAS_SLOTS:
             rt = tl.arange(0, BLOCK_T)
@@ -618,45 +613,6 @@ if triton is not None:
             tl.store(pm_ptr + idx, m, mask=r_ok)
             tl.store(pl_ptr + idx, l_sum, mask=r_ok)
             tl.store(po_ptr + idx[:, None] * D + rd[None, :], acc, mask=r_ok[:, None])
-            if FUSED:
-                _rows_attn_merge(o_ptr, pm_ptr, pl_ptr, po_ptr, cnt_ptr, rows, r_ok, rd, n_split, BLOCK_R, D, MERGE_CH)
-
-    @triton.jit
-    def _rows_attn_merge(o_ptr, pm_ptr, pl_ptr, po_ptr, cnt_ptr, rows, r_ok, rd, n_split, BLOCK_R: tl.constexpr,
-                         D: tl.constexpr, MERGE_CH: tl.constexpr):  # fmt: skip
-        """The fused combine: this row block's arrival; the last of its n_split programs merges the chunks, MERGE_CH
-        at a time (their loads in flight together: a loop without tl.dot is not pipelined, so one chunk a step would
-        wait one L2 round trip per chunk), with a running max — the combine kernel's weights exp(m_j - max) over all
-        chunks, summed in another order — and stores [rows, D]."""
-        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        # every thread's stores before the one atomic (a CTA barrier); its acq_rel at GPU scope publishes them to
-        # the last program, whose loads read L2 (.cg), not a possibly stale L1 — as experimental.gemm_rows' split-K
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == n_split - 1:
-            mt = tl.full([BLOCK_R], -1.0e30, tl.float32)
-            lt = tl.zeros([BLOCK_R], tl.float32)
-            at = tl.zeros([BLOCK_R, D], tl.float32)
-            rc = tl.arange(0, MERGE_CH)
-            for j0 in range(0, n_split, MERGE_CH):
-                jj = j0 + rc
-                ok = (jj < n_split)[:, None] & r_ok[None, :]  # [CH, R]
-                jdx = rows[None, :] * n_split + jj[:, None]
-                mj = tl.load(pm_ptr + jdx, mask=ok, other=-1.0e30, cache_modifier=".cg")
-                lj = tl.load(pl_ptr + jdx, mask=ok, other=0.0, cache_modifier=".cg")
-                oj = tl.load(
-                    po_ptr + jdx[:, :, None] * D + rd[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                mn = tl.maximum(mt, tl.max(mj, axis=0))  # a chunk with every key masked (m = -1e30) weighs 0
-                wa = tl.exp(mt - mn)
-                wb = tl.exp(mj - mn[None, :])
-                at = at * wa[:, None] + tl.sum(oj * wb[:, :, None], axis=0)
-                lt = lt * wa + tl.sum(lj * wb, axis=0)
-                mt = mn
-            out = at / tl.where(lt > 0, lt, 1.0)[:, None]
-            tl.store(o_ptr + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None])
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _attn_combine_kernel(
@@ -1352,28 +1308,6 @@ def _rows_attn_plan(S: int, n_rblocks: int, split_len: int | None, block_s: int 
     return split_len, bs
 
 
-# rows_attention's fused combine (`KernelConfig.rows_attn_fused`): one arrival counter per (KV head, row block), zero
-# between launches (each launch's last program per row block resets its own). Kept for the process per device — a
-# CUDA graph bakes their address in — and made at the first fused launch (an eager warm-up, before any capture).
-_ATTN_CNT: dict = {}
-
-
-def _merge_chunks(block_r: int, d: int, n_split: int) -> int:
-    """Chunks the fused combine loads at once: 16K fp32 partials a step at most (the 64-row tile: 2 chunks of
-    64 x 128, 64 registers a thread at 4 warps; the 16-row live tile: 8), and no more than there are."""
-    cap = max(1, 16384 // (block_r * d))
-    return min(triton.next_power_of_2(n_split), 1 << (cap.bit_length() - 1))
-
-
-def _attn_counters(device: torch.device, n: int) -> torch.Tensor:
-    cnt = _ATTN_CNT.get(device)
-    if cnt is None or cnt.numel() < n:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("rows_attention: fused combine's counters first made during a CUDA graph capture")
-        cnt = _ATTN_CNT[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return cnt
-
-
 def _rows_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -1387,7 +1321,7 @@ def _rows_attention(
     num_warps: int | None = None,
     pdl: bool = True,
     live_chunks: int = 0,
-    fused: bool = False,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     _need()
     T, nh, d = q.shape
@@ -1434,7 +1368,6 @@ def _rows_attention(
         mask = mask.contiguous()
     if slots is not None and slots.shape != (T,):
         raise ValueError(f"rows_attention: slots {tuple(slots.shape)} is not one per token ({T})")
-    fused = bool(fused) and not single
     _rows_attn_kernel[(nkv, n_split, n_rb)](
         q,
         k_cache,
@@ -1445,7 +1378,6 @@ def _rows_attention(
         pm,
         pl,
         po,
-        _attn_counters(q.device, nkv * n_rb) if fused else pm,
         T,
         S,
         split_len,
@@ -1466,11 +1398,10 @@ def _rows_attention(
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         num_warps=num_warps or ROWS_ATTN_WARPS,
         LIVE=live,
-        FUSED=fused,
-        MERGE_CH=_merge_chunks(br, d, n_split) if fused else 1,
+        **({"num_stages": num_stages} if num_stages else {}),
         **_pdl(q, pdl),
     )
-    if not single and not fused:
+    if not single:
         bsp = max(2, triton.next_power_of_2(n_split))
         _attn_combine_kernel[(T * nh,)](
             o, pm, pl, po, n_split, D=d, BLOCK_SP=bsp, num_warps=_combine_warps(bsp, d), **_pdl(q, pdl)
@@ -1491,12 +1422,15 @@ if triton is not None:
         scale: float,
         pdl: bool,
         live_chunks: int = 0,
-        fused: bool = False,
+        plan: list[int] | None = None,
     ) -> torch.Tensor:
-        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, pdl=pdl, live_chunks=live_chunks, fused=fused)
+        br, bs, nw, st = plan if plan else (None, None, None, None)
+        return _rows_attention(
+            q, k_cache, v_cache, mask, scale, slots, None, bs, br, nw, pdl, live_chunks=live_chunks, num_stages=st
+        )
 
     @_rows_attention_op.register_fake
-    def _(q, k_cache, v_cache, mask, slots, scale, pdl, live_chunks=0, fused=False):
+    def _(q, k_cache, v_cache, mask, slots, scale, pdl, live_chunks=0, plan=None):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.custom_op("draftsmith::gemv", mutates_args=())
@@ -1646,7 +1580,6 @@ def rows_attention(
     block_r: int | None = None,
     num_warps: int | None = None,
     config: KernelConfig | None = None,
-    fused: bool | None = None,
 ) -> torch.Tensor:
     """T query tokens, each with its own mask row: q [T, nh, d] (any strides, head_dim contiguous); caches
     [1, nkv, max_len, d] (one layer); mask [T, S] bool (True = attend) -> [T, nh * d] in q's dtype. Flash-decoding
@@ -1658,26 +1591,27 @@ def rows_attention(
     Without `slots` a key block is read only where the tile's mask rows see it. The plan
     arguments (benchmarks) bypass the torch operator that torch.compile sees. `config`: its `pdl`, `attn_live_chunks`
     and `rows_attn_live` (few rows with slots: up to ROWS_ATTN_LIVE_CHUNKS chunks over the live keys; on for a None
-    config too). `fused` (None: the config's `rows_attn_fused`, off for a None config): the chunks merged by each row
-    block's last program, not a combine launch."""
+    config too) and `rows_attn_plan` (with slots, past ROWS_ATTN_LIVE_MAX_ROWS tile rows: that tile and chunk count
+    over the live keys)."""
     pdl = True if config is None else bool(config.pdl)
-    if fused is None:
-        fused = config is not None and bool(config.rows_attn_fused)
     if split_len or block_s or block_r or num_warps:
-        return _rows_attention(
-            q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl, fused=fused
-        )
+        return _rows_attention(q, k_cache, v_cache, mask, scale, slots, split_len, block_s, block_r, num_warps, pdl)
     _need()
     live = int(config.attn_live_chunks) if config is not None and slots is not None else 0
+    tile_rows = q.shape[0] * (q.shape[1] // k_cache.shape[1])
+    plan = None
     if (
         live == 0
         and slots is not None
         and (config is None or config.rows_attn_live)
-        and q.shape[0] * (q.shape[1] // k_cache.shape[1]) <= ROWS_ATTN_LIVE_MAX_ROWS
+        and tile_rows <= ROWS_ATTN_LIVE_MAX_ROWS
     ):
         # never more chunks than the mask's width has key blocks (a short cache: the tests' 64 slots)
         live = min(ROWS_ATTN_LIVE_CHUNKS, -(-mask.shape[-1] // _rows_live_tile(q.shape[-1])[0]))
-    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl, live, bool(fused))
+    elif live == 0 and slots is not None and config is not None and config.rows_attn_plan:
+        br, bs, live, nw, st = config.rows_attn_plan
+        plan = [int(br), int(bs), int(nw), int(st)]
+    return _rows_attention_op(q, k_cache, v_cache, mask, slots, float(scale), pdl, live, plan)
 
 
 # topk_logprobs: columns per program of the first pass (each keeps its k best), and the largest k it takes

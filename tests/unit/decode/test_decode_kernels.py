@@ -425,20 +425,18 @@ def test_rows_attention_equals_reference(dtype, T, nh, nkv, d, ctx, M, split, bs
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "T,nh,nkv,d,ctx,M,split,bs,br,live",
+    "T,nh,nkv,d,ctx,M,plan",
     [
-        (49, 8, 2, 32, 150, 256, None, None, None, 0),  # the width rule: row blocks x chunks over the mask's width
-        (33, 4, 4, 16, 200, 256, 64, 32, 32, 0),  # several row blocks, a chunk half the rows cannot see
-        (5, 3, 1, 64, 40, 128, None, None, None, 4),  # the live split (few rows)
-        (9, 8, 2, 128, 200, 256, 32, 32, 64, 0),  # 128-wide heads: 7 chunks merged 2 at a time, a tail of one
+        (49, 8, 2, 32, 150, 256, (16, 32, 1, 4, 2)),  # one chunk over the live keys: no combine launch
+        (33, 8, 2, 16, 200, 256, (32, 32, 3, 4, 3)),  # several row blocks, 3 live chunks of whole key blocks
+        (20, 8, 2, 128, 100, 256, (64, 64, 2, 8, 2)),  # 128-wide heads, a 64-row tile
     ],
-    ids=["verify-49", "row-blocks", "live", "merge-groups"],
+    ids=["single-chunk", "row-blocks", "wide-heads"],
 )
-def test_rows_attention_fused_combine_equals_combine_kernel(dtype, T, nh, nkv, d, ctx, M, split, bs, br, live):
-    """`KernelConfig.rows_attn_fused`: each row block's last-arriving program merges the chunks (no combine launch).
-    Against the combine kernel's output (fp32: summation order only) and the compact forward's attention; launched
-    three times on the same counters (a graph replays them: each launch leaves them at zero) with the same result;
-    and no `_attn_combine_kernel` launch."""
+def test_rows_attention_plan_equals_width_rule(dtype, T, nh, nkv, d, ctx, M, plan):
+    """`KernelConfig.rows_attn_plan` (the wide verify's tile and live chunks): the same attention as the width rule
+    (fp32: summation order only) and the compact forward's; one chunk makes no `_attn_combine_kernel` launch. A
+    forward the few-row live rule takes ignores the plan (the same bits)."""
     from draftsmith.decode import kernels as K
 
     g = torch.Generator().manual_seed(T * 3 + nh)
@@ -447,25 +445,19 @@ def test_rows_attention_fused_combine_equals_combine_kernel(dtype, T, nh, nkv, d
     kc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
     vc = torch.randn(1, nkv, M, d, generator=g).to(DEV, dtype)
     mask = _tree_mask(T, S, ctx, g).to(DEV)
-    if split:
-        mask[: T // 2, :split] = False
     slots = torch.arange(ctx, ctx + T, device=DEV)
-    cfg = KernelConfig(attn_live_chunks=live, rows_attn_live=False)
-    kw = dict(split_len=split, block_s=bs, block_r=br) if split else {}
-    want = rows_attention(q, kc, vc, mask, d**-0.5, slots, config=cfg, fused=False, **kw)
+    assert T * (nh // nkv) > K.ROWS_ATTN_LIVE_MAX_ROWS  # (wide: the live rule does not take it)
+    want = rows_attention(q, kc, vc, mask, d**-0.5, slots, config=KernelConfig())
+    cfg = KernelConfig(rows_attn_plan=plan)
     combine = K._attn_combine_kernel
-    outs = []
     try:
-        K._attn_combine_kernel = None  # a combine launch would fail: the fused path must not make one
-        for _ in range(3):
-            outs.append(rows_attention(q, kc, vc, mask, d**-0.5, slots, config=cfg, fused=True, **kw))
+        if plan[2] == 1:
+            K._attn_combine_kernel = None  # a combine launch would fail: one chunk needs none
+        got = rows_attention(q, kc, vc, mask, d**-0.5, slots, config=cfg)
     finally:
         K._attn_combine_kernel = combine
-    assert int(K._attn_counters(torch.device(DEV), 1).abs().sum()) == 0
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    for o in outs:
-        torch.testing.assert_close(o, outs[0], atol=0, rtol=0)
-        torch.testing.assert_close(o.float(), want.float(), **tol)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
     ref = (
         grouped_attention(
             q.transpose(0, 1)[None].float(), kc[:, :, :S].float(), vc[:, :, :S].float(), mask, d**-0.5, "bmm"
@@ -473,7 +465,10 @@ def test_rows_attention_fused_combine_equals_combine_kernel(dtype, T, nh, nkv, d
         .transpose(1, 2)
         .reshape(T, nh * d)
     )
-    torch.testing.assert_close(outs[0].float(), ref, **tol)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    few = 64 // (nh // nkv) // 4  # few tokens: the live rule's forward, not the plan's
+    args = (q[:few], kc, vc, mask[:few], d**-0.5, slots[:few])
+    torch.testing.assert_close(rows_attention(*args, config=cfg), rows_attention(*args), atol=0, rtol=0)
 
 
 def test_rows_attention_skips_unseen_keys_and_checks_shapes():
@@ -641,21 +636,23 @@ def test_out_buffers_and_the_tuners_chained_io():
         gemv(x[:1], w, argmax_map=torch.arange(N, device=DEV), out=torch.empty(1, N, device=DEV))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused-combine"])
-def test_verify_forward_through_rows_attention_equals_torch_path(fused):
+@pytest.mark.parametrize("plan", [None, (16, 32, 1, 4, 2)], ids=["width-rule", "attn-plan"])
+def test_verify_forward_through_rows_attention_equals_torch_path(plan, monkeypatch):
     """kernels="triton" without the T-row matmuls: a tree-verify forward (T=7) takes only rows_attention (torch
     matmuls, norms and RoPE) — logits, aux and both caches equal the torch path's; prefill-length forwards past
-    ROWS_ATTN_MAX keep torch's attention. fused-combine: `KernelConfig.rows_attn_fused` (the chunks merged in the
-    attention's own launch)."""
+    ROWS_ATTN_MAX keep torch's attention. attn-plan: `KernelConfig.rows_attn_plan` (one chunk over the live keys;
+    the few-row live rule off so the plan takes the forward; no combine launch, so the plan was used)."""
     from draftsmith.decode import kernels as K
 
     model = tiny_qwen3().to(DEV)
     n = model.config.num_hidden_layers
     ref, kf = LlamaFamilyForward.from_hf(model, [0, n - 1], 48), LlamaFamilyForward.from_hf(model, [0, n - 1], 48)
     kf.kernels = "triton"
-    kf.kernel_config = KernelConfig(rows_attn_fused=fused)
+    kf.kernel_config = KernelConfig() if plan is None else KernelConfig(rows_attn_live=False, rows_attn_plan=plan)
     assert kf.triton_ops_for(7) == frozenset({"attn", "rope"}) and not kf.triton_step(7) and kf.triton_step(1)
     assert kf.triton_ops_for(K.ROWS_ATTN_MAX + 1) == frozenset()
+    if plan is not None:
+        monkeypatch.setattr(K, "_attn_combine_kernel", None)  # a combine launch would fail: one chunk needs none
     ids = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(8)).to(DEV)
     pos = torch.arange(16, device=DEV)
     tree = _tree_mask(7, 48, 9, torch.Generator().manual_seed(2)).to(DEV)
