@@ -5,11 +5,8 @@
 # Device time: ~4-5 min + start.
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+. dev/device_runs/prelude.sh
 tar xJf .carry8/small.tar.xz -C .carry8 || exit 1
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 timeout 150 python3 bench/decode_attention.py --tokens 8,49 --cache 880 --context 512 --top 14 2>&1 | grep -v Warn | tail -3
 timeout 120 python3 bench/decode_attention.py --shape small --tokens 5,7 --cache 2048 --context 350 --top 10 2>&1 | tail -2
 timeout 120 python3 bench/decode_attention.py --shape small --tokens 5,7 --cache 2048 --context 1800 --top 10 2>&1 | tail -2

@@ -5,11 +5,7 @@
 # Carry: `.whl` only. Device time: TESTS_S + BUDGET + start. Env: TESTS_K (empty: no tests), TESTS_S (170),
 # BUDGET (360), P2B_TAU (the twentieth session's P2a), BENCH_ARGS.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+. dev/device_runs/prelude.sh
 lines=$(wc -l < BENCHMARKS.md)
 if [ -n "${TESTS_K:-}" ]; then
   timeout "${TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \

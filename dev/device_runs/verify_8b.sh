@@ -4,11 +4,7 @@
 # tau from the 2026-12-01 held-out target (issue 16). Carry: `.whl` only (pydantic for the tests' imports).
 # Device time: ~6-8 min + start. Env: P2B_TAU, KERNEL_ROWS (default 64), TESTS_K.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+. dev/device_runs/prelude.sh
 K=${TESTS_K:-"split_k or sums_of_squares or row_kernels or gemm_rows"}
 timeout 170 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/unit/decode/test_decode_kernels.py \
   -k "$K" 2>&1 | tail -15 | tee "$OUT/tests.txt"
