@@ -10,6 +10,13 @@ out bytes). Every candidate's output is checked against torch's (max |diff|; spl
 
     python bench/lt_gemm.py                 # H200, ~30 s
     python bench/lt_gemm.py --rows 8,49,64 --kinds qkv,o
+    python bench/lt_gemm.py --search --kinds qkv,o   # + configurations the heuristic does not list (LtLinear.search)
+
+`--search`: beyond the heuristic's list, cuBLASLt takes any configuration its algorithms support (tile, split-K and
+its reduction, cluster shape, stages, custom option) that `cublasLtMatmulAlgoCheck` accepts; TensorRT-LLM keeps a
+table of such hand-picked configurations for few-row bf16 GEMMs because the heuristic's picks are weak there. The
+searched ones are timed too (at most --search-max, spread over the list), and the best bit-equal one is reported
+apart (what `tune_lt` could use: split-K sums in another order).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="passes over the copies in one graph")
     ap.add_argument("--max-algos", type=int, default=64, help="candidates asked of cuBLASLt's heuristic")
     ap.add_argument("--top", type=int, default=4, help="fastest candidates listed per row")
+    ap.add_argument("--search", action="store_true", help="also time configurations near the heuristic's (see above)")
+    ap.add_argument("--search-max", type=int, default=600, help="searched configurations timed per row, at most")
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -69,8 +79,20 @@ def main(argv=None) -> int:
             t_torch = graph_us(torch_fn, calls)
             ref = x @ ws[0].t()
             lt = LtLinear(m, n, k, max_algos=args.max_algos)
+            order = list(range(len(lt.algos)))
+            if args.search:
+                t0 = time.perf_counter()
+                added = lt.search()
+                searched = list(range(lt.n_heuristic, len(lt.algos)))
+                step = max(1, math.ceil(len(searched) / args.search_max))
+                order += searched[::step]
+                notes.append(
+                    f"{kind} M={m}: search {lt.search_checks} checks in {time.perf_counter() - t0:.1f} s, {added} "
+                    f"valid configurations beyond the heuristic's {lt.n_heuristic}, {len(searched[::step])} timed"
+                )
             timed = []
-            for i, info in enumerate(lt.algos):
+            for i in order:
+                info = lt.algos[i]
                 try:
                     got = lt(x, ws[0], algo=i)
                     torch.cuda.synchronize()
@@ -87,6 +109,7 @@ def main(argv=None) -> int:
                 timed.append((graph_us(lt_fn, calls), info, err))
             timed.sort(key=lambda t: t[0])
             first = next((t for t in timed if t[1].index == 0), None)
+            equal = next((t for t in timed if t[2] == 0.0), None)  # bit-equal to torch's output
             row = {
                 "kind": kind,
                 "rows": m,
@@ -97,6 +120,7 @@ def main(argv=None) -> int:
                 "best us": f"{timed[0][0]:.2f}",
                 "best bw": f"{nbytes / timed[0][0] * 1e6 / bw:.3f}",
                 "best/torch": f"{timed[0][0] / t_torch:.3f}",
+                "best bit-equal": f"{equal[1].label()} {equal[0]:.2f}us" if equal else "-",
                 "fastest": "; ".join(f"{t[1].label()} {t[0]:.2f}us err{t[2]:.1e}" for t in timed[: args.top]),
             }
             rows_out.append(row)
@@ -113,13 +137,15 @@ def main(argv=None) -> int:
         "best us",
         "best bw",
         "best/torch",
+        "best bit-equal",
         "fastest",
     ]
     table = common.markdown_table(rows_out, cols)
     body = (
         table + f"\n\nCopy bandwidth {bw / 1e9:.0f} GB/s (read + write). bw = (weights + x + out bytes) / time / copy "
-        "bandwidth. `tile`, `sk` (split-K), `st` (stages) are cuBLASLt's config attributes of the algorithm, `w` its "
-        "wave count; err the max |diff| against torch's output." + "".join(f"\n- note: {line}" for line in notes)
+        "bandwidth. `tile`, `sk` (split-K), `st` (stages), `reduction`, `custom`, `cluster`, `swizzle` (when not 0) "
+        "are cuBLASLt's config attributes of the algorithm, `w` its wave count, `#Ns` a configuration found by "
+        "--search; err the max |diff| against torch's output." + "".join(f"\n- note: {line}" for line in notes)
     )
     if args.no_append:
         print(body)

@@ -291,6 +291,25 @@ def test_lt_linear_tuned_algorithms_equal_f_linear():
             torch.testing.assert_close(lt(x, mats[0], algo=i), x @ mats[0].t(), rtol=2e-2, atol=2e-2)
 
 
+def test_lt_search_configurations_compute_the_product():
+    """experimental.cublaslt `LtLinear.search`: configurations beyond the heuristic's list (tiles, split-K, cluster
+    shapes, ... that cublasLtMatmulAlgoCheck accepts) are new ones, appended after the heuristic's, and each computes
+    x @ w^T (split-K: in another order)."""
+    from draftsmith.decode.experimental.cublaslt import LtLinear
+
+    torch.manual_seed(1)
+    w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(49, 256, device="cuda", dtype=torch.bfloat16)
+    lt = LtLinear(49, 384, 256)
+    n0 = lt.n_heuristic
+    added = lt.search(budget=4000)
+    assert 0 < lt.search_checks <= 4000 and len(lt.algos) == n0 + added
+    assert len({bytes(a) for a in lt._algos}) == len(lt._algos)  # no configuration twice
+    assert all(info.searched and info.index == n0 + i for i, info in enumerate(lt.algos[n0:]))
+    for i in range(n0, len(lt.algos), max(1, added // 40)):  # a spread of them (each a launch)
+        torch.testing.assert_close(lt(x, w, algo=i), x @ w.t(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
 def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
     """KernelConfig.lt_matmuls (experimental): compiled bf16 rounds whose verify takes the tuned cuBLASLt algorithms

@@ -8,6 +8,8 @@ other cluster shapes); this module lists them (`LtLinear`), runs any of them, an
 forward's matrices. Matmul calls are stream-ordered and use a workspace allocated once per device, so they are
 captured into CUDA graphs like any kernel. Measured on the 8B shapes at 49 rows (BENCHMARKS.md, "cuBLASLt's other
 algorithms"): the faster bit-equal candidates are worth ~0.13 ms a verify; q/k/v and o have none much better.
+`LtLinear.search` goes past the heuristic's list: any configuration cuBLASLt's algorithms support (tile, split-K,
+cluster shape, stages, custom option) that `cublasLtMatmulAlgoCheck` accepts, for `bench/lt_gemm.py --search`.
 
 The library is the one torch already loaded (found in /proc/self/maps after a first matmul), so both share one
 cuBLASLt instance. Layout (column-major, as cuBLASLt sees row-major tensors): A = w as K x N (ld = w.stride(0)),
@@ -28,8 +30,29 @@ _R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
-# cublasLtMatmulAlgoConfigAttributes_t (read for the report only)
-_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
+# cublasLtMatmulAlgoConfigAttributes_t: uint32 values, but inner shape and cluster shape are uint16 (the report reads
+# each size first; `search_algos` sets them)
+_CONFIG_ATTRS = {
+    "id": 0,
+    "tile": 1,
+    "splitk": 2,
+    "reduction": 3,
+    "swizzle": 4,
+    "custom": 5,
+    "stages": 6,
+    "inner": 7,
+    "cluster": 8,
+}
+_CONFIG_U16 = {"inner", "cluster"}
+# cublasLtMatmulAlgoCapAttributes_t
+_CAP_SPLITK_SUPPORT, _CAP_REDUCTION_MASK, _CAP_SWIZZLING, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_STAGES_IDS = (
+    0,
+    1,
+    2,
+    6,
+    7,
+    13,
+)
 
 
 class _Algo(ctypes.Structure):
@@ -95,6 +118,9 @@ def _lib() -> ctypes.CDLL:
             ],
             "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
             "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), ctypes.c_int, vp, sz, ctypes.POINTER(sz)],
+            "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), ctypes.c_int, vp, sz],
+            "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(_Algo), ctypes.c_int, vp, sz, ctypes.POINTER(sz)],
+            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)],
         }.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -129,14 +155,19 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class AlgoInfo:
-    index: int  # rank in the heuristic's list
+    index: int  # rank in the heuristic's list (then the searched ones, `LtLinear.search`)
     workspace: int
     waves: float
     config: dict
+    searched: bool = False
 
     def label(self) -> str:
         c = self.config
-        return f"#{self.index} id{c.get('id')} tile{c.get('tile')} sk{c.get('splitk')} st{c.get('stages')} w{self.waves:.2f}"
+        extra = "".join(f" {k}{c[k]}" for k in ("reduction", "custom", "cluster", "swizzle") if c.get(k))
+        return (
+            f"#{self.index}{'s' if self.searched else ''} id{c.get('id')} tile{c.get('tile')} sk{c.get('splitk')} "
+            f"st{c.get('stages')}{extra} w{self.waves:.2f}"
+        )
 
 
 class LtLinear:
@@ -189,6 +220,8 @@ class LtLinear:
         ]
         if not self._algos:
             raise RuntimeError(f"cublaslt: no algorithm for M={m} N={n} K={k} {dtype}")
+        self.n_heuristic = len(self._algos)
+        self.workspace_bytes = workspace_bytes
         self.workspace = _workspace(workspace_bytes)
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
@@ -219,6 +252,107 @@ class LtLinear:
             "Matmul",
         )
         return out
+
+    def search(self, splits=(1, 2, 3, 4, 6, 8), clusters=range(0, 64), budget: int = 200_000) -> int:
+        """Append to `algos` the valid configurations near the heuristic's candidates that it did not list: for the
+        first candidate of each algorithm id, every (tile, split-K with each reduction scheme, cluster shape) the
+        algorithm supports, its stages and custom option kept; then, for every candidate, each single change of its
+        stages, custom option or CTA swizzle. Validity is `cublasLtMatmulAlgoCheck`'s (its workspace within ours);
+        at most `budget` checks (`search_checks` counts them). Returns how many were added. Not in the engine
+        (`tune_lt` keeps to the heuristic's list, whose indices a process reproduces): `bench/lt_gemm.py --search`
+        times them."""
+        lib = _lib()
+        seen = {bytes(a) for a in self._algos}
+        found: list[tuple[_Algo, _Heuristic]] = []
+        checks = 0
+
+        def check(algo: _Algo) -> None:
+            nonlocal checks
+            checks += 1
+            key = bytes(algo)
+            if key in seen:
+                return
+            seen.add(key)
+            res = _Heuristic()
+            st = lib.cublasLtMatmulAlgoCheck(
+                _HANDLE, self._desc, self._a, self._b, self._d, self._d, ctypes.byref(algo), ctypes.byref(res)
+            )
+            if st == 0 and res.state == 0 and res.workspace_size <= self.workspace_bytes:
+                found.append((_Algo.from_buffer_copy(algo), res))
+
+        ids_done = set()
+        for seed in list(self._algos):
+            caps, cfg = _caps(lib, seed), _config(lib, seed)
+            if cfg.get("id") not in ids_done:
+                ids_done.add(cfg.get("id"))
+                schemes = [(1, 0)] + [
+                    (k, r) for k in splits if k > 1 and caps["splitk"] for r in (1, 2, 4) if caps["reductions"] & r
+                ]
+                for tile in caps["tiles"] or [cfg.get("tile", 0)]:
+                    for k, red in schemes:
+                        for cl in clusters:
+                            if checks >= budget:
+                                break
+                            a = _Algo.from_buffer_copy(seed)
+                            if all(_set(lib, a, n, v) for n, v in (("tile", tile), ("splitk", k), ("reduction", red),
+                                                                     ("cluster", cl))):  # fmt: skip
+                                check(a)
+            singles = [("stages", v) for v in caps["stages"]]
+            singles += [("custom", v) for v in range(min(caps["custom_max"], 255) + 1)]
+            singles += [("swizzle", 1 - cfg.get("swizzle", 0))] if caps["swizzling"] else []
+            for name, value in singles:
+                a = _Algo.from_buffer_copy(seed)
+                if checks < budget and _set(lib, a, name, value):
+                    check(a)
+        base = len(self._algos)
+        for i, (algo, res) in enumerate(found):
+            self._algos.append(algo)
+            self.algos.append(AlgoInfo(base + i, res.workspace_size, res.waves_count, _config(lib, algo), True))
+        self.search_checks = checks
+        return len(found)
+
+
+def _set(lib: ctypes.CDLL, algo: _Algo, name: str, value: int) -> bool:
+    """Set one config attribute (uint16 or uint32 as cuBLASLt declares it); False where cuBLASLt refuses it."""
+    buf = ctypes.c_uint16(value) if name in _CONFIG_U16 else ctypes.c_uint32(value)
+    return (
+        lib.cublasLtMatmulAlgoConfigSetAttribute(
+            ctypes.byref(algo), _CONFIG_ATTRS[name], ctypes.byref(buf), ctypes.sizeof(buf)
+        )
+        == 0
+    )
+
+
+def _cap_array(lib: ctypes.CDLL, algo: _Algo, attr: int) -> list[int]:
+    """A uint32-array capability (tiles, stages): its size first, then the values."""
+    size = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(size)) != 0:
+        return []
+    count = size.value // 4
+    if count == 0:
+        return []
+    buf, written = (ctypes.c_uint32 * count)(), ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, buf, size.value, ctypes.byref(written)) != 0:
+        return []
+    return [int(v) for v in buf[: written.value // 4]]
+
+
+def _cap_int(lib: ctypes.CDLL, algo: _Algo, attr: int) -> int:
+    buf, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf), 4, ctypes.byref(written)):
+        return 0
+    return int(buf.value)
+
+
+def _caps(lib: ctypes.CDLL, algo: _Algo) -> dict:
+    return {
+        "tiles": _cap_array(lib, algo, _CAP_TILE_IDS),
+        "stages": _cap_array(lib, algo, _CAP_STAGES_IDS),
+        "splitk": _cap_int(lib, algo, _CAP_SPLITK_SUPPORT),
+        "reductions": _cap_int(lib, algo, _CAP_REDUCTION_MASK),
+        "swizzling": _cap_int(lib, algo, _CAP_SWIZZLING),
+        "custom_max": _cap_int(lib, algo, _CAP_CUSTOM_MAX),
+    }
 
 
 def _config(lib: ctypes.CDLL, algo: _Algo) -> dict:
