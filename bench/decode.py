@@ -693,6 +693,11 @@ def p2b(args, dev, dtype, runner, best):
     # --lt-matmuls on: also the triton engine whose wide forwards take the tuned cuBLASLt algorithms (experimental)
     if "on" in args.lt_matmuls and tri and dev.type == "cuda":
         combos += [("triton", impl, 1, {"lt_matmuls": True}, " lt") for impl in args.attn_impls]
+    # --lt-matmuls search: the same with LtLinear.search's configurations among the candidates (KernelConfig.lt_search)
+    if "search" in args.lt_matmuls and tri and dev.type == "cuda":
+        combos += [
+            ("triton", impl, 1, {"lt_matmuls": True, "lt_search": True}, " ltsearch") for impl in args.attn_impls
+        ]
     # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
     if tri:
         combos += [
@@ -920,6 +925,14 @@ def _on_off(s: str) -> list[str]:
     return vals
 
 
+def _on_off_search(s: str) -> list[str]:
+    """'off,on,search' -> ['off', 'on', 'search'] (--lt-matmuls); anything else is an argparse error."""
+    vals = s.split(",")
+    if not vals or any(v not in ("on", "off", "search") for v in vals):
+        raise argparse.ArgumentTypeError(f"{s!r}: a comma-separated list of on / off / search")
+    return vals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="pycode-small directory (P2a)")
@@ -979,10 +992,11 @@ def main(argv=None):
     )
     ap.add_argument(
         "--lt-matmuls",
-        type=_on_off,
+        type=_on_off_search,
         default=["off"],
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.lt_matmuls (experimental: the wide "
-        "forwards' matmuls through the cuBLASLt algorithm timed fastest among those equal to F.linear bit for bit)",
+        "forwards' matmuls through the cuBLASLt algorithm timed fastest among those equal to F.linear bit for bit); "
+        "'search' too: with the configurations past cuBLASLt's heuristic list among them (KernelConfig.lt_search)",
     )
     ap.add_argument(
         "--rows-attn-plan",

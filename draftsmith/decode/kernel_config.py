@@ -125,7 +125,8 @@ class KernelConfig:
     `kernels.tune_attention(keep=True)`). lt_matmuls (experimental, CUDA): a wide forward's matmuls (verify widths past the
     kernel rows: q/k/v, o, gate/up, down, lm_head) through the cuBLASLt algorithm `experimental.cublaslt.tune_lt` timed
     fastest among those whose output equals F.linear's bit for bit, per width, tuned when a mode's round is first
-    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear); lt_widths: the widths tuned so far. rows_attn_plan: (block_r, block_s,
+    built; lt_tuned: (rows, N, K, dtype) -> that algorithm's index (no entry: F.linear); lt_widths: the widths tuned so far. lt_search (with lt_matmuls): the
+    candidates include `LtLinear.search`'s configurations past the heuristic's list. rows_attn_plan: (block_r, block_s,
     chunks, num_warps, num_stages) of the T-row attentions with slots that the few-row live rule does not take (wider
     than `kernels.ROWS_ATTN_LIVE_MAX_ROWS` tile rows: the 8B verify's; or rows_attn_live off): that tile, the live keys
     in that many chunks (1: no combine launch); None: the width rule. Measured 2026-12-03 on the 8B 49-row verify: one
@@ -147,6 +148,7 @@ class KernelConfig:
     rows_attn_live: bool = True
     rows_k_chains: bool = True
     lt_matmuls: bool = False
+    lt_search: bool = False
     rows_attn_plan: tuple[int, int, int, int, int] | None = None
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

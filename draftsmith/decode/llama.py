@@ -561,7 +561,7 @@ class LlamaFamilyForward(torch.nn.Module):
             "down": [L.down for L in self.layers] if L0.down_bias is None else None,
             "lm_head": [self.lm_head],
         }
-        rows = tune_lt({k: v for k, v in kinds.items() if v}, widths)
+        rows = tune_lt({k: v for k, v in kinds.items() if v}, widths, search=cfg.lt_search)
         for r in rows:
             if r["algo"] is not None:
                 cfg.lt_tuned[(r["rows"], r["n"], r["k"], str(self.dtype))] = r["algo"]

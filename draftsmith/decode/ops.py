@@ -222,13 +222,13 @@ class TritonAttnOps(TorchOps):
 
     def _lt(self, x, w, b):
         algo = self._lt_algo(x, w, b)
-        return F.linear(x, w, b) if algo is None else self._lt_linear(x, w, algo)
+        return F.linear(x, w, b) if algo is None else self._lt_linear(x, w, algo, self.config.lt_search)
 
     def _lt_add(self, h, x, w, b):
         algo = self._lt_algo(x, w, b)
         # linear_add, not h + F.linear: inductor's addmm rewrite would bring back a memcpy a matmul (measured: the
         # first lt A/B, whose untuned fallback was `h + F.linear`, lost 0.1-0.2 ms a verify)
-        return linear_add(h, x, w, b) if algo is None else h + self._lt_linear(x, w, algo)
+        return linear_add(h, x, w, b) if algo is None else h + self._lt_linear(x, w, algo, self.config.lt_search)
 
     def prepare(self, mask, positions, slots):
         # the kernels take the boolean mask, the positions and the slots, made once for all layers' calls (`_realize`)

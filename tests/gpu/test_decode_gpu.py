@@ -313,7 +313,8 @@ def test_lt_search_configurations_compute_the_product():
 @pytest.mark.parametrize("mode", MODES[1:], ids=[m.kind for m in MODES[1:]])
 def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
     """KernelConfig.lt_matmuls (experimental): compiled bf16 rounds whose verify takes the tuned cuBLASLt algorithms
-    decode what the same engine without them decodes, token for token (the algorithms are F.linear's bit for bit)."""
+    decode what the same engine without them decodes, token for token (the algorithms are F.linear's bit for bit);
+    with lt_search too (the searched configurations among the candidates)."""
     pytest.importorskip("triton")
     from draftsmith.decode.kernel_config import KernelConfig
     from draftsmith.drafter import Drafter
@@ -324,11 +325,10 @@ def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
     d = Drafter.from_target(tb).to("cuda", torch.bfloat16).eval()
     d.requires_grad_(False)
     outs = []
-    for lt in (False, True):
-        eng = SpeculativeDecoder(
-            tb, d, max_len=160, kernels="triton", compile=True, kernel_config=KernelConfig(lt_matmuls=lt)
-        )
+    for lt, search in ((False, False), (True, False), (True, True)):
+        cfg = KernelConfig(lt_matmuls=lt, lt_search=search)
+        eng = SpeculativeDecoder(tb, d, max_len=160, kernels="triton", compile=True, kernel_config=cfg)
         outs.append([eng.generate(p, 32, mode=mode).token_ids for p in _prompts(tb.tokenizer, 6)])
         if lt:
             assert eng.lt_tuning and {r["rows"] for r in eng.lt_tuning} == {mode.verify_tokens}
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

@@ -380,11 +380,19 @@ def _config(lib: ctypes.CDLL, algo: _Algo) -> dict:
 _DESCRIPTORS: dict[tuple, LtLinear] = {}
 
 
-def lt_for(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> LtLinear:
-    key = (m, n, k, dtype, device.index)
+# With `search`, the heuristic's list then the searched configurations (`LtLinear.search` at TUNE_SEARCH_BUDGET
+# checks: the same list in every process with the same library, so an index still names one configuration).
+TUNE_SEARCH_BUDGET = 20_000
+
+
+def lt_for(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, search: bool = False) -> LtLinear:
+    key = (m, n, k, dtype, device.index, bool(search))
     if key not in _DESCRIPTORS:
         with torch.cuda.device(device):
-            _DESCRIPTORS[key] = LtLinear(m, n, k, dtype)
+            lt = LtLinear(m, n, k, dtype)
+            if search:
+                lt.search(budget=TUNE_SEARCH_BUDGET)
+            _DESCRIPTORS[key] = lt
     return _DESCRIPTORS[key]
 
 
@@ -393,16 +401,17 @@ def _contiguous_2d(t: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("draftsmith::lt_linear", mutates_args=())
-def lt_linear(x: torch.Tensor, w: torch.Tensor, algo: int) -> torch.Tensor:
+def lt_linear(x: torch.Tensor, w: torch.Tensor, algo: int, search: bool = False) -> torch.Tensor:
     """F.linear(x, w) (no bias) through cuBLASLt's algorithm `algo` for x's shape (`tune_lt` chose it among those
-    whose output equals F.linear's bit for bit); F.linear itself for strided inputs."""
+    whose output equals F.linear's bit for bit; with `search`, an index into the searched list); F.linear itself
+    for strided inputs."""
     if not (_contiguous_2d(x) and _contiguous_2d(w)):
         return torch.nn.functional.linear(x, w)
-    return lt_for(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)(x, w, algo=algo)
+    return lt_for(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device, search)(x, w, algo=algo)
 
 
 @lt_linear.register_fake
-def _(x, w, algo):
+def _(x, w, algo, search=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -428,12 +437,15 @@ def graph_us(fn, calls: int, reps: int = 5) -> float:
     return best
 
 
-def tune_lt(kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01) -> list[dict]:
+def tune_lt(
+    kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01, search: bool = False, max_timed: int = 200
+) -> list[dict]:
     """For each width M and weight kind (its matrices, one per layer: timed in turn, so each call reads its weights
     from HBM as a forward does), time F.linear and every cuBLASLt candidate whose output on a random x equals
     F.linear's bit for bit (the verify must compute what the torch path computes; split-K candidates, which sum in
-    another order, are not). Returns one row per (M, kind): `algo` the fastest candidate's index when it beats
-    F.linear by `min_gain` or more, else None (the torch path keeps F.linear)."""
+    another order, are not). With `search`, the candidates include `LtLinear.search`'s configurations (at most
+    `max_timed` bit-equal ones timed, spread over the list). Returns one row per (M, kind): `algo` the fastest
+    candidate's index when it beats F.linear by `min_gain` or more, else None (the torch path keeps F.linear)."""
     rows = []
     for m in sorted(set(int(w) for w in widths)):
         for kind, mats in kinds.items():
@@ -448,15 +460,16 @@ def tune_lt(kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01
                     torch.mm(x, w.t(), out=out)
 
             t_torch = graph_us(run_torch, len(mats))
-            lt = lt_for(m, n, k, w0.dtype, w0.device)
-            best, best_us, same = None, float("inf"), 0
+            lt = lt_for(m, n, k, w0.dtype, w0.device, search)
+            best, best_us, equal = None, float("inf"), []
             for i in range(len(lt.algos)):
                 try:
-                    if not torch.equal(lt(x, w0, algo=i), ref):
-                        continue
+                    if torch.equal(lt(x, w0, algo=i), ref):
+                        equal.append(i)
                 except RuntimeError:
                     continue
-                same += 1
+            same = len(equal)
+            for i in equal[:: max(1, -(-same // max_timed))]:
 
                 def run_lt(i=i):
                     for w in mats:
