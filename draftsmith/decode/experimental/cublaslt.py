@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -256,11 +257,12 @@ class LtLinear:
     def search(self, splits=(1, 2, 3, 4, 6, 8), clusters=range(0, 64), budget: int = 200_000) -> int:
         """Append to `algos` the valid configurations near the heuristic's candidates that it did not list: for the
         first candidate of each algorithm id, every (tile, split-K with each reduction scheme, cluster shape) the
-        algorithm supports, its stages and custom option kept; then, for every candidate, each single change of its
-        stages, custom option or CTA swizzle. Validity is `cublasLtMatmulAlgoCheck`'s (its workspace within ours);
-        at most `budget` checks (`search_checks` counts them). Returns how many were added. Not in the engine
-        (`tune_lt` keeps to the heuristic's list, whose indices a process reproduces): `bench/lt_gemm.py --search`
-        times them."""
+        algorithm supports, its stages and custom option kept, in a fixed shuffled order (a budget samples them
+        evenly, and every run lists the same); then, for every candidate, each single change of its stages, custom
+        option or CTA swizzle. Validity is `cublasLtMatmulAlgoCheck`'s, its workspace within ours. At most `budget`
+        checks (`search_checks` counts them), three quarters of them for the products. Returns how many were added.
+        `bench/lt_gemm.py --search` times them; `tune_lt(search=True)` (KernelConfig.lt_search) takes the bit-equal
+        ones as candidates."""
         lib = _lib()
         seen = {bytes(a) for a in self._algos}
         found: list[tuple[_Algo, _Heuristic]] = []
@@ -288,15 +290,18 @@ class LtLinear:
                 schemes = [(1, 0)] + [
                     (k, r) for k in splits if k > 1 and caps["splitk"] for r in (1, 2, 4) if caps["reductions"] & r
                 ]
-                for tile in caps["tiles"] or [cfg.get("tile", 0)]:
-                    for k, red in schemes:
-                        for cl in clusters:
-                            if checks >= budget:
-                                break
-                            a = _Algo.from_buffer_copy(seed)
-                            if all(_set(lib, a, n, v) for n, v in (("tile", tile), ("splitk", k), ("reduction", red),
-                                                                     ("cluster", cl))):  # fmt: skip
-                                check(a)
+                combos = [
+                    (t, k, r, c) for t in caps["tiles"] or [cfg.get("tile", 0)] for k, r in schemes for c in clusters
+                ]
+                # a budget smaller than the product samples all of it evenly (a fixed seed: the same list each run)
+                random.Random(0).shuffle(combos)
+                for tile, k, red, cl in combos:
+                    if checks >= budget * 3 // 4:  # (a quarter kept for the single changes below)
+                        break
+                    a = _Algo.from_buffer_copy(seed)
+                    if all(_set(lib, a, n, v) for n, v in (("tile", tile), ("splitk", k), ("reduction", red),
+                                                             ("cluster", cl))):  # fmt: skip
+                        check(a)
             singles = [("stages", v) for v in caps["stages"]]
             singles += [("custom", v) for v in range(min(caps["custom_max"], 255) + 1)]
             singles += [("swizzle", 1 - cfg.get("swizzle", 0))] if caps["swizzling"] else []
