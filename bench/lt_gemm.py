@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=4, help="fastest candidates listed per row")
     ap.add_argument("--search", action="store_true", help="also time configurations near the heuristic's (see above)")
     ap.add_argument("--search-max", type=int, default=600, help="searched configurations timed per row, at most")
+    ap.add_argument(
+        "--search-budget", type=int, default=50_000, help="cublasLtMatmulAlgoCheck calls per row (LtLinear.search)"
+    )
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
             order = list(range(len(lt.algos)))
             if args.search:
                 t0 = time.perf_counter()
-                added = lt.search()
+                added = lt.search(budget=args.search_budget)
                 searched = list(range(lt.n_heuristic, len(lt.algos)))
                 step = max(1, math.ceil(len(searched) / args.search_max))
                 order += searched[::step]
