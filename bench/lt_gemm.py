@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("lt_gemm: needs a CUDA device")
         return 1
-    from draftsmith.decode.experimental.cublaslt import LtLinear, graph_us
+    from draftsmith.decode.experimental.cublaslt import LtLinear
+    from draftsmith.decode.kernels import _time_graph
 
     torch.manual_seed(0)
     bw = common.measure_copy_bandwidth()
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                     for w in ws:
                         torch.mm(x, w.t(), out=out)
 
-            t_torch = graph_us(torch_fn, calls)
+            t_torch, _ = _time_graph(torch_fn, calls, 10)
             ref = x @ ws[0].t()
             lt = LtLinear(m, n, k, max_algos=args.max_algos)
             order = list(range(len(lt.algos)))
@@ -109,7 +110,11 @@ def main(argv=None) -> int:
                         for w in ws:
                             lt(x, w, out, algo=i)
 
-                timed.append((graph_us(lt_fn, calls), info, err))
+                us, why = _time_graph(lt_fn, calls, 10)
+                if us is None:
+                    notes.append(f"{kind} M={m} {info.label()}: graph failed ({why})")
+                    continue
+                timed.append((us, info, err))
             timed.sort(key=lambda t: t[0])
             first = next((t for t in timed if t[1].index == 0), None)
             equal = next((t for t in timed if t[2] == 0.0), None)  # bit-equal to torch's output

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+# the tuners' timing: best us a call of one CUDA graph replayed (None where a launch fails)
+from draftsmith.decode.kernels import _time_graph
+
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
 _R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
@@ -420,28 +423,6 @@ def _(x, w, algo, search=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def graph_us(fn, calls: int, reps: int = 5) -> float:
-    """us per call: fn() enqueues `calls` launches; captured once in a CUDA graph, replayed `reps` times (best of 3)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * calls))
-    return best
-
-
 def tune_lt(
     kinds: dict[str, list[torch.Tensor]], widths, min_gain: float = 0.01, search: bool = False, max_timed: int = 200
 ) -> list[dict]:
@@ -464,7 +445,7 @@ def tune_lt(
                 for w in mats:
                     torch.mm(x, w.t(), out=out)
 
-            t_torch = graph_us(run_torch, len(mats))
+            t_torch, _ = _time_graph(run_torch, len(mats), 10)
             lt = lt_for(m, n, k, w0.dtype, w0.device, search)
             best, best_us, equal = None, float("inf"), []
             for i in range(len(lt.algos)):
@@ -480,8 +461,8 @@ def tune_lt(
                     for w in mats:
                         lt(x, w, out, algo=i)
 
-                us = graph_us(run_lt, len(mats))
-                if us < best_us:
+                us, _ = _time_graph(run_lt, len(mats), 10)
+                if us is not None and us < best_us:
                     best, best_us = i, us
             if best is None or best_us > t_torch * (1 - min_gain):  # not enough faster: F.linear stays
                 best, best_us = None, t_torch
