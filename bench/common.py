@@ -11,6 +11,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# the Llama-3.1-8B shape's matrices (out features, in features), as the decode benchmarks' matmuls read them: q/k/v and
+# gate/up fused, as the compact forward keeps them
+LLAMA_8B_MATMULS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

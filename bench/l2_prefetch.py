@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}
+SHAPES = {k: common.LLAMA_8B_MATMULS[k] for k in ("qkv", "o", "gate_up")}
 
 
 def main(argv=None) -> int:

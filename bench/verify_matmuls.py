@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - CPU machines without triton
     triton = None
 
 # 8B (Llama-3.1-8B) weight kinds: (out, in)
-KINDS = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336)}
+KINDS = {k: common.LLAMA_8B_MATMULS[k] for k in ("qkv", "o", "down")}
 H, NH, NKV, D = 4096, 32, 8, 128
 
 if triton is not None:
