@@ -332,22 +332,3 @@ def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
         if lt:
             assert eng.lt_tuning and {r["rows"] for r in eng.lt_tuning} == {mode.verify_tokens}
     assert outs[0] == outs[1] == outs[2]
-
-
-def test_l2_prefetch_kernel_leaves_memory_as_it_was():
-    """experimental.l2_prefetch (bench/l2_prefetch.py's instrument): the kernel launches for whole, partial and
-    odd-sized requests (past the end is clamped), one chunk or several a program, and changes nothing it points at."""
-    pytest.importorskip("triton")
-    from draftsmith.decode.experimental.l2_prefetch import l2_prefetch, supported
-
-    if not supported(torch.device("cuda")):
-        pytest.skip("bulk L2 prefetch needs sm_90+")
-    w = torch.randn(4096, 1000, device="cuda", dtype=torch.bfloat16)
-    ref = w.clone()
-    for n in (w.numel() * 2, 1 << 20, 12345, 10**12):
-        for per in (1, 4, 32):
-            l2_prefetch([w], [n], chunk=64 * 1024, per_program=per)
-    with pytest.raises(ValueError, match="per_program"):
-        l2_prefetch([w], [1024], per_program=33)
-    torch.cuda.synchronize()
-    assert torch.equal(w, ref)
