@@ -12,6 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
 # the Llama-3.1-8B shape's matrices (out features, in features), as the decode benchmarks' matmuls read them: q/k/v and
 # gate/up fused, as the compact forward keeps them
 LLAMA_8B_MATMULS = {
@@ -21,8 +24,6 @@ LLAMA_8B_MATMULS = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def commit() -> str:
