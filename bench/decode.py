@@ -698,6 +698,13 @@ def p2b(args, dev, dtype, runner, best):
         combos += [
             ("triton", impl, 1, {"lt_matmuls": True, "lt_search": True}, " ltsearch") for impl in args.attn_impls
         ]
+    # --cluster-gemm on / late: also the triton engine whose wide forwards' layer matmuls take our CUDA kernel
+    # (experimental.cluster_gemm; late: its next kernel launches once its K loops are done)
+    if tri and dev.type == "cuda":
+        for v in args.cluster_gemm:
+            if v in ("on", "late"):
+                over = {"cluster_gemm": True, "cluster_gemm_late": v == "late"}
+                combos += [("triton", impl, 1, over, " cg" if v == "on" else " cglate") for impl in args.attn_impls]
     # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
     if tri:
         combos += [
@@ -989,6 +996,14 @@ def main(argv=None):
         default=["on"],
         help="P2b: 'on,off' also measures the triton engine with KernelConfig.rows_attn_live off (few-row attention "
         "by the width rule)",
+    )
+    ap.add_argument(
+        "--cluster-gemm",
+        type=lambda v: v.split(","),
+        default=["off"],
+        help="P2b: 'off,on' also measures the triton engine with KernelConfig.cluster_gemm (experimental: the wide "
+        "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
+        "cluster_gemm_late",
     )
     ap.add_argument(
         "--lt-matmuls",

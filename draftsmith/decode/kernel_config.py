@@ -130,7 +130,11 @@ class KernelConfig:
     chunks, num_warps, num_stages) of the T-row attentions with slots that the few-row live rule does not take (wider
     than `kernels.ROWS_ATTN_LIVE_MAX_ROWS` tile rows: the 8B verify's; or rows_attn_live off): that tile, the live keys
     in that many chunks (1: no combine launch); None: the width rule. Measured 2026-12-03 on the 8B 49-row verify: one
-    chunk (16/128/1/8/3) and four (16/64/4/4/3) both within 0.6 % of the width rule (BENCHMARKS.md), so None."""
+    chunk (16/128/1/8/3) and four (16/64/4/4/3) both within 0.6 % of the width rule (BENCHMARKS.md), so None.
+    cluster_gemm (experimental, CUDA sm_90): a wide forward's q/k/v, o, gate/up and down matmuls (verify widths up to
+    56 rows) through `experimental.cluster_gemm`, our CUDA kernel (TMA + wgmma, split-K reduced inside a thread-block
+    cluster, PDL), each shape with `cluster_gemm_plans`' (variant, split) or `cluster_gemm.plan_for`'s;
+    cluster_gemm_late: its next kernel launches (PDL) once its K loops are done, not at its start."""
 
     block_n: int = 16
     block_k: int = 512
@@ -150,6 +154,9 @@ class KernelConfig:
     lt_matmuls: bool = False
     lt_search: bool = False
     rows_attn_plan: tuple[int, int, int, int, int] | None = None
+    cluster_gemm: bool = False
+    cluster_gemm_late: bool = False
+    cluster_gemm_plans: dict = field(default_factory=dict)
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS

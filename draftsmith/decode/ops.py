@@ -214,6 +214,32 @@ class TritonAttnOps(TorchOps):
 
             self._lt_linear = lt_linear
             self._linear, self._linear_add = self._lt, self._lt_add
+        elif self.config.cluster_gemm and f.device.type == "cuda":
+            from draftsmith.decode.experimental import cluster_gemm
+
+            self._cg_mod = cluster_gemm
+            self._linear, self._linear_add = self._cg, self._cg_add
+
+    # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
+    # (bias-free, at most its rows, N of its tile; not the lm_head: a vocabulary-wide N is cuBLAS's), F.linear elsewhere
+    def _cg_plan(self, x, w, b):
+        cg = self._cg_mod
+        if b is not None or x.dim() != 2 or w.shape[0] > cg.N_MAX:
+            return None
+        plan = self.config.cluster_gemm_plans.get((w.shape[0], w.shape[1])) or cg.plan_for(w.shape[0], w.shape[1])
+        return plan if cg.supports(x, w, plan[0], check_ptr=False) else None
+
+    def _cg(self, x, w, b):
+        plan = self._cg_plan(x, w, b)
+        if plan is None:
+            return F.linear(x, w, b)
+        return self._cg_mod.cluster_gemm_op(x, w, plan[0], plan[1], self.config.pdl, self.config.cluster_gemm_late)
+
+    def _cg_add(self, h, x, w, b):
+        plan = self._cg_plan(x, w, b)
+        if plan is None:
+            return linear_add(h, x, w, b)
+        return h + self._cg_mod.cluster_gemm_op(x, w, plan[0], plan[1], self.config.pdl, self.config.cluster_gemm_late)
 
     # experimental (KernelConfig.lt_matmuls): the matmuls through the cuBLASLt algorithm tuned for this width, F.linear
     # (and linear_add for the residual adds) where none was

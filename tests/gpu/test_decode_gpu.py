@@ -231,10 +231,11 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
     assert int(outs[0].argmax()) == int(outs[1].argmax())
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+cluster_gemm"])
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
-    (draftsmith.decode.certificate); one at a real margin is a bug."""
+    (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
+    through experimental.cluster_gemm (sm_90), compiled."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -245,11 +246,19 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
 
     if PYCODE_TINY is None:
         pytest.skip("pycode-tiny not available")
-    if kernels == "triton":
+    kw = {}
+    if kernels.startswith("triton"):
         from draftsmith.decode import kernels as K
 
         if not K.available():
             pytest.skip("triton not available")
+    if kernels == "triton+cluster_gemm":
+        if torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("cluster_gemm needs sm_90")
+        from draftsmith.decode.kernel_config import KernelConfig
+
+        kw = {"kernel_config": KernelConfig(cluster_gemm=True), "compile": True}
+        kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
     prompts = _prompts(t32.tokenizer, 16)
     torch.manual_seed(0)
@@ -261,7 +270,9 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
     d16 = copy.deepcopy(d).to(torch.bfloat16).eval()
     d16.set_embedding(t.model.get_input_embeddings().weight)
     d16.requires_grad_(False)
-    eng = SpeculativeDecoder(t, d16, max_len=160, kernels=kernels)
+    eng = SpeculativeDecoder(t, d16, max_len=160, kernels=kernels, **kw)
+    if kw:  # the verify widths take the kernel (at least one launch of it in a verify's plan)
+        assert any(hasattr(eng.runner.plan(m.verify_tokens), "_cg_mod") for m in MODES[1:])
     for mode in MODES[1:]:
         rep = run_eval(eng, prompts, mode, temperatures=[0.0], max_new_tokens=48)
         e = rep["temperatures"]["0"]
@@ -332,3 +343,64 @@ def test_lt_matmuls_rounds_equal_plain_decoding(setup, mode):
         if lt:
             assert eng.lt_tuning and {r["rows"] for r in eng.lt_tuning} == {mode.verify_tokens}
     assert outs[0] == outs[1] == outs[2]
+
+
+def _sm90() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
+def test_cluster_gemm_matches_fp32_reference():
+    """experimental.cluster_gemm, every variant (but the no-multiply diagnostics) and split (an uneven one too), at
+    1 to 64 rows: within twice torch's own bf16 error of the fp32 product; a strided x (a column slice); rows past M
+    never written."""
+    from draftsmith.decode.experimental import cluster_gemm as cg
+
+    torch.manual_seed(0)
+    K = 448  # 7 K tiles: splits 2, 3 and 4 are uneven
+    for N in (256, 512):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05
+        for M in (1, 7, 49, 56, 64):
+            xs = torch.randn(M, K + 64, device="cuda", dtype=torch.bfloat16)
+            for x in (xs[:, :K].contiguous(), xs[:, 64:]):
+                ref = x.float() @ w.float().t()
+                tol = 2 * (torch.mm(x, w.t()).float() - ref).abs().max().item() + 1e-3
+                for v in cg.VARIANTS:
+                    if "nomma" in v or not cg.supports(x, w, v):
+                        continue
+                    for s in (1, 2, 3, 4):
+                        out = torch.full((M + 1, N), 7.0, device="cuda", dtype=torch.bfloat16)
+                        cg.launch(x, w, out, v, s)
+                        err = (out[:M].float() - ref).abs().max().item()
+                        assert err <= tol, (N, M, v, s, err, tol)
+                        assert bool((out[M] == 7.0).all()), (N, M, v, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
+def test_cluster_gemm_pdl_chain_in_a_graph_equals_eager():
+    """Dependent launches (each one's x the previous one's output) with PDL on, captured in a CUDA graph and
+    replayed, give what the same launches give one by one without PDL: a kernel never reads its x before the
+    previous kernel is done (griddepcontrol.wait)."""
+    from draftsmith.decode.experimental import cluster_gemm as cg
+
+    torch.manual_seed(1)
+    ws = [torch.randn(512, 512, device="cuda", dtype=torch.bfloat16) * 512**-0.5 for _ in range(6)]
+    x = torch.randn(49, 512, device="cuda", dtype=torch.bfloat16)
+
+    def run(pdl, late=False):
+        y = x
+        for i, w in enumerate(ws):
+            y = cg.cluster_gemm(y, w, (("bn128_half", "bn64", "bn256")[i % 3], 1 + i % 4), pdl, late)
+        return y
+
+    want = run(False)
+    for late in (False, True):
+        run(True, late)  # loads the module outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = run(True, late)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)

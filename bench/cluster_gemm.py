@@ -1,0 +1,334 @@
+"""The 8B verify's matmuls through `experimental.cluster_gemm` (our CUDA kernel: split-K in a cluster, PDL) against
+torch's mm (cuBLAS's pick), one at a time and as a layer's dependent chain.
+
+Why: at 49 rows cuBLAS streams q/k/v, o and down at 0.67-0.85 of copy bandwidth and breaks the PDL chain; the 49-row
+verify is ~1.25 plain steps where issue 16 asks <= 1.15 (docs/LOG.md, twenty-second session).
+
+Sections:
+  prof   where a cold call's time goes: each CTA's in-kernel clock stamps (start, weights in, K done, reduced)
+  scale  us a call against K at N = 4096 for each variant (split 1 and 4): the fixed cost and the streaming rate
+  check  every variant and split against an fp32 reference at 1, 17, 49 and 64 rows (max |err| beside torch's)
+  iso    us a call for each (variant, split) over L copies of the weights (> 400 MB, read from HBM as a verify
+         layer does), one CUDA graph of R passes; fraction of copy bandwidth (weights + x + out bytes); torch beside
+  chain  32 layers of q/k/v -> o -> gate/up -> down, each matmul's input the previous one's output (distinct weights:
+         14 GB, all from HBM): ms a layer for torch, the kernel with each kind's fastest iso plan (PDL on and off),
+         and the kernel with gate/up left to torch; the copy-bandwidth floor beside
+
+    python bench/cluster_gemm.py                       # H200, ~1 min
+    python bench/cluster_gemm.py --sections iso --kinds o --splits 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+KINDS = {k: v for k, v in common.LLAMA_8B_MATMULS.items() if k != "lm_head"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="check,iso,chain", help="check, iso, chain (comma-separated)")
+    ap.add_argument("--rows", type=int, default=49, help="forward width (tokens) for iso and chain")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds ({', '.join(KINDS)})")
+    ap.add_argument("--variants", default="", help="kernel variants (default: all of cluster_gemm.VARIANTS)")
+    ap.add_argument("--splits", default="1,2,3,4,6,8", help="CTAs over K a cluster (iso)")
+    ap.add_argument("--passes", type=int, default=3, help="passes over the copies in one graph (iso)")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cluster_gemm: needs a CUDA device")
+        return 1
+    from draftsmith.decode.experimental import cluster_gemm as cg
+    from draftsmith.decode.kernels import _time_graph
+
+    torch.manual_seed(0)
+    sections = set(args.sections.split(","))
+    kinds = args.kinds.split(",")
+    variants = args.variants.split(",") if args.variants else [v for v in cg.VARIANTS if "nomma" not in v]
+    scale_variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)  # + the ring alone
+    splits = [int(s) for s in args.splits.split(",")]
+    bw = common.measure_copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = args.rows
+    md, data = [], {"copy_GBps": bw / 1e9}
+
+    if "check" in sections:
+        rows_out = []
+        for kind in kinds:
+            n, k = KINDS[kind]
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for rows in (1, 17, 49, 64):
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ w.float().t()
+                t_err = (torch.mm(x, w.t()).float() - ref).abs().max().item()
+                worst = 0.0
+                for v in variants:
+                    if not cg.supports(x, w, v):
+                        continue
+                    for s in (1, 2, 4, 8):
+                        got = cg.cluster_gemm(x, w, (v, s))
+                        worst = max(worst, (got.float() - ref).abs().max().item())
+                ok = worst <= max(2 * t_err, 1e-6)
+                rows_out.append({"kind": kind, "rows": rows, "torch err": t_err, "kernel err (worst)": worst, "ok": ok})
+                print(rows_out[-1], flush=True)
+        md.append("check (max |err| against x.float() @ w.float().T):\n\n")
+        md.append(common.markdown_table(rows_out, ["kind", "rows", "torch err", "kernel err (worst)", "ok"]))
+        data["check"] = rows_out
+        if not all(r["ok"] for r in rows_out):
+            print("cluster_gemm: CHECK FAILED")
+
+    if "scale" in sections:
+        # us a call against K at N = 4096: the slope is the streaming rate, the intercept the fixed cost (launch,
+        # prologue, the cluster's reduction and its two barriers)
+        rows_out = []
+        n = 4096
+        for v in scale_variants:
+            bn, bk = cg.VARIANTS[v][0], cg.BK
+            for s in (1, 4):
+                pts = []
+                for k in (512, 1024, 2048, 4096, 8192, 14336):
+                    if k % bk or s > k // bk:
+                        continue
+                    copies = max(2, math.ceil(400e6 / (n * k * 2)))
+                    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+                    def fn(v=v, s=s, ws=ws, x=x, out=out):
+                        for w in ws:
+                            cg.launch(x, w, out, v, s, False)
+
+                    us, _ = _time_graph(fn, copies, 10)
+                    if us is not None:
+                        pts.append((k, us))
+                    del ws
+                if len(pts) < 2:
+                    continue
+                kk = torch.tensor([p[0] * n * 2 / 1e6 for p in pts], dtype=torch.float64)  # MB of weights
+                tt = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+                A = torch.stack([kk, torch.ones_like(kk)], 1)
+                slope, icpt = torch.linalg.lstsq(A, tt[:, None]).solution[:, 0].tolist()
+                rows_out.append(
+                    {
+                        "variant": v,
+                        "split": s,
+                        "CTAs": (n // bn) * s,
+                        "fixed us": icpt,
+                        "stream bw": 1.0 / slope * 1e12 / bw,
+                        "us by K": " ".join(f"{k}:{t:.1f}" for k, t in pts),
+                        "max clusters": cg.max_active_clusters(v, s),
+                    }
+                )
+                print(rows_out[-1], flush=True)
+            torch.cuda.empty_cache()
+        md.append(f"\nscale (N = 4096, {m} rows, no PDL; us = fixed + weight MB / stream bw):\n\n")
+        md.append(
+            common.markdown_table(
+                rows_out, ["variant", "split", "CTAs", "fixed us", "stream bw", "max clusters", "us by K"]
+            )
+        )
+        data["scale"] = rows_out
+
+    if "prof" in sections:
+        # where a call's time goes: each CTA's %globaltimer stamps (cg.PROF_STAMPS) of a cold call (its weights not
+        # in L2), eagerly launched (no PDL), relative to the first CTA's start: median and latest over the CTAs
+        rows_out = []
+        for kind in ("qkv", "o", "down"):
+            n, k = KINDS[kind]
+            ws = [
+                torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                for _ in range(max(2, math.ceil(200e6 / (n * k * 2))))
+            ]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for v, s in [
+                ("bn128", 4),
+                ("bn256", 4),
+                ("bn256wg4", 4),
+                ("bn256wg4", 6),
+                ("bn128_half", 6),
+                ("bn128_nomma", 4),
+            ]:
+                if not cg.supports(x, ws[0], v) or s > k // cg.BK:
+                    continue
+                ctas = (n // cg.VARIANTS[v][0]) * s
+                prof = torch.zeros(ctas * len(cg.PROF_STAMPS), dtype=torch.int64, device="cuda")
+                for w in ws:
+                    cg.launch(x, w, out, v, s, False, prof)
+                    torch.cuda.synchronize()
+                st = prof.view(ctas, -1).double()
+                st = (st - st[:, 0].min()) / 1e3
+                med, mx = st.median(0).values.tolist(), st.max(0).values.tolist()
+                row = {"kind": kind, "plan": f"{v} s{s} ({ctas} CTAs)"}
+                for j, name in enumerate(cg.PROF_STAMPS):
+                    row[name] = f"{med[j]:.2f} / {mx[j]:.2f}"
+                rows_out.append(row)
+                print(row, flush=True)
+            del ws
+            torch.cuda.empty_cache()
+        md.append(f"\nprof (us from the first CTA's start, median / latest CTA; {m} rows, cold, no PDL):\n\n")
+        md.append(common.markdown_table(rows_out, ["kind", "plan", *cg.PROF_STAMPS]))
+        data["prof"] = rows_out
+
+    best_plan: dict[str, tuple[str, int]] = {}
+    if "iso" in sections:
+        rows_out = []
+        for kind in kinds:
+            n, k = KINDS[kind]
+            wbytes = n * k * 2
+            copies = max(2, math.ceil(400e6 / wbytes))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            calls = copies * args.passes
+            nbytes = wbytes + (m * k + m * n) * 2
+
+            def torch_fn():
+                for _ in range(args.passes):
+                    for w in ws:
+                        torch.mm(x, w.t(), out=out)
+
+            t_torch, _ = _time_graph(torch_fn, calls, 10)
+            row = {"kind": kind, "rows": m, "torch us": t_torch, "torch bw": nbytes / t_torch * 1e6 / bw}
+            timed = []
+            for v in variants:
+                if not cg.supports(x, ws[0], v) or "nomma" in v:
+                    continue
+                for s in splits:
+                    if s > min(cg.SPLIT_MAX, k // cg.BK):
+                        continue
+                    for pdl in (True, False):
+
+                        def fn(v=v, s=s, pdl=pdl):
+                            for _ in range(args.passes):
+                                for w in ws:
+                                    cg.launch(x, w, out, v, s, pdl)
+
+                        us, why = _time_graph(fn, calls, 10)
+                        if us is None:
+                            print(f"{kind} {v} s{s} pdl={pdl}: {why}", flush=True)
+                            continue
+                        timed.append((us, v, s, pdl, (n // cg.VARIANTS[v][0]) * s))
+            timed.sort()
+            on = [t for t in timed if t[3]]
+            off = [t for t in timed if not t[3]]
+            if on:
+                best_plan[kind] = (on[0][1], on[0][2])
+                row.update(
+                    {
+                        "best (pdl)": f"{on[0][1]} s{on[0][2]} ({on[0][4]} CTAs)",
+                        "us": on[0][0],
+                        "bw": nbytes / on[0][0] * 1e6 / bw,
+                        "/torch": on[0][0] / t_torch,
+                        "best (no pdl)": f"{off[0][1]} s{off[0][2]} {off[0][0]:.2f}us" if off else "-",
+                        "plan_for": "{} s{}".format(*cg.plan_for(n, k, sms)),
+                        "next": "; ".join(f"{t[1]} s{t[2]} {t[0]:.2f}" for t in on[1:5]),
+                    }
+                )
+            rows_out.append(row)
+            print(row, flush=True)
+            ws.clear()
+            torch.cuda.empty_cache()
+        cols = ["kind", "rows", "torch us", "torch bw", "best (pdl)", "us", "bw", "/torch", "best (no pdl)", "plan_for"]
+        md.append(f"\niso ({m} rows; bw = fraction of copy bandwidth {bw / 1e9:.0f} GB/s):\n\n")
+        md.append(common.markdown_table(rows_out, cols + ["next"]))
+        data["iso"] = rows_out
+
+    if "chain" in sections:
+        L = args.layers
+        H, I2 = KINDS["o"][0], KINDS["gate_up"][0]
+        layers = [
+            {kind: torch.randn(*KINDS[kind], device="cuda", dtype=torch.bfloat16) * 0.02 for kind in KINDS}
+            for _ in range(L)
+        ]
+        x0 = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+        layer_bytes = sum(n * k * 2 for n, k in KINDS.values())
+        plans = {kind: best_plan.get(kind) or cg.plan_for(*KINDS[kind], sms) for kind in KINDS}
+
+        def mm_torch(x, w, kind):
+            return torch.mm(x, w.t())
+
+        def chain(mm):
+            def run():
+                x = x0
+                for lw in layers:
+                    q = mm(x, lw["qkv"], "qkv")
+                    o = mm(q[:, :H], lw["o"], "o")
+                    gu = mm(o, lw["gate_up"], "gate_up")
+                    x = mm(gu[:, : I2 // 2], lw["down"], "down")
+                return x
+
+            return run
+
+        def ours(plans, pdl=True, torch_kinds=(), late=False):
+            def mm(x, w, kind):
+                if kind in torch_kinds or not cg.supports(x, w, plans[kind][0]):
+                    return torch.mm(x, w.t())
+                return cg.cluster_gemm(x, w, plans[kind], pdl, late)
+
+            return mm
+
+        # two CTAs an SM: the next matmul's CTAs can sit beside this one's and prefetch while it drains
+        half = {
+            "qkv": ("bn128_half", 4),
+            "o": ("bn128_half", 6),
+            "gate_up": ("bn128_half", 2),
+            "down": ("bn128_half", 6),
+        }
+        ref = chain(mm_torch)()
+        got = chain(ours(plans))()
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        rows_out = []
+        for name, mm in [
+            ("torch", mm_torch),
+            ("iso plans, pdl", ours(plans)),
+            ("iso plans, pdl late", ours(plans, late=True)),
+            ("iso plans, no pdl", ours(plans, False)),
+            ("iso plans, gate/up torch", ours(plans, True, ("gate_up",))),
+            ("half plans, pdl", ours(half)),
+            ("half plans, pdl late", ours(half, late=True)),
+            ("half plans, no pdl", ours(half, False)),
+            ("torch", mm_torch),
+        ]:
+            us, why = _time_graph(chain(mm), 4 * L, 5)
+            per_layer = us * 4 / 1e3 if us is not None else None
+            rows_out.append(
+                {
+                    "matmuls": name,
+                    "ms a layer": per_layer,
+                    "x floor": per_layer / (layer_bytes / bw * 1e3) if per_layer else None,
+                    "32 layers ms": per_layer * 32 if per_layer else why,
+                }
+            )
+            print(rows_out[-1], flush=True)
+        md.append(
+            f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
+            f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}):\n\n"
+        )
+        md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
+        data["chain"] = rows_out
+        data["plans"] = plans
+    body = "".join(md)
+    print(body)
+    if not args.no_append:
+        common.record(
+            "cluster_gemm",
+            "Our CUDA few-row GEMM (split-K in a cluster, PDL) vs torch at the 8B verify's shapes",
+            body,
+            data,
+            "python bench/cluster_gemm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,363 @@
+"""`cluster_gemm`: a few-row bf16 GEMM of our own, `out[M, N] = x[M, K] @ w[N, K]^T` for M <= 56 (or 64) (the 8B verify's
+49 rows), split over K inside a thread-block cluster and reduced through distributed shared memory, with
+programmatic dependent launch: its first weight tiles are in flight before the previous kernel finishes.
+
+Why: at 49 rows cuBLAS's kernels stream q/k/v, o and down at 0.67-0.85 of copy bandwidth and never overlap their
+neighbours (no PDL), which leaves the verify at ~1.25 plain steps (docs/LOG.md, twenty-second session). The kernel
+is CUDA (`csrc/cluster_gemm.cu`, what it does and why is there), shipped as PTX (`csrc/cluster_gemm.ptx`, made by
+`scripts/build_cuda_kernels.sh`), assembled here for the GPU by triton's bundled ptxas (the driver's JIT when
+there is none) and launched through the driver API (`cuLaunchKernelEx`: cluster dimensions and PDL are launch
+attributes), on torch's current stream, so CUDA graphs capture it like any kernel.
+
+A plan is (variant, split): the variant names a tile (`VARIANTS`: BN weight rows a CTA, warps along them, ring
+stages), split the CTAs over K that form one cluster. `plan_for` picks one for a shape (`tune` times them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+PTX = _CSRC / "cluster_gemm.ptx"
+BK = 64  # K a ring stage covers: K must be a multiple of it
+# variant -> (BN weight rows a CTA, warpgroups, tokens (M at most), ring stages): csrc/cluster_gemm.cu's CLUSTER_GEMM
+# instances ("_half": half the shared memory, two CTAs an SM; "_keep": no L2 evict-first hint on the weights;
+# "_nomma": the ring alone, no multiplies — a diagnostic whose output is garbage)
+VARIANTS = {
+    "bn64": (64, 1, 56, 12),
+    "bn128": (128, 2, 56, 8),
+    "bn128wg1": (128, 1, 56, 8),
+    "bn256": (256, 2, 56, 5),
+    "bn256wg4": (256, 4, 56, 5),
+    "bn256n64": (256, 2, 64, 5),
+    "bn256_keep": (256, 2, 56, 5),
+    "bn64_half": (64, 1, 56, 6),
+    "bn128_half": (128, 2, 56, 4),
+    "bn256_s3": (256, 2, 56, 3),
+    "bn256_nomma": (256, 2, 56, 5),
+    "bn128_nomma": (128, 2, 56, 8),
+}
+ROWS_MAX = max(v[2] for v in VARIANTS.values())
+SPLIT_MAX = 8  # portable cluster size
+N_MAX = 65536  # the engine's route (ops.TritonAttnOps._cg) leaves wider matrices (a vocabulary's lm_head) to cuBLAS
+# (variant, split) by (N, K), measured on an H200 at 49 rows (bench/cluster_gemm.py iso, BENCHMARKS.md: the 8B
+# shapes); `plan_for` takes these before its rule
+PLANS = {
+    (6144, 4096): ("bn128_half", 4),
+    (4096, 4096): ("bn128_half", 6),
+    (28672, 4096): ("bn128_half", 2),
+    (4096, 14336): ("bn256wg4", 6),
+}
+# what each of a CTA's profile stamps marks (`launch(prof=)`)
+PROF_STAMPS = (
+    "start",
+    "previous kernel done",
+    "first weight tile in",
+    "K slice done",
+    "partials exchanged",
+    "stored",
+    "end",
+)
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_CUDA: ctypes.CDLL | None = None
+_FUNCS: dict[tuple[int, str], ctypes.c_void_p] = {}
+_MAPS: dict[tuple[int, int, int, int], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN) -> (buffer, its address)
+_MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
+
+
+def _cuda() -> ctypes.CDLL:
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = ctypes.CDLL("libcuda.so.1")
+    return _CUDA
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        name = ctypes.c_char_p()
+        _cuda().cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"cluster_gemm: {what} failed: {name.value.decode() if name.value else status}")
+
+
+def smem_bytes(variant: str) -> int:
+    bn, _, _, stages = VARIANTS[variant]
+    return stages * (bn + 64) * BK * 2 + 1024 + 8 * stages  # the ring (x: 64 rows a stage), alignment, mbarriers
+
+
+def _ptxas() -> str | None:
+    try:
+        import triton.backends.nvidia as nv
+
+        p = Path(nv.__file__).parent / "bin" / "ptxas"
+        if p.exists():
+            return str(p)
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def _image() -> bytes:
+    """The kernels for sm_90a: a cubin assembled from the shipped PTX by ptxas (cached by the PTX's hash), or the PTX
+    itself for the driver to compile when no ptxas is found."""
+    ptx = PTX.read_bytes()
+    ptxas = _ptxas()
+    if ptxas is None:
+        return ptx + b"\0"
+    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "cuda"
+    cubin = cache / f"cluster_gemm-{hashlib.sha256(ptx).hexdigest()[:16]}.cubin"
+    if not cubin.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / "k.cubin"
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-O3", str(PTX), "-o", str(out)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"cluster_gemm: ptxas failed on {PTX}: {r.stderr.strip().splitlines()[-1:]}")
+            os.replace(out, cubin)  # atomic: a concurrent build writes the same bytes
+    return cubin.read_bytes()
+
+
+def _function(device: torch.device, variant: str) -> ctypes.c_void_p:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), variant)
+    fn = _FUNCS.get(key)
+    if fn is not None:
+        return fn
+    lib = _cuda()
+    torch.cuda.init()
+    with torch.cuda.device(key[0]):
+        torch.empty(1, device=device)  # the primary context current on this thread
+        ctx = ctypes.c_void_p()
+        _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            _check(lib.cuDeviceGet(ctypes.byref(dev), key[0]), "cuDeviceGet")
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        image = _image()
+        mod = ctypes.c_void_p()
+        _check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(image)), "cuModuleLoadData")
+        for v in VARIANTS:
+            f = ctypes.c_void_p()
+            name = f"cluster_gemm_{v}".encode()
+            _check(lib.cuModuleGetFunction(ctypes.byref(f), mod, name), f"cuModuleGetFunction({name.decode()})")
+            _check(
+                lib.cuFuncSetAttribute(f, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(v)),
+                "cuFuncSetAttribute",
+            )
+            _FUNCS[(key[0], v)] = f
+    return _FUNCS[key]
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, variant: str = "bn128", check_ptr: bool = True) -> bool:
+    """Whether the variant takes x @ w^T: CUDA sm_90+, bf16, 1 <= M <= the variant's tokens (56 or 64), K a multiple
+    of 64, N of the variant's BN, rows 16-byte aligned (`check_ptr` False: not the data pointers — a traced tensor
+    has none)."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    M, K = x.shape
+    N = w.shape[0]
+    return (
+        1 <= M <= VARIANTS[variant][2]
+        and w.shape[1] == K
+        and K % BK == 0
+        and N % VARIANTS[variant][0] == 0
+        and w.is_contiguous()
+        and x.stride(1) == 1
+        and x.stride(0) % 8 == 0
+        and (not check_ptr or (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0))
+    )
+
+
+def _weight_map(w: torch.Tensor, bn: int) -> int:
+    """The address of a CUtensorMap over w [N, K] with a [bn, 64] box and the 128-byte swizzle (made once per
+    weight: the host encodes it, the kernel takes it by value)."""
+    N, K = w.shape
+    key = (w.data_ptr(), N, K, bn)
+    hit = _MAPS.get(key)
+    if hit is not None:
+        return hit[1]
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63  # CUtensorMap is 64-byte aligned
+    dims = (ctypes.c_uint64 * 2)(K, N)
+    strides = (ctypes.c_uint64 * 1)(K * 2)
+    box = (ctypes.c_uint32 * 2)(BK, bn)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    _check(
+        _cuda().cuTensorMapEncodeTiled(
+            ctypes.c_void_p(addr),
+            _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ctypes.c_void_p(w.data_ptr()),
+            dims,
+            strides,
+            box,
+            elem,
+            0,
+            _CU_TENSOR_MAP_SWIZZLE_128B,
+            _CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            0,
+        ),
+        "cuTensorMapEncodeTiled",
+    )
+    if len(_MAPS) >= _MAPS_MAX:
+        _MAPS.pop(next(iter(_MAPS)))
+    _MAPS[key] = (buf, addr)
+    return addr
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    variant: str,
+    split: int,
+    pdl: bool = True,
+    prof: torch.Tensor | None = None,
+    late: bool = False,
+) -> None:
+    """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
+    8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
+    PROF_STAMPS. `late`: the next kernel launches (PDL) once every CTA is done with its K slice, not at once."""
+    M, K = x.shape
+    N = w.shape[0]
+    bn = VARIANTS[variant][0]
+    if not 1 <= split <= min(SPLIT_MAX, K // BK):
+        raise ValueError(f"cluster_gemm: split {split} not in 1..{min(SPLIT_MAX, K // BK)} for K={K}")
+    fn = _function(x.device, variant)
+    attrs = (_LaunchAttr * 2)()
+    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, split, 1
+    attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[1].value[0] = 1 if pdl else 0
+    cfg = _LaunchConfig()
+    cfg.grid[:] = (N // bn, split, 1)
+    cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
+    cfg.shared_mem_bytes = smem_bytes(variant)
+    cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
+    cfg.attrs = attrs
+    cfg.num_attrs = 2
+    wmap = _weight_map(w, bn)
+    args = [
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(M),
+        ctypes.c_int(K),
+        ctypes.c_int(x.stride(0)),
+        ctypes.c_int(out.stride(0)),
+        ctypes.c_int(1 if late else 0),
+        ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
+    ]
+    params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
+    _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
+
+
+def max_active_clusters(variant: str, split: int, device: torch.device | None = None) -> int:
+    """How many clusters of `split` CTAs of the variant the GPU holds at once (cuOccupancyMaxActiveClusters): a
+    grid past that runs in more than one wave."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    fn = _function(device, variant)
+    attrs = (_LaunchAttr * 1)()
+    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, split, 1
+    cfg = _LaunchConfig()
+    cfg.grid[:] = (1, split, 1)
+    cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
+    cfg.shared_mem_bytes = smem_bytes(variant)
+    cfg.attrs = attrs
+    cfg.num_attrs = 1
+    n = ctypes.c_int()
+    _check(_cuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters")
+    return n.value
+
+
+def plan_for(N: int, K: int, sms: int = 132) -> tuple[str, int]:
+    """A (variant, split) for a shape: `PLANS`' measured one, else fewest waves of CTAs over the SMs, then the
+    best-filled last wave, then the widest tile."""
+    if (N, K) in PLANS:
+        return PLANS[(N, K)]
+    best, best_key = ("bn128", 1), None
+    for v, (bn, _, _, _) in VARIANTS.items():
+        if N % bn or K % BK or v not in ("bn64", "bn128", "bn256"):
+            continue
+        tiles = N // bn
+        for s in range(1, min(SPLIT_MAX, K // BK) + 1):
+            ctas = tiles * s
+            waves = -(-ctas // sms)
+            key = (-waves, ctas / (waves * sms), bn)  # one wave, then its fill, then the wider tile (x read less)
+            if best_key is None or key > best_key:
+                best, best_key = (v, s), key
+    return best
+
+
+def cluster_gemm(
+    x: torch.Tensor, w: torch.Tensor, plan: tuple[str, int] | None = None, pdl: bool = True, late: bool = False
+):
+    """x [M, K] @ w [N, K]^T -> [M, N] bf16 through the kernel (`supports` must hold for the plan's variant)."""
+    variant, split = plan or plan_for(w.shape[0], x.shape[1])
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    launch(x, w, out, variant, split, pdl, late=late)
+    return out
+
+
+@torch.library.custom_op("draftsmith::cluster_gemm", mutates_args=())
+def cluster_gemm_op(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, pdl: bool, late: bool) -> torch.Tensor:
+    """x @ w^T through the kernel with plan (variant, split) — a torch op, so a compiled forward calls it (inductor
+    keeps it whole) and a CUDA graph captures its launch; F.linear where the kernel does not take x (the caller
+    checked `supports` on x's traced metadata; a strided view can still arrive)."""
+    if not supports(x, w, variant):
+        return torch.nn.functional.linear(x, w)
+    return cluster_gemm(x, w, (variant, split), pdl, late)
+
+
+@cluster_gemm_op.register_fake
+def _(x, w, variant, split, pdl, late):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+__all__ = [
+    "N_MAX",
+    "PLANS",
+    "cluster_gemm_op",
+    "PROF_STAMPS",
+    "BK",
+    "PTX",
+    "VARIANTS",
+    "cluster_gemm",
+    "launch",
+    "max_active_clusters",
+    "plan_for",
+    "smem_bytes",
+    "supports",
+]

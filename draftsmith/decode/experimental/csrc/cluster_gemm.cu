@@ -1,0 +1,332 @@
+// Few-row GEMM for a wide forward (the 8B verify's 49 rows): out[M, N] = x[M, K] @ w[N, K]^T, bf16 in and out, fp32
+// accumulation, M <= NTOK (56 or 64). Built to stream the weights at copy bandwidth where cuBLAS's kernels reach
+// 0.67-0.85 of it (docs/LOG.md, twenty-second and twenty-third sessions):
+//
+// * one CTA owns BN weight rows and a slice of K; the S CTAs sharing an N tile form a cluster (grid.y = S) and reduce
+//   their fp32 partial tiles through distributed shared memory: split-K with no workspace and no second launch;
+// * the weights stream through a STAGES-deep ring filled by the tensor memory accelerator (one 2-D TMA load a stage,
+//   issued by one thread, completing on the stage's mbarrier; W evicted first from L2: read once). x (49 rows, re-read
+//   by every N tile, in L2) takes cp.async;
+// * programmatic dependent launch: the CTA lets the next kernel launch at once, issues its first STAGES-1 weight
+//   tiles, and only then waits for the previous kernel (griddepcontrol.wait) before it reads x or writes out — so the
+//   weights are in flight while the previous kernel drains, as the Triton gemv of the one-row step does;
+// * the MMAs are Hopper's wgmma with the weights as A (64 rows a warpgroup instruction) and x as B (NTOK tokens):
+//   "swap AB", so 49 tokens pad to 56, not to a 64-row M tile. At 49 tokens the GEMM does 49 FLOP a weight byte:
+//   ~210 TFLOPS at copy bandwidth. A first version on mma.sync (ldmatrix-fed, the same ring) was bound by that: it
+//   streamed ~25 GB/s an SM whatever the tile or ring depth (docs/LOG.md, twenty-third session).
+//
+// Shared-memory tiles are [rows][64] bf16 (128 bytes a row, 8 chunks of 16 bytes), chunk c of row r stored at chunk
+// c ^ (r & 7) — TMA's 128-byte swizzle, which the wgmma descriptors name (layout 1), for tiles at 1024-byte
+// boundaries.
+//
+// Built to PTX by scripts/build_cuda_kernels.sh (nvcc -arch=sm_90a); `experimental/cluster_gemm.py` assembles it with
+// triton's ptxas and launches it through the driver API.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+#define XROWS 64  // x rows a ring stage holds (NTOK of them are multiplied)
+#define BK 64     // K a stage covers: 128 bytes of a weight row, TMA's 128-byte swizzle span
+
+struct alignas(64) TmaDesc {  // a CUtensorMap, encoded on the host (cuTensorMapEncodeTiled)
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {  // byte offset of (row, 16-byte chunk) in a tile
+    return row * (BK * 2) + ((chunk ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+
+// the [BN rows][64] box at (k, row) of the tensor map into dst, completing on bar
+template <bool EVICT>
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, int k, int row, uint32_t bar,
+                                            uint64_t policy) {
+    const uint64_t m = reinterpret_cast<uint64_t>(map);
+    if (EVICT)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+            "l"(m), "r"(k), "r"(row), "r"(bar), "l"(policy)
+            : "memory");
+    else
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+            "l"(m), "r"(k), "r"(row), "r"(bar)
+            : "memory");
+}
+
+// a wgmma shared-memory descriptor: K-major tile of 128-byte rows, 128-byte swizzle, 8-row groups 1024 bytes apart
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_m64n56(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n56k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, %28, %29, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27])
+        : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ void wgmma_m64n64(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
+}
+
+template <int NTOK>
+__device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db) {
+    if constexpr (NTOK == 56)
+        wgmma_m64n56(d, da, db);
+    else
+        wgmma_m64n64(d, da, db);
+}
+
+// BN weight rows a CTA over WG warpgroups (each BN / WG rows: MT m64 tiles), NTOK tokens, a STAGES-deep ring; EVICT:
+// the weights' loads hint L2 to evict them first; MMA false: no multiplies (measures the ring's streaming alone; the
+// output is garbage). `wmap`: the weights [N, K] as a tensor map with a [BN, 64] box.
+// `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
+// prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
+#define PROF_POINTS 7
+template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA>
+__device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
+                                                  __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
+                                                  int late, unsigned long long* prof) {
+    constexpr int THREADS = 128 * WG;
+    constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
+    constexpr int NREG = NTOK / 2;    // accumulator registers an m64 tile
+    constexpr int W_BYTES = BN * BK * 2;
+    constexpr int X_BYTES = XROWS * BK * 2;
+    constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
+    constexpr int CH = BK / 8;  // 16-byte chunks a tile row
+    static_assert(MT >= 1 && BN % (64 * WG) == 0 && BN <= 256, "warpgroup tile, TMA box");
+    static_assert((XROWS * CH) % THREADS == 0 && STAGE_BYTES % 1024 == 0, "x chunks per thread, swizzle alignment");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // PDL: the next kernel may launch once every CTA here has started (its CTAs then prefetch their weights beside
+    // ours) — or, with `late`, once every CTA here is done with its K slice (their prefetch overlaps only our
+    // exchange and stores)
+    if (!late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long* stamp = nullptr;  // this CTA's stamps (thread 0, with prof)
+    if (prof != nullptr && threadIdx.x == 0) stamp = prof + (blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS;
+    if (stamp) stamp[0] = globaltimer();  // started
+    // the ring at a 1024-byte boundary (the swizzle pattern repeats every 8 rows of 128 bytes), its stages' mbarriers
+    // after it
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+
+    cg::cluster_group cluster = cg::this_cluster();
+    const int S = static_cast<int>(cluster.num_blocks());
+    const int rank = static_cast<int>(cluster.block_rank());
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+    const int n0 = blockIdx.x * BN;
+    const int KT = K / BK;
+    const int kt0 = KT * rank / S, nkt = KT * (rank + 1) / S - kt0;
+    const uint32_t base = smem_addr(smem);
+    const uint32_t bars = base + STAGES * STAGE_BYTES;
+
+    uint64_t evict_first;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
+    if (tid == 0) {
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(wmap)) : "memory");
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    auto load_w = [&](int slot, int kt) {  // thread 0 only
+        mbar_expect(bars + 8 * slot, W_BYTES);
+        tma_load_2d<EVICT>(base + slot * STAGE_BYTES, wmap, kt * BK, n0, bars + 8 * slot, evict_first);
+    };
+    auto load_x = [&](int slot, int kt) {
+        const uint32_t dst = base + slot * STAGE_BYTES + W_BYTES;
+#pragma unroll
+        for (int i = 0; i < XROWS * CH / THREADS; ++i) {
+            const int c = tid + i * THREADS, r = c / CH, ch = c % CH;
+            if (r >= NTOK) continue;  // never multiplied
+            const bool ok = r < M;    // rows past M read as zeros (their outputs are never stored)
+            const __nv_bfloat16* src = ok ? x + static_cast<size_t>(r) * ldx + kt * BK + ch * 8 : x;
+            cp_async_zfill(dst + swz(r, ch), src, ok ? 16 : 0);
+        }
+    };
+
+    // the weights are no kernel's output: their first tiles load before the wait; x (the previous kernel's) after
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nkt && tid == 0) load_w(s, kt0 + s);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (stamp) stamp[1] = globaltimer();  // the previous kernel done
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nkt) load_x(s, kt0 + s);
+        cp_async_commit();
+    }
+
+    float acc[MT][NREG];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int e = 0; e < NREG; ++e) acc[t][e] = 0.f;
+
+    // x's cp.async groups in flight: X0..X(P-1), then one a step: a step's x is complete once at most P - 1 =
+    // STAGES - 2 newer groups are pending; its weights once the slot's mbarrier completes its (i / STAGES)-th phase
+    for (int i = 0; i < nkt; ++i) {
+        cp_async_wait<STAGES - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // x's generic writes, seen by wgmma
+        mbar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
+        if (stamp && i == 0) stamp[2] = globaltimer();  // the first weight tile in
+        __syncthreads();  // the tile is everyone's; the slot refilled below was consumed by everyone last step
+        const int nxt = i + STAGES - 1;
+        if (nxt < nkt) {
+            if (tid == 0) load_w(nxt % STAGES, kt0 + nxt);
+            load_x(nxt % STAGES, kt0 + nxt);
+        }
+        cp_async_commit();
+        if constexpr (MMA) {
+            const uint32_t wt = base + (i % STAGES) * STAGE_BYTES, xt = wt + W_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                const uint64_t db = smem_desc(xt + kk * 32);
+#pragma unroll
+                for (int t = 0; t < MT; ++t)
+                    wgmma_tile<NTOK>(acc[t], smem_desc(wt + (wg * MT + t) * 64 * 128 + kk * 32), db);
+            }
+            wgmma_commit();
+            wgmma_wait0();  // the slot is refilled after the next step's barrier
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (stamp) stamp[3] = globaltimer();  // the K slice done
+
+    // the partial tile, [token][weight row] fp32, over the ring's first bytes (a padded row: fewer bank conflicts);
+    // then each token row goes to the CTA that owns it (token m: rank m % S) as vector stores into that CTA's inbox
+    // [S senders][rows it owns][BN], after the partial tile. Pushing is cheap (stores do not wait), pulling was not:
+    // a version whose owners loaded the S partials through distributed shared memory spent 2.3-3.7 us there, most of
+    // a call's fixed cost (bench/cluster_gemm.py --sections prof; docs/LOG.md, twenty-third session).
+    constexpr int RED_LD = BN + 4;
+    constexpr int RED_BYTES = NTOK * RED_LD * 4;
+    float* red = reinterpret_cast<float*>(smem);
+    float* inbox = reinterpret_cast<float*>(smem + RED_BYTES);
+    const int own = (M + S - 1) / S;  // token rows a CTA owns, at most
+    static_assert(RED_BYTES + (NTOK + 7) * BN * 4 <= STAGES * STAGE_BYTES, "reduction buffers");  // S * own <= M + 7
+    // the inbox overlaps the ring: no CTA pushes before every CTA of the cluster is done with its ring (arrive now,
+    // wait after the local write, so the barrier's latency hides behind it)
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NTOK / 8; ++j) {
+            const int wr = (wg * MT + t) * 64 + wq * 16 + (lane >> 2);
+            const int xr = j * 8 + (lane & 3) * 2;
+            red[xr * RED_LD + wr] = acc[t][4 * j];
+            red[(xr + 1) * RED_LD + wr] = acc[t][4 * j + 1];
+            red[xr * RED_LD + wr + 8] = acc[t][4 * j + 2];
+            red[(xr + 1) * RED_LD + wr + 8] = acc[t][4 * j + 3];
+        }
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    __syncthreads();
+    const int quads = M * (BN / 4);
+    for (int v = tid; v < quads; v += THREADS) {
+        const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
+        float* dst = cluster.map_shared_rank(inbox, m % S) + ((rank * own + m / S) * BN + c);
+        *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
+    }
+    cluster.sync();  // every partial row delivered to its owner
+    if (stamp) stamp[4] = globaltimer();  // partials exchanged
+
+    // this CTA's token rows, summed over the S partials in rank order (deterministic), stored
+    const int mine = M > rank ? (M - rank + S - 1) / S : 0;  // rows m = rank, rank + S, ... below M
+    for (int v = tid; v < mine * (BN / 4); v += THREADS) {
+        const int lm = v / (BN / 4), c = (v % (BN / 4)) * 4;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int q = 0; q < S; ++q) {
+            const float4 p = *reinterpret_cast<const float4*>(inbox + (q * own + lm) * BN + c);
+            sum.x += p.x;
+            sum.y += p.y;
+            sum.z += p.z;
+            sum.w += p.w;
+        }
+        const int m = lm * S + rank;
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + n0 + c);
+        o[0] = __floats2bfloat162_rn(sum.x, sum.y);
+        o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+    }
+    if (stamp) stamp[5] = globaltimer();  // stored
+    // (no second cluster barrier: after the first, no CTA touches another's shared memory)
+    if (stamp) stamp[6] = globaltimer();  // done
+}
+
+#define CLUSTER_GEMM(BN, WG, NTOK, STAGES, EVICT, MMA, NAME, MINB)                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
+        cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
+                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late,             \
+                            unsigned long long* prof) {                                                            \
+        cluster_gemm_body<BN, WG, NTOK, STAGES, EVICT, MMA>(&wmap, x, out, M, K, ldx, ldo, late, prof);            \
+    }
+
+// shared memory: STAGES * (BN + 64) * 128 bytes + 1024 (alignment) + the mbarriers; the names are
+// experimental/cluster_gemm.py's VARIANTS
+CLUSTER_GEMM(64, 1, 56, 12, true, true, bn64, 1)            // 192 KiB, one warpgroup
+CLUSTER_GEMM(128, 2, 56, 8, true, true, bn128, 1)           // 192 KiB
+CLUSTER_GEMM(128, 1, 56, 8, true, true, bn128wg1, 1)        // 192 KiB, one warpgroup of two m64 tiles
+CLUSTER_GEMM(256, 2, 56, 5, true, true, bn256, 1)           // 200 KiB
+CLUSTER_GEMM(256, 4, 56, 5, true, true, bn256wg4, 1)        // 200 KiB, four warpgroups
+CLUSTER_GEMM(256, 2, 64, 5, true, true, bn256n64, 1)        // 200 KiB, up to 64 tokens
+CLUSTER_GEMM(256, 2, 56, 5, false, true, bn256_keep, 1)     // no L2 hint
+CLUSTER_GEMM(64, 1, 56, 6, true, true, bn64_half, 2)        // 96 KiB: two CTAs an SM
+CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
+CLUSTER_GEMM(256, 2, 56, 3, true, true, bn256_s3, 1)        // 120 KiB
+CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
+CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
