@@ -21,6 +21,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -41,7 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="kernel variants (default: all of cluster_gemm.VARIANTS)")
     ap.add_argument("--splits", default="1,2,3,4,6,8", help="CTAs over K a cluster (iso)")
     ap.add_argument("--passes", type=int, default=3, help="passes over the copies in one graph (iso)")
+    ap.add_argument("--iso-no-pdl", type=int, default=1, help="iso: also time each plan without PDL (1) or not (0)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
+    ap.add_argument(
+        "--save-plans",
+        help="write iso's fastest plan a shape (PDL on) as JSON {'N,K': [variant, split]} (bench/decode.py "
+        "--cluster-gemm-plans reads it)",
+    )
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -206,7 +213,7 @@ def main(argv=None) -> int:
                 for s in splits:
                     if s > min(cg.SPLIT_MAX, k // cg.BK):
                         continue
-                    for pdl in (True, False):
+                    for pdl in (True, False) if args.iso_no_pdl else (True,):
 
                         def fn(v=v, s=s, pdl=pdl):
                             for _ in range(args.passes):
@@ -284,6 +291,8 @@ def main(argv=None) -> int:
             "gate_up": ("bn128_half", 2),
             "down": ("bn128_half", 6),
         }
+        # the chosen plans' tiles, each tile's last CTA reducing through L2 (no cluster)
+        last = {kind: (v + "_l", s) if v + "_l" in cg.VARIANTS else (v, s) for kind, (v, s) in plans.items()}
         ref = chain(mm_torch)()
         got = chain(ours(plans))()
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -291,12 +300,10 @@ def main(argv=None) -> int:
         for name, mm in [
             ("torch", mm_torch),
             ("iso plans, pdl", ours(plans)),
-            ("iso plans, pdl late", ours(plans, late=True)),
             ("iso plans, no pdl", ours(plans, False)),
-            ("iso plans, gate/up torch", ours(plans, True, ("gate_up",))),
             ("half plans, pdl", ours(half)),
-            ("half plans, pdl late", ours(half, late=True)),
-            ("half plans, no pdl", ours(half, False)),
+            ("last-CTA plans, pdl", ours(last)),
+            ("last-CTA plans, no pdl", ours(last, False)),
             ("torch", mm_torch),
         ]:
             us, why = _time_graph(chain(mm), 4 * L, 5)
@@ -311,12 +318,16 @@ def main(argv=None) -> int:
             )
             print(rows_out[-1], flush=True)
         md.append(
-            f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
+            f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}, last-CTA plans {last}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
             f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
         data["chain"] = rows_out
         data["plans"] = plans
+    if args.save_plans and best_plan:
+        Path(args.save_plans).write_text(
+            json.dumps({"{},{}".format(*KINDS[k]): list(p) for k, p in best_plan.items()}, indent=1)
+        )
     body = "".join(md)
     print(body)
     if not args.no_append:

@@ -704,6 +704,11 @@ def p2b(args, dev, dtype, runner, best):
         for v in args.cluster_gemm:
             if v in ("on", "late"):
                 over = {"cluster_gemm": True, "cluster_gemm_late": v == "late"}
+                if args.cluster_gemm_plans:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
+                    table = json.loads(Path(args.cluster_gemm_plans).read_text())
+                    over["cluster_gemm_plans"] = {
+                        tuple(int(d) for d in nk.split(",")): (p[0], int(p[1])) for nk, p in table.items()
+                    }
                 combos += [("triton", impl, 1, over, " cg" if v == "on" else " cglate") for impl in args.attn_impls]
     # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
     if tri:
@@ -1004,6 +1009,11 @@ def main(argv=None):
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.cluster_gemm (experimental: the wide "
         "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
         "cluster_gemm_late",
+    )
+    ap.add_argument(
+        "--cluster-gemm-plans",
+        help="with --cluster-gemm: the kernel's plan a shape from this JSON (bench/cluster_gemm.py --save-plans), "
+        "not experimental.cluster_gemm.PLANS",
     )
     ap.add_argument(
         "--lt-matmuls",

@@ -9,8 +9,10 @@ is CUDA (`csrc/cluster_gemm.cu`, what it does and why is there), shipped as PTX 
 there is none) and launched through the driver API (`cuLaunchKernelEx`: cluster dimensions and PDL are launch
 attributes), on torch's current stream, so CUDA graphs capture it like any kernel.
 
-A plan is (variant, split): the variant names a tile (`VARIANTS`: BN weight rows a CTA, warps along them, ring
-stages), split the CTAs over K that form one cluster. `plan_for` picks one for a shape (`tune` times them).
+A plan is (variant, split): the variant names a tile (`VARIANTS`: BN weight rows a CTA, warpgroups, tokens, ring
+stages), split the CTAs over K that form one cluster (or, for the `LAST` variants, that write their partials to an
+L2 workspace, the tile's last CTA summing them). `plan_for` picks one for a shape (bench/cluster_gemm.py times
+them).
 """
 
 from __future__ import annotations
@@ -44,7 +46,17 @@ VARIANTS = {
     "bn256_s3": (256, 2, 56, 3),
     "bn256_nomma": (256, 2, 56, 5),
     "bn128_nomma": (128, 2, 56, 8),
+    # split-K reduced by each tile's last CTA through an L2 workspace, no cluster ("_l": LAST)
+    "bn64_l": (64, 1, 56, 12),
+    "bn128_l": (128, 2, 56, 8),
+    "bn256_l": (256, 2, 56, 5),
+    "bn256wg4_l": (256, 4, 56, 5),
+    "bn64_half_l": (64, 1, 56, 6),
+    "bn128_half_l": (128, 2, 56, 4),
 }
+LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
+WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
+COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
 SPLIT_MAX = 8  # portable cluster size
 N_MAX = 65536  # the engine's route (ops.TritonAttnOps._cg) leaves wider matrices (a vocabulary's lm_head) to cuBLAS
@@ -92,6 +104,7 @@ class _LaunchConfig(ctypes.Structure):
 
 _CUDA: ctypes.CDLL | None = None
 _FUNCS: dict[tuple[int, str], ctypes.c_void_p] = {}
+_WS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (workspace, counters)
 _MAPS: dict[tuple[int, int, int, int], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN) -> (buffer, its address)
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
@@ -237,6 +250,20 @@ def _weight_map(w: torch.Tensor, bn: int) -> int:
     return addr
 
 
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LAST variants' workspace and zeroed counters on `device` (made once, outside any CUDA graph capture: a
+    graph's private pool would hand the memory back when the graph goes; the counters reset themselves)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _WS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cluster_gemm: make the workspace before capturing (one eager call first)")
+        _WS[idx] = (
+            torch.empty(WS_BYTES // 4, dtype=torch.float32, device=device),
+            torch.zeros(COUNTERS, dtype=torch.int32, device=device),
+        )
+    return _WS[idx]
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -256,9 +283,15 @@ def launch(
     if not 1 <= split <= min(SPLIT_MAX, K // BK):
         raise ValueError(f"cluster_gemm: split {split} not in 1..{min(SPLIT_MAX, K // BK)} for K={K}")
     fn = _function(x.device, variant)
+    last = variant in LAST
+    ws = counters = None
+    if last:
+        ws, counters = _workspace(x.device)
+        if (N // bn) > COUNTERS or N * split * VARIANTS[variant][2] * 4 > WS_BYTES:
+            raise ValueError(f"cluster_gemm: N={N} split {split} past the {variant} workspace")
     attrs = (_LaunchAttr * 2)()
     attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, split, 1
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if last else split, 1
     attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attrs[1].value[0] = 1 if pdl else 0
     cfg = _LaunchConfig()
@@ -277,6 +310,8 @@ def launch(
         ctypes.c_int(x.stride(0)),
         ctypes.c_int(out.stride(0)),
         ctypes.c_int(1 if late else 0),
+        ctypes.c_void_p(ws.data_ptr() if last else None),
+        ctypes.c_void_p(counters.data_ptr() if last else None),
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
     ]
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
@@ -290,9 +325,9 @@ def max_active_clusters(variant: str, split: int, device: torch.device | None = 
     fn = _function(device, variant)
     attrs = (_LaunchAttr * 1)()
     attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, split, 1
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if variant in LAST else split, 1
     cfg = _LaunchConfig()
-    cfg.grid[:] = (1, split, 1)
+    cfg.grid[:] = (1, 1 if variant in LAST else split, 1)
     cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
     cfg.shared_mem_bytes = smem_bytes(variant)
     cfg.attrs = attrs

@@ -134,13 +134,34 @@ __device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db) {
 // BN weight rows a CTA over WG warpgroups (each BN / WG rows: MT m64 tiles), NTOK tokens, a STAGES-deep ring; EVICT:
 // the weights' loads hint L2 to evict them first; MMA false: no multiplies (measures the ring's streaming alone; the
 // output is garbage). `wmap`: the weights [N, K] as a tensor map with a [BN, 64] box.
+// a CTA's accumulators (wgmma's fragment layout) into red [token][weight row] fp32, rows BN + 4 floats apart
+template <int BN, int WG, int NTOK, int MT>
+__device__ __forceinline__ void write_partial(float* red, const float (*acc)[NTOK / 2], int wg, int wq, int lane) {
+    constexpr int RED_LD = BN + 4;
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NTOK / 8; ++j) {
+            const int wr = (wg * MT + t) * 64 + wq * 16 + (lane >> 2);
+            const int xr = j * 8 + (lane & 3) * 2;
+            red[xr * RED_LD + wr] = acc[t][4 * j];
+            red[(xr + 1) * RED_LD + wr] = acc[t][4 * j + 1];
+            red[xr * RED_LD + wr + 8] = acc[t][4 * j + 2];
+            red[(xr + 1) * RED_LD + wr + 8] = acc[t][4 * j + 3];
+        }
+}
+
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
-template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA>
+// LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
+// `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
+// others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
+template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST>
 __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
                                                   __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
-                                                  int late, unsigned long long* prof) {
+                                                  int late, float* __restrict__ ws, int* __restrict__ counters,
+                                                  unsigned long long* prof) {
     constexpr int THREADS = 128 * WG;
     constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
     constexpr int NREG = NTOK / 2;    // accumulator registers an m64 tile
@@ -163,9 +184,8 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     // after it
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-    cg::cluster_group cluster = cg::this_cluster();
-    const int S = static_cast<int>(cluster.num_blocks());
-    const int rank = static_cast<int>(cluster.block_rank());
+    const int S = LAST ? static_cast<int>(gridDim.y) : static_cast<int>(cg::this_cluster().num_blocks());
+    const int rank = LAST ? static_cast<int>(blockIdx.y) : static_cast<int>(cg::this_cluster().block_rank());
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int n0 = blockIdx.x * BN;
@@ -250,34 +270,67 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     if (late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (stamp) stamp[3] = globaltimer();  // the K slice done
 
+    constexpr int RED_LD = BN + 4;
+    constexpr int RED_BYTES = NTOK * RED_LD * 4;
+    float* red = reinterpret_cast<float*>(smem);
+    const int quads = M * (BN / 4);
+    if constexpr (LAST) {
+        write_partial<BN, WG, NTOK, MT>(red, acc, wg, wq, lane);
+        __syncthreads();
+        __shared__ int is_last;
+        if (S > 1) {
+            float* mine = ws + static_cast<size_t>(blockIdx.x * S + rank) * NTOK * BN;
+            for (int v = tid; v < quads; v += THREADS) {
+                const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
+                __stcg(reinterpret_cast<float4*>(mine + m * BN + c), *reinterpret_cast<const float4*>(red + m * RED_LD + c));
+            }
+            __threadfence();  // this CTA's partial visible device-wide before it is counted
+            __syncthreads();
+            if (tid == 0) is_last = atomicAdd(counters + blockIdx.x, 1) == S - 1;
+            __syncthreads();
+            if (!is_last) return;
+            __threadfence();  // the other partials, counted before us, are visible to our loads
+        }
+        if (stamp) stamp[4] = globaltimer();  // partials exchanged (the last CTA)
+        const float* tile = ws + static_cast<size_t>(blockIdx.x) * S * NTOK * BN;
+        for (int v = tid; v < quads; v += THREADS) {
+            const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
+            float4 sum = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
+            if (S > 1) {  // every partial from the workspace, in rank order (deterministic whichever CTA is last)
+                sum = __ldcg(reinterpret_cast<const float4*>(tile + m * BN + c));
+                for (int q = 1; q < S; ++q) {
+                    const float4 p = __ldcg(reinterpret_cast<const float4*>(tile + (q * NTOK + m) * BN + c));
+                    sum.x += p.x;
+                    sum.y += p.y;
+                    sum.z += p.z;
+                    sum.w += p.w;
+                }
+            }
+            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + n0 + c);
+            o[0] = __floats2bfloat162_rn(sum.x, sum.y);
+            o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+        }
+        if (S > 1 && tid == 0) counters[blockIdx.x] = 0;  // for the next call (it counts only after its wait)
+        if (stamp) stamp[5] = globaltimer();
+        if (stamp) stamp[6] = globaltimer();
+        return;
+    }
+
     // the partial tile, [token][weight row] fp32, over the ring's first bytes (a padded row: fewer bank conflicts);
     // then each token row goes to the CTA that owns it (token m: rank m % S) as vector stores into that CTA's inbox
     // [S senders][rows it owns][BN], after the partial tile. Pushing is cheap (stores do not wait), pulling was not:
     // a version whose owners loaded the S partials through distributed shared memory spent 2.3-3.7 us there, most of
     // a call's fixed cost (bench/cluster_gemm.py --sections prof; docs/LOG.md, twenty-third session).
-    constexpr int RED_LD = BN + 4;
-    constexpr int RED_BYTES = NTOK * RED_LD * 4;
-    float* red = reinterpret_cast<float*>(smem);
     float* inbox = reinterpret_cast<float*>(smem + RED_BYTES);
     const int own = (M + S - 1) / S;  // token rows a CTA owns, at most
     static_assert(RED_BYTES + (NTOK + 7) * BN * 4 <= STAGES * STAGE_BYTES, "reduction buffers");  // S * own <= M + 7
     // the inbox overlaps the ring: no CTA pushes before every CTA of the cluster is done with its ring (arrive now,
     // wait after the local write, so the barrier's latency hides behind it)
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int j = 0; j < NTOK / 8; ++j) {
-            const int wr = (wg * MT + t) * 64 + wq * 16 + (lane >> 2);
-            const int xr = j * 8 + (lane & 3) * 2;
-            red[xr * RED_LD + wr] = acc[t][4 * j];
-            red[(xr + 1) * RED_LD + wr] = acc[t][4 * j + 1];
-            red[xr * RED_LD + wr + 8] = acc[t][4 * j + 2];
-            red[(xr + 1) * RED_LD + wr + 8] = acc[t][4 * j + 3];
-        }
+    write_partial<BN, WG, NTOK, MT>(red, acc, wg, wq, lane);
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
     __syncthreads();
-    const int quads = M * (BN / 4);
+    cg::cluster_group cluster = cg::this_cluster();
     for (int v = tid; v < quads; v += THREADS) {
         const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
         float* dst = cluster.map_shared_rank(inbox, m % S) + ((rank * own + m / S) * BN + c);
@@ -308,13 +361,17 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     if (stamp) stamp[6] = globaltimer();  // done
 }
 
-#define CLUSTER_GEMM(BN, WG, NTOK, STAGES, EVICT, MMA, NAME, MINB)                                                  \
+#define GEMM_KERNEL(BN, WG, NTOK, STAGES, EVICT, MMA, LAST, NAME, MINB)                                             \
     extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
         cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
-                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late,             \
-                            unsigned long long* prof) {                                                            \
-        cluster_gemm_body<BN, WG, NTOK, STAGES, EVICT, MMA>(&wmap, x, out, M, K, ldx, ldo, late, prof);            \
+                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late, float* ws,  \
+                            int* counters, unsigned long long* prof) {                                             \
+        cluster_gemm_body<BN, WG, NTOK, STAGES, EVICT, MMA, LAST>(&wmap, x, out, M, K, ldx, ldo, late, ws,         \
+                                                                  counters, prof);                                 \
     }
+#define CLUSTER_GEMM(BN, WG, NTOK, STAGES, EVICT, MMA, NAME, MINB) \
+    GEMM_KERNEL(BN, WG, NTOK, STAGES, EVICT, MMA, false, NAME, MINB)
+#define LASTCTA_GEMM(BN, WG, NTOK, STAGES, NAME, MINB) GEMM_KERNEL(BN, WG, NTOK, STAGES, true, true, true, NAME, MINB)
 
 // shared memory: STAGES * (BN + 64) * 128 bytes + 1024 (alignment) + the mbarriers; the names are
 // experimental/cluster_gemm.py's VARIANTS
@@ -330,3 +387,10 @@ CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
 CLUSTER_GEMM(256, 2, 56, 3, true, true, bn256_s3, 1)        // 120 KiB
 CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
 CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
+// split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
+LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
+LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
+LASTCTA_GEMM(256, 2, 56, 5, bn256_l, 1)
+LASTCTA_GEMM(256, 4, 56, 5, bn256wg4_l, 1)
+LASTCTA_GEMM(64, 1, 56, 6, bn64_half_l, 2)
+LASTCTA_GEMM(128, 2, 56, 4, bn128_half_l, 2)
