@@ -36,23 +36,17 @@ BK = 64  # K a ring stage covers: K must be a multiple of it
 VARIANTS = {
     "bn64": (64, 1, 56, 12),
     "bn128": (128, 2, 56, 8),
-    "bn128wg1": (128, 1, 56, 8),
     "bn256": (256, 2, 56, 5),
     "bn256wg4": (256, 4, 56, 5),
     "bn256n64": (256, 2, 64, 5),
-    "bn256_keep": (256, 2, 56, 5),
     "bn64_half": (64, 1, 56, 6),
     "bn128_half": (128, 2, 56, 4),
-    "bn256_s3": (256, 2, 56, 3),
     "bn256_nomma": (256, 2, 56, 5),
     "bn128_nomma": (128, 2, 56, 8),
     # split-K reduced by each tile's last CTA through an L2 workspace, no cluster ("_l": LAST)
     "bn64_l": (64, 1, 56, 12),
     "bn128_l": (128, 2, 56, 8),
     "bn256_l": (256, 2, 56, 5),
-    "bn256wg4_l": (256, 4, 56, 5),
-    "bn64_half_l": (64, 1, 56, 6),
-    "bn128_half_l": (128, 2, 56, 4),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
@@ -60,12 +54,12 @@ COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
 SPLIT_MAX = 8  # portable cluster size
 N_MAX = 65536  # the engine's route (ops.TritonAttnOps._cg) leaves wider matrices (a vocabulary's lm_head) to cuBLAS
-# (variant, split) by (N, K), measured on an H200 at 49 rows (bench/cluster_gemm.py iso, BENCHMARKS.md: the 8B
-# shapes); `plan_for` takes these before its rule
+# (variant, split) by (N, K), measured on an H200 at 49 rows (bench/cluster_gemm.py iso, BENCHMARKS.md "Issue 16,
+# twenty-third session": the 8B shapes); `plan_for` takes these before its rule
 PLANS = {
     (6144, 4096): ("bn128_half", 4),
     (4096, 4096): ("bn128_half", 6),
-    (28672, 4096): ("bn128_half", 2),
+    (28672, 4096): ("bn128_l", 1),  # no split: 224 CTAs of 128 rows, stored straight from shared memory
     (4096, 14336): ("bn256wg4", 6),
 }
 # what each of a CTA's profile stamps marks (`launch(prof=)`)

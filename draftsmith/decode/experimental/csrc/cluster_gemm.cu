@@ -15,6 +15,16 @@
 //   ~210 TFLOPS at copy bandwidth. A first version on mma.sync (ldmatrix-fed, the same ring) was bound by that: it
 //   streamed ~25 GB/s an SM whatever the tile or ring depth (docs/LOG.md, twenty-third session).
 //
+// * split-K reduced either inside the cluster (each token row pushed to its owner CTA through distributed shared
+//   memory) or, for the LASTCTA_GEMM instances, by each tile's last CTA from an L2 workspace (no cluster; at split 1
+//   a tile simply stores its sums).
+//
+// Where it stands (H200, 49 rows; BENCHMARKS.md "Issue 16, twenty-third session"): one call streams at 0.66-0.89
+// of copy bandwidth, level with cuBLAS (0.97-1.04x its time); a 32-layer chain of the four matmuls with PDL 0.124
+// vs 0.125 ms a layer; in the compiled 8B verify 5.26 vs 5.20 ms. A call's fixed cost is ~2 us to the first weight
+// tile and ~2.5 us for the cluster's exchange (the latest CTA of a cluster sets it), against ~8 us of streaming for
+// o: what is left to win is there, and in what cuBLAS cannot do (fold the norm, RoPE, silu*up into the kernel).
+//
 // Shared-memory tiles are [rows][64] bf16 (128 bytes a row, 8 chunks of 16 bytes), chunk c of row r stored at chunk
 // c ^ (r & 7) — TMA's 128-byte swizzle, which the wgmma descriptors name (layout 1), for tiles at 1024-byte
 // boundaries.
@@ -377,20 +387,14 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
 // experimental/cluster_gemm.py's VARIANTS
 CLUSTER_GEMM(64, 1, 56, 12, true, true, bn64, 1)            // 192 KiB, one warpgroup
 CLUSTER_GEMM(128, 2, 56, 8, true, true, bn128, 1)           // 192 KiB
-CLUSTER_GEMM(128, 1, 56, 8, true, true, bn128wg1, 1)        // 192 KiB, one warpgroup of two m64 tiles
 CLUSTER_GEMM(256, 2, 56, 5, true, true, bn256, 1)           // 200 KiB
 CLUSTER_GEMM(256, 4, 56, 5, true, true, bn256wg4, 1)        // 200 KiB, four warpgroups
 CLUSTER_GEMM(256, 2, 64, 5, true, true, bn256n64, 1)        // 200 KiB, up to 64 tokens
-CLUSTER_GEMM(256, 2, 56, 5, false, true, bn256_keep, 1)     // no L2 hint
 CLUSTER_GEMM(64, 1, 56, 6, true, true, bn64_half, 2)        // 96 KiB: two CTAs an SM
 CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
-CLUSTER_GEMM(256, 2, 56, 3, true, true, bn256_s3, 1)        // 120 KiB
 CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
 CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
 LASTCTA_GEMM(256, 2, 56, 5, bn256_l, 1)
-LASTCTA_GEMM(256, 4, 56, 5, bn256wg4_l, 1)
-LASTCTA_GEMM(64, 1, 56, 6, bn64_half_l, 2)
-LASTCTA_GEMM(128, 2, 56, 4, bn128_half_l, 2)
