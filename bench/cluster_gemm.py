@@ -192,19 +192,14 @@ def main(argv=None) -> int:
         for kind in kinds:
             n, k = KINDS[kind]
             wbytes = n * k * 2
-            copies = max(2, math.ceil(400e6 / wbytes))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            ws = common.weight_copies(n, k)
+            copies = len(ws)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             calls = copies * args.passes
             nbytes = wbytes + (m * k + m * n) * 2
 
-            def torch_fn():
-                for _ in range(args.passes):
-                    for w in ws:
-                        torch.mm(x, w.t(), out=out)
-
-            t_torch, _ = _time_graph(torch_fn, calls, 10)
+            t_torch = common.time_torch_mm(x, ws, out, args.passes)
             row = {"kind": kind, "rows": m, "torch us": t_torch, "torch bw": nbytes / t_torch * 1e6 / bw}
             timed = []
             for v in variants:

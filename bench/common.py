@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -64,6 +65,29 @@ def measure_copy_bandwidth(gib: float = 2.0) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * n * reps / (start.elapsed_time(end) / 1e3)
+
+
+def weight_copies(n: int, k: int, total_bytes: float = 400e6) -> list:
+    """Enough random bf16 [n, k] weight copies (at least 2) to pass `total_bytes` together: a graph that walks them
+    reads each from HBM, as a verify's layers do, not from the 50 MB L2."""
+    import torch
+
+    copies = max(2, math.ceil(total_bytes / (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def time_torch_mm(x, ws: list, out, passes: int) -> float:
+    """Best us a call of torch.mm(x, w^T) over the copies `ws`, `passes` times in one CUDA graph (cuBLAS's pick)."""
+    import torch
+
+    from draftsmith.decode.kernels import _time_graph
+
+    def run():
+        for _ in range(passes):
+            for w in ws:
+                torch.mm(x, w.t(), out=out)
+
+    return _time_graph(run, len(ws) * passes, 10)[0]
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
