@@ -288,8 +288,42 @@ def main(argv=None) -> int:
         }
         # the chosen plans' tiles, each tile's last CTA reducing through L2 (no cluster)
         last = {kind: (v + "_l", s) if v + "_l" in cg.VARIANTS else (v, s) for kind, (v, s) in plans.items()}
+        # the layer with what sits between its matmuls (RMSNorm, silu(gate) * up, the residual adds): torch's glue
+        # around torch's or our matmuls, against our matmuls with the glue folded (KernelConfig.cluster_gemm_fused)
+        from draftsmith.drafter.model import hf_rms_norm
+
+        nws = [(1 + 0.1 * torch.randn(2, H, device="cuda")).to(torch.bfloat16) for _ in range(L)]
+
+        def glued(mm):
+            def run():
+                h = x0
+                for lw, nw in zip(layers, nws):
+                    q = mm(hf_rms_norm(h, nw[0], 1e-5), lw["qkv"], "qkv")
+                    h = h + mm(q[:, :H], lw["o"], "o")
+                    g, u = mm(hf_rms_norm(h, nw[1], 1e-5), lw["gate_up"], "gate_up").chunk(2, -1)
+                    h = h + mm(torch.nn.functional.silu(g) * u, lw["down"], "down")
+                return h
+
+            return run
+
+        def folded(plans, pdl=True):
+            def run():
+                h = x0
+                hn, ssq = cg.norm_inputs(h, nws[0][0])
+                for i, (lw, nw) in enumerate(zip(layers, nws)):
+                    q = cg.fused(hn, lw["qkv"], plans["qkv"], pdl, ssq_in=ssq, eps=1e-5)
+                    h, hn, ssq = cg.fused(q[:, :H], lw["o"], plans["o"], pdl, res=h, nw=nw[1])
+                    a = cg.fused(hn, lw["gate_up"], plans["gate_up"], pdl, ssq_in=ssq, eps=1e-5, glu=True)
+                    nxt = nws[i + 1][0] if i + 1 < L else nw[0]
+                    h, hn, ssq = cg.fused(a, lw["down"], plans["down"], pdl, res=h, nw=nxt)
+                return h
+
+            return run
+
         ref = chain(mm_torch)()
         got = chain(ours(plans))()
+        g_ref, g_got = glued(mm_torch)(), folded(plans)()
+        rel_glue = ((g_got.float() - g_ref.float()).norm() / g_ref.float().norm()).item()
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         rows_out = []
         for name, mm in [
@@ -300,8 +334,14 @@ def main(argv=None) -> int:
             ("last-CTA plans, pdl", ours(last)),
             ("last-CTA plans, no pdl", ours(last, False)),
             ("torch", mm_torch),
+            ("torch + glue", glued(mm_torch)),
+            ("iso plans + torch glue", glued(ours(plans))),
+            ("iso plans, glue folded", folded(plans)),
+            ("iso plans, glue folded, no pdl", folded(plans, False)),
+            ("torch + glue", glued(mm_torch)),
         ]:
-            us, why = _time_graph(chain(mm), 4 * L, 5)
+            run = mm if name.endswith("glue") or "folded" in name else chain(mm)
+            us, why = _time_graph(run, 4 * L, 5)
             per_layer = us * 4 / 1e3 if us is not None else None
             rows_out.append(
                 {
@@ -314,7 +354,8 @@ def main(argv=None) -> int:
             print(rows_out[-1], flush=True)
         md.append(
             f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}, last-CTA plans {last}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
-            f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}):\n\n"
+            f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}; glue folded vs torch + glue "
+            f"{rel_glue:.2e}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
         data["chain"] = rows_out

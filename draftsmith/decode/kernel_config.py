@@ -134,7 +134,11 @@ class KernelConfig:
     cluster_gemm (experimental, CUDA sm_90): a wide forward's q/k/v, o, gate/up and down matmuls (verify widths up to
     56 rows) through `experimental.cluster_gemm`, our CUDA kernel (TMA + wgmma, split-K reduced inside a thread-block
     cluster, PDL), each shape with `cluster_gemm_plans`' (variant, split) or `cluster_gemm.plan_for`'s;
-    cluster_gemm_late: its next kernel launches (PDL) once its K loops are done, not at its start."""
+    cluster_gemm_late: its next kernel launches (PDL) once its K loops are done, not at its start. cluster_gemm_fused
+    (with cluster_gemm; bias-free silu models): the kernel also takes what sits between the matmuls — the RMSNorms
+    (from the residual producer's h * weight and its sums of squares), silu(gate) * up, the residual adds — so a layer
+    is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
+    session)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -156,6 +160,7 @@ class KernelConfig:
     rows_attn_plan: tuple[int, int, int, int, int] | None = None
     cluster_gemm: bool = False
     cluster_gemm_late: bool = False
+    cluster_gemm_fused: bool = False
     cluster_gemm_plans: dict = field(default_factory=dict)
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

@@ -191,6 +191,18 @@ class CpuTransposedOps(TorchOps):
         return logits.float()
 
 
+@dataclasses.dataclass
+class FusedLayer:
+    """A layer for `TritonAttnOps` with KernelConfig.cluster_gemm_fused: the borrowed `LayerWeights`, whether it is the
+    first (its q/k/v makes the norm's inputs from the embedding), the RMSNorm weight after its down projection (the
+    next layer's input norm, the final norm after the last) and whether the next matmul folds that norm (keep)."""
+
+    w: object  # llama.LayerWeights
+    first: bool
+    next_norm: torch.Tensor
+    keep: bool
+
+
 class TritonAttnOps(TorchOps):
     """A wider forward (a verify, a hand-off; up to `kernels.ROWS_ATTN_MAX` rows): torch's matmuls and norms, the
     attention through `kernels.rows_attention` — one kernel pair over the tree mask where torch needs the mask
@@ -214,11 +226,20 @@ class TritonAttnOps(TorchOps):
 
             self._lt_linear = lt_linear
             self._linear, self._linear_add = self._lt, self._lt_add
-        elif self.config.cluster_gemm and f.device.type == "cuda":
+        elif self.config.cluster_gemm:  # (where the kernel does not run — not CUDA sm_90 — its ops are torch's)
             from draftsmith.decode.experimental import cluster_gemm
 
             self._cg_mod = cluster_gemm
             self._linear, self._linear_add = self._cg, self._cg_add
+            if self.config.cluster_gemm_fused and self._can_fuse(f):
+                ws = f.layers
+                self.layers = [
+                    FusedLayer(L, i == 0, ws[i + 1].input_norm if i + 1 < len(ws) else f.norm, i + 1 < len(ws))
+                    for i, L in enumerate(ws)
+                ]
+                self.qkv, self.o_proj, self.mlp = self._qkv_fused, self._o_fused, self._mlp_fused
+                self._rope_inner, self.rope_cache = self.rope_cache, self._rope_cache_fused
+                self._stream = None  # (hn, ssq) the last producer handed the next norm-folding matmul
 
     # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
     # (bias-free, at most its rows, N of its tile; not the lm_head: a vocabulary-wide N is cuBLAS's), F.linear elsewhere
@@ -240,6 +261,60 @@ class TritonAttnOps(TorchOps):
         if plan is None:
             return linear_add(h, x, w, b)
         return h + self._cg_mod.cluster_gemm_op(x, w, plan[0], plan[1], self.config.pdl, self.config.cluster_gemm_late)
+
+    # experimental (KernelConfig.cluster_gemm_fused): the layer as q/k/v (its norm folded) -> RoPE -> attention -> o
+    # (+ residual; h * post_norm and h's sums of squares out) -> gate/up (norm and silu * up folded) -> down (+ residual;
+    # the next norm's inputs out): the producers hand (hn, ssq) to the next matmul through `_stream`, in the forward's
+    # call order; the first layer's q/k/v makes them from the embedding (`cluster_gemm.norm_inputs`). A width the
+    # kernel does not take (more rows than its tokens) takes the custom ops' torch fallbacks.
+    @staticmethod
+    def _can_fuse(f) -> bool:
+        return (
+            str(getattr(f.cfg, "hidden_act", "silu")) == "silu"
+            and f.dtype == torch.bfloat16
+            and all(
+                len(L.qkv) == 1
+                and len(L.gate_up) == 1
+                and L.qkv_bias[0] is None
+                and L.gate_up_bias[0] is None
+                and L.o_bias is None
+                and L.down_bias is None
+                for L in f.layers
+            )
+        )
+
+    def _plan_of(self, w):
+        return self.config.cluster_gemm_plans.get((w.shape[0], w.shape[1])) or self._cg_mod.plan_for(*w.shape)
+
+    def _normed(self, h, first, nw, w, glu):
+        if first:
+            hn, ssq = self._cg_mod.norm_inputs(h, nw)
+        else:
+            (hn, ssq), self._stream = self._stream, None
+        v, s = self._plan_of(w)
+        return self._cg_mod.cluster_gemm_normed_op(hn, w, ssq, self.eps, glu, v, s, self.config.pdl,
+                                                   self.config.cluster_gemm_late)  # fmt: skip
+
+    def _produce(self, x, w, h, nw, keep=True):
+        v, s = self._plan_of(w)
+        h, hn, ssq = self._cg_mod.cluster_gemm_produce_op(x, w, h, nw, v, s, self.config.pdl,
+                                                          self.config.cluster_gemm_late)  # fmt: skip
+        if keep:  # (the last layer's are not used: the lm_head's norm is torch's)
+            self._stream = (hn, ssq)
+        return h
+
+    def _qkv_fused(self, h, FL):
+        return self._normed(h, FL.first, FL.w.input_norm, FL.w.qkv[0], False)
+
+    def _rope_cache_fused(self, qkv, positions, slots, kc, vc, FL):
+        return self._rope_inner(qkv, positions, slots, kc, vc, FL.w)
+
+    def _o_fused(self, o, h, FL):
+        return self._produce(o, FL.w.o, h, FL.w.post_norm)
+
+    def _mlp_fused(self, h, FL):
+        a = self._normed(h, False, FL.w.post_norm, FL.w.gate_up[0], True)
+        return self._produce(a, FL.w.down, h, FL.next_norm, FL.keep)
 
     # experimental (KernelConfig.lt_matmuls): the matmuls through the cuBLASLt algorithm tuned for this width, F.linear
     # (and linear_add for the residual adds) where none was
@@ -467,6 +542,7 @@ __all__ = [
     "TorchOps",
     "CpuTransposedOps",
     "TransposedLayer",
+    "FusedLayer",
     "TritonAttnOps",
     "TritonStepOps",
     "TritonRowsOps",

@@ -231,11 +231,12 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
     assert int(outs[0].argmax()) == int(outs[1].argmax())
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+cluster_gemm"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused"])
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
     (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
-    through experimental.cluster_gemm (sm_90), compiled."""
+    through experimental.cluster_gemm (sm_90), compiled; "_fused": with the norms, silu * up and residual adds folded
+    into it (KernelConfig.cluster_gemm_fused)."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -252,12 +253,13 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
 
         if not K.available():
             pytest.skip("triton not available")
-    if kernels == "triton+cluster_gemm":
+    if kernels.startswith("triton+cluster_gemm"):
         if torch.cuda.get_device_capability()[0] < 9:
             pytest.skip("cluster_gemm needs sm_90")
         from draftsmith.decode.kernel_config import KernelConfig
 
-        kw = {"kernel_config": KernelConfig(cluster_gemm=True), "compile": True}
+        fused = kernels.endswith("_fused")
+        kw = {"kernel_config": KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused), "compile": True}
         kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
     prompts = _prompts(t32.tokenizer, 16)
@@ -271,8 +273,13 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
     d16.set_embedding(t.model.get_input_embeddings().weight)
     d16.requires_grad_(False)
     eng = SpeculativeDecoder(t, d16, max_len=160, kernels=kernels, **kw)
-    if kw:  # the verify widths take the kernel (at least one launch of it in a verify's plan)
-        assert any(hasattr(eng.runner.plan(m.verify_tokens), "_cg_mod") for m in MODES[1:])
+    if kw:  # the verify widths take the kernel (at least one launch of it in a verify's plan), fused when asked
+        plans = [eng.runner.plan(m.verify_tokens) for m in MODES[1:]]
+        assert any(hasattr(p, "_cg_mod") for p in plans)
+        if fused:
+            from draftsmith.decode.ops import FusedLayer
+
+            assert any(isinstance(p.layers[0], FusedLayer) for p in plans)
     for mode in MODES[1:]:
         rep = run_eval(eng, prompts, mode, temperatures=[0.0], max_new_tokens=48)
         e = rep["temperatures"]["0"]
@@ -374,6 +381,51 @@ def test_cluster_gemm_matches_fp32_reference():
                         err = (out[:M].float() - ref).abs().max().item()
                         assert err <= tol, (N, M, v, s, err, tol)
                         assert bool((out[M] == 7.0).all()), (N, M, v, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
+def test_cluster_gemm_folds_match_references():
+    """The kernel's folds (KernelConfig.cluster_gemm_fused), for cluster and last-CTA variants, split and unsplit, at
+    1, 17 and 49 rows: the residual producer's h within twice torch's bf16 error of res + x @ w^T in fp32, its hn
+    exactly h * nw, its tile sums of squares those of h; the norm-folding call (and its silu(gate) * up) within twice
+    torch's error (HF's RMSNorm then F.linear, in bf16) of the fp32 reference."""
+    from draftsmith.decode.experimental import cluster_gemm as cg
+    from draftsmith.drafter.model import hf_rms_norm
+
+    torch.manual_seed(2)
+    K, N, eps = 448, 512, 1e-5
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05
+    wk = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * 0.05  # a producer's [K out, N in]
+    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    plans = [("bn128_half", 1), ("bn128_half", 3), ("bn128_l", 1), ("bn128_l", 2), ("bn256wg4", 2), ("bn64", 4)]
+    for M in (1, 17, 49):
+        h = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        # the producer: h2 = h + x @ wk^T, its hn and sums of squares
+        ref_h = h.float() + x.float() @ wk.float().t()
+        tol_h = 2 * ((h + torch.mm(x, wk.t())).float() - ref_h).abs().max().item() + 1e-3
+        # the normed calls
+        normed = hf_rms_norm(h, nw, eps)
+        hr = h.float() * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + eps) * nw.float()
+        ref_y = hr @ w.float().t()
+        tol_y = 2 * (torch.mm(normed, w.t()).float() - ref_y).abs().max().item() + 1e-3
+        g, u = ref_y.chunk(2, -1)
+        ref_a = torch.nn.functional.silu(g) * u
+        tg, tu = torch.mm(normed, w.t()).chunk(2, -1)
+        tol_a = 2 * ((torch.nn.functional.silu(tg) * tu).float() - ref_a).abs().max().item() + 1e-3
+        hn0, ssq0 = cg.norm_inputs(h, nw)
+        for plan in plans:
+            if cg.supports(x, wk, plan[0]):
+                h2, hn, ssq = cg.fused(x, wk, plan, res=h, nw=nw)
+                assert (h2.float() - ref_h).abs().max().item() <= tol_h, (M, plan)
+                assert torch.equal(hn, h2 * nw), (M, plan)
+                want = h2.float().square().sum(-1)
+                assert torch.allclose(ssq[:, :M].sum(0), want, rtol=1e-5, atol=1e-3), (M, plan)
+            y = cg.fused(hn0, w, plan, ssq_in=ssq0, eps=eps)
+            assert (y.float() - ref_y).abs().max().item() <= tol_y, (M, plan)
+            a = cg.fused(hn0, w, plan, ssq_in=ssq0, eps=eps, glu=True)
+            assert a.shape == (M, N // 2)
+            assert (a.float() - ref_a).abs().max().item() <= tol_a, (M, plan)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")

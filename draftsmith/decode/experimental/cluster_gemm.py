@@ -85,6 +85,25 @@ class _LaunchAttr(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
 
 
+class _Epi(ctypes.Structure):
+    """csrc/cluster_gemm.cu's `Epi` (what the kernel folds into its stores), passed by value."""
+
+    _fields_ = [
+        ("res", ctypes.c_void_p),
+        ("ldr", ctypes.c_int),
+        ("nw", ctypes.c_void_p),
+        ("hn", ctypes.c_void_p),
+        ("ldh", ctypes.c_int),
+        ("ssq_out", ctypes.c_void_p),
+        ("ssq_in", ctypes.c_void_p),
+        ("ssq_in_ld", ctypes.c_int),
+        ("ssq_tiles", ctypes.c_int),
+        ("inv_k", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("glu", ctypes.c_int),
+    ]
+
+
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [
         ("grid", ctypes.c_uint * 3),
@@ -99,7 +118,7 @@ class _LaunchConfig(ctypes.Structure):
 _CUDA: ctypes.CDLL | None = None
 _FUNCS: dict[tuple[int, str], ctypes.c_void_p] = {}
 _WS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (workspace, counters)
-_MAPS: dict[tuple[int, int, int, int], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN) -> (buffer, its address)
+_MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN, glu) -> (buffer, addr)
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
 
@@ -207,25 +226,27 @@ def supports(x: torch.Tensor, w: torch.Tensor, variant: str = "bn128", check_ptr
     )
 
 
-def _weight_map(w: torch.Tensor, bn: int) -> int:
+def _weight_map(w: torch.Tensor, bn: int, glu: bool = False) -> int:
     """The address of a CUtensorMap over w [N, K] with a [bn, 64] box and the 128-byte swizzle (made once per
-    weight: the host encodes it, the kernel takes it by value)."""
+    weight: the host encodes it, the kernel takes it by value). 3-D: [1][N][K], or with `glu` [2][N/2][K] with a
+    [2][bn/2][64] box (a tile's gate rows, then its up rows)."""
     N, K = w.shape
-    key = (w.data_ptr(), N, K, bn)
+    key = (w.data_ptr(), N, K, bn, glu)
     hit = _MAPS.get(key)
     if hit is not None:
         return hit[1]
     buf = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(buf) + 63) & ~63  # CUtensorMap is 64-byte aligned
-    dims = (ctypes.c_uint64 * 2)(K, N)
-    strides = (ctypes.c_uint64 * 1)(K * 2)
-    box = (ctypes.c_uint32 * 2)(BK, bn)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
+    rows, planes = (N // 2, 2) if glu else (N, 1)
+    dims = (ctypes.c_uint64 * 3)(K, rows, planes)
+    strides = (ctypes.c_uint64 * 2)(K * 2, rows * K * 2)
+    box = (ctypes.c_uint32 * 3)(BK, bn // planes, planes)
+    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
     _check(
         _cuda().cuTensorMapEncodeTiled(
             ctypes.c_void_p(addr),
             _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
+            3,
             ctypes.c_void_p(w.data_ptr()),
             dims,
             strides,
@@ -267,10 +288,23 @@ def launch(
     pdl: bool = True,
     prof: torch.Tensor | None = None,
     late: bool = False,
+    *,
+    res: torch.Tensor | None = None,
+    nw: torch.Tensor | None = None,
+    hn: torch.Tensor | None = None,
+    ssq_out: torch.Tensor | None = None,
+    ssq_in: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    glu: bool = False,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
-    PROF_STAMPS. `late`: the next kernel launches (PDL) once every CTA is done with its K slice, not at once."""
+    PROF_STAMPS. `late`: the next kernel launches (PDL) once every CTA is done with its K slice, not at once.
+
+    The folds (csrc/cluster_gemm.cu's `Epi`; `fused` checks and allocates them): `ssq_in` [tiles, >= M] fp32 —
+    x is h * norm weight and row m's sums are scaled by rsqrt(ssq_in[:, m].sum() / K + eps); `glu` — w is [gate; up]
+    and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
+    `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns."""
     M, K = x.shape
     N = w.shape[0]
     bn = VARIANTS[variant][0]
@@ -295,7 +329,21 @@ def launch(
     cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
     cfg.attrs = attrs
     cfg.num_attrs = 2
-    wmap = _weight_map(w, bn)
+    wmap = _weight_map(w, bn, glu)
+    epi = _Epi(
+        res.data_ptr() if res is not None else None,
+        res.stride(0) if res is not None else 0,
+        nw.data_ptr() if hn is not None else None,
+        hn.data_ptr() if hn is not None else None,
+        hn.stride(0) if hn is not None else 0,
+        ssq_out.data_ptr() if ssq_out is not None else None,
+        ssq_in.data_ptr() if ssq_in is not None else None,
+        ssq_in.stride(0) if ssq_in is not None else 0,
+        ssq_in.shape[0] if ssq_in is not None else 0,
+        1.0 / K,
+        eps,
+        1 if glu else 0,
+    )
     args = [
         ctypes.c_void_p(x.data_ptr()),
         ctypes.c_void_p(out.data_ptr()),
@@ -307,6 +355,7 @@ def launch(
         ctypes.c_void_p(ws.data_ptr() if last else None),
         ctypes.c_void_p(counters.data_ptr() if last else None),
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
+        epi,
     ]
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
     _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
@@ -360,6 +409,100 @@ def cluster_gemm(
     return out
 
 
+def fused(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    plan: tuple[str, int] | None = None,
+    pdl: bool = True,
+    late: bool = False,
+    *,
+    res: torch.Tensor | None = None,
+    nw: torch.Tensor | None = None,
+    ssq_in: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    glu: bool = False,
+):
+    """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu), or with `nw` the
+    triple (out, hn [M, N], ssq_out [N / BN, 64] fp32) — a residual stream's producer hands the next norm-folding
+    call (ssq_in=) what it needs. `supports(x, w, plan's variant)` must hold."""
+    variant, split = plan or plan_for(w.shape[0], x.shape[1])
+    M, K = x.shape
+    N = w.shape[0]
+    bn = VARIANTS[variant][0]
+    if glu and (N % 2 or res is not None or nw is not None):
+        raise ValueError("cluster_gemm: glu takes an even N and no res / nw")
+    if res is not None and (res.shape != (M, N) or res.dtype != x.dtype or res.stride(1) != 1 or res.stride(0) % 4):
+        raise ValueError(f"cluster_gemm: res must be [{M}, {N}] {x.dtype}, rows 8-byte aligned")
+    if nw is not None and (nw.shape != (N,) or nw.dtype != x.dtype or not nw.is_contiguous()):
+        raise ValueError(f"cluster_gemm: nw must be [{N}] {x.dtype}, contiguous")
+    if ssq_in is not None and (
+        ssq_in.dtype != torch.float32 or ssq_in.dim() != 2 or ssq_in.stride(1) != 1 or ssq_in.shape[1] < M
+    ):
+        raise ValueError(f"cluster_gemm: ssq_in must be fp32 [tiles, >= {M}] with unit column stride")
+    out = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
+    hn = ssq_out = None
+    if nw is not None:
+        hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
+    launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
+           glu=glu)  # fmt: skip
+    return out if nw is None else (out, hn, ssq_out)
+
+
+def norm_inputs(h: torch.Tensor, nw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a producer's folds give, from h in torch (the first layer's, whose h is the embedding): hn = h * nw in
+    h's dtype and the rows' sums of squares as one tile [1, M] fp32."""
+    return h * nw, h.float().square().sum(-1)[None]
+
+
+def _ssq_tiles(N: int, variant: str) -> int:
+    return max(1, N // VARIANTS[variant][0])
+
+
+@torch.library.custom_op("draftsmith::cluster_gemm_produce", mutates_args=())
+def cluster_gemm_produce_op(
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, variant: str, split: int, pdl: bool,
+    late: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A residual stream's producer (o, down): h = res + x @ w^T (rounded as `linear_add`), hn = h * nw (the next
+    RMSNorm's x, its weight applied) and h's sums of squares per output tile [N / BN, 64] — what
+    `cluster_gemm_normed_op` takes in place of the norm. Torch's ops where the kernel does not take x."""
+    if supports(x, w, variant):
+        return fused(x, w, (variant, split), pdl, late, res=res, nw=nw)
+    h = res + torch.nn.functional.linear(x, w)
+    ssq = torch.zeros(_ssq_tiles(w.shape[0], variant), ROWS_MAX, dtype=torch.float32, device=x.device)
+    hn, ssq[0, : x.shape[0]] = norm_inputs(h, nw)
+    return h, hn, ssq
+
+
+@cluster_gemm_produce_op.register_fake
+def _(x, w, res, nw, variant, split, pdl, late):
+    M, N = x.shape[0], w.shape[0]
+    return x.new_empty(M, N), x.new_empty(M, N), x.new_empty(_ssq_tiles(N, variant), ROWS_MAX, dtype=torch.float32)
+
+
+@torch.library.custom_op("draftsmith::cluster_gemm_normed", mutates_args=())
+def cluster_gemm_normed_op(
+    x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, glu: bool, variant: str, split: int, pdl: bool,
+    late: bool,
+) -> torch.Tensor:  # fmt: skip
+    """RMSNorm(h) @ w^T from x = h * norm weight and h's tile sums of squares `ssq` [tiles, >= M] (a producer's, or
+    `norm_inputs`'); with glu (w = [gate; up]) silu(g) * u [M, N/2]. Torch's ops where the kernel does not take x."""
+    if supports(x, w, variant):
+        return fused(x, w, (variant, split), pdl, late, ssq_in=ssq, eps=eps, glu=glu)
+    rstd = torch.rsqrt(ssq[:, : x.shape[0]].sum(0) / x.shape[1] + eps)[:, None]
+    y = (torch.nn.functional.linear(x, w).float() * rstd).to(x.dtype)
+    if not glu:
+        return y
+    g, u = y.chunk(2, -1)
+    return torch.nn.functional.silu(g) * u
+
+
+@cluster_gemm_normed_op.register_fake
+def _(x, w, ssq, eps, glu, variant, split, pdl, late):
+    return x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
+
+
 @torch.library.custom_op("draftsmith::cluster_gemm", mutates_args=())
 def cluster_gemm_op(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, pdl: bool, late: bool) -> torch.Tensor:
     """x @ w^T through the kernel with plan (variant, split) — a torch op, so a compiled forward calls it (inductor
@@ -376,6 +519,10 @@ def _(x, w, variant, split, pdl, late):
 
 
 __all__ = [
+    "cluster_gemm_normed_op",
+    "cluster_gemm_produce_op",
+    "fused",
+    "norm_inputs",
     "N_MAX",
     "PLANS",
     "cluster_gemm_op",

@@ -4,9 +4,14 @@ route's refusals. The kernel's numerics are GPU tests (tests/gpu/test_decode_gpu
 
 from __future__ import annotations
 
+import os
 import re
 
+import pytest
 import torch
+
+if not torch.cuda.is_available():  # the fused plan's attention and RoPE kernels run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from draftsmith.decode.experimental import cluster_gemm as cg
 
@@ -25,10 +30,11 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
 
 
 def test_shared_memory_fits_and_half_variants_pair_up():
+    static = 1024  # the folds' row scales and sums (ptxas -v: 1024 bytes of static shared memory)
     for v in cg.VARIANTS:
-        assert cg.smem_bytes(v) <= 227 * 1024, v
+        assert cg.smem_bytes(v) + static <= 227 * 1024, v
         if v.endswith("_half"):
-            assert 2 * cg.smem_bytes(v) <= 228 * 1024, v  # two CTAs an SM (the SM keeps 1 KiB a CTA)
+            assert 2 * (cg.smem_bytes(v) + static) <= 228 * 1024, v  # two CTAs an SM (the SM keeps 1 KiB a CTA)
 
 
 def test_plans_measured_first_then_one_wave():
@@ -46,3 +52,46 @@ def test_supports_refuses_what_the_kernel_cannot_take():
     w = torch.zeros(512, 256, dtype=torch.bfloat16)
     assert not cg.supports(x, w, "bn128")  # CPU tensors
     assert not cg.supports(x.float(), w.float(), "bn128")
+
+
+def test_fused_plan_forward_on_the_cpu_matches_fp32_and_compiles(one_thread):
+    """KernelConfig.cluster_gemm_fused's plumbing (ops.TritonAttnOps over FusedLayer: the producers hand h * norm weight
+    and the sums of squares to the next matmul through the plan), with the custom ops' torch fallbacks (no kernel on
+    the CPU): a bf16 tree-free verify as close to the fp32 model as the torch plan's, and torch.compile traces it whole
+    (fullgraph) to the same logits."""
+    pytest.importorskip("triton")
+    from decode_helpers import tiny_llama
+
+    from draftsmith.decode import ops as O
+    from draftsmith.decode.kernel_config import KernelConfig
+    from draftsmith.decode.llama import LlamaFamilyForward
+
+    def fwd(model, **kc):
+        f = LlamaFamilyForward.from_hf(model, [0, 1, 2], 48)
+        f.set_cpu_transposed(False)
+        f.kernels = "triton"
+        f.kernel_config = KernelConfig(**kc)
+        return f
+
+    m32 = tiny_llama(vocab_size=64, hidden=64, layers=3, init=0.1)
+    m16 = tiny_llama(vocab_size=64, hidden=64, layers=3, init=0.1).to(torch.bfloat16)
+    torch.manual_seed(0)
+    T = 7
+    ids, pos = torch.randint(0, 64, (T,)), torch.arange(T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    r32 = fwd(m32).forward(ids, pos, pos, mask)[0]
+    ref = fwd(m16).forward(ids, pos, pos, mask)[0]
+    f = fwd(m16, cluster_gemm=True, cluster_gemm_fused=True)
+    plan = f.plan(T)
+    assert type(plan) is O.TritonAttnOps and all(isinstance(L, O.FusedLayer) for L in plan.layers)
+    assert [L.first for L in plan.layers] == [True, False, False] and [L.keep for L in plan.layers] == [1, 1, 0]
+    got, aux = f.forward(ids, pos, pos, mask)
+    assert aux.shape == (T, 3 * 64)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(got, r32) <= 1.5 * rel(ref, r32) + 1e-3, (rel(got, r32), rel(ref, r32))
+    assert (got.argmax(-1) == r32.argmax(-1)).float().mean() >= 0.8
+    compiled = torch.compile(f.forward, fullgraph=True)(ids, pos, pos, mask)[0]
+    assert rel(compiled, got) < 2e-2

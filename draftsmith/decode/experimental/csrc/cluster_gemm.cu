@@ -82,22 +82,24 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
             : "memory");
 }
 
-// the [BN rows][64] box at (k, row) of the tensor map into dst, completing on bar
+// the [BN rows][64] box at (k, row, 0) of the tensor map into dst, completing on bar. The maps are 3-D: [1][N][K] for
+// a plain weight, [2][N/2][K] for a GLU's gate and up (Epi::glu: a box of BN/2 gate rows then the same BN/2 up rows,
+// laid out in shared memory as BN rows — the 128-byte swizzle follows the address, so the tile is the same)
 template <bool EVICT>
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, int k, int row, uint32_t bar,
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc* map, int k, int row, uint32_t bar,
                                             uint64_t policy) {
     const uint64_t m = reinterpret_cast<uint64_t>(map);
     if (EVICT)
         asm volatile(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-            " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-            "l"(m), "r"(k), "r"(row), "r"(bar), "l"(policy)
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+            "l"(m), "r"(k), "r"(row), "r"(0), "r"(bar), "l"(policy)
             : "memory");
     else
         asm volatile(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-            " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-            "l"(m), "r"(k), "r"(row), "r"(bar)
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+            "l"(m), "r"(k), "r"(row), "r"(0), "r"(bar)
             : "memory");
 }
 
@@ -161,6 +163,91 @@ __device__ __forceinline__ void write_partial(float* red, const float (*acc)[NTO
         }
 }
 
+// What the kernel does with its sums besides storing them (all null / 0: out = bf16(x @ w^T), nothing else). The
+// folds take the launches between a layer's matmuls out of the verify (docs/LOG.md, twenty-fourth session):
+// * ssq_in (the previous producer's per-tile sums of squares, [tiles][ssq_in_ld]): x is the residual stream already
+//   multiplied by this norm's weight (the producer's hn), and each token row's sums are scaled by
+//   rsqrt(sum of the row's ssq_in / K + eps): RMSNorm(h) @ w^T = rstd * ((h * nw) @ w^T), the norm without a launch;
+// * glu: the weights are [2][N/2][K] (gate rows, then up rows) and out [M, N/2] = silu(g) * u, each rounded to bf16
+//   as torch rounds them (HF's act_fn(gate_proj(x)) * up_proj(x));
+// * res: out = bf16(bf16(sum) + res) (the residual add, HF's `h + o_proj(o)` rounding);
+// * nw, hn: hn = bf16(out * nw) (the next norm's x, its weight applied), ssq_out[tile][m] = the sum of out^2 over
+//   this CTA's columns (its rows' part of the next norm's mean square; ssq_out's rows 64 floats apart).
+struct Epi {
+    const __nv_bfloat16* res;
+    int ldr;
+    const __nv_bfloat16* nw;
+    __nv_bfloat16* hn;
+    int ldh;
+    float* ssq_out;
+    const float* ssq_in;
+    int ssq_in_ld;
+    int ssq_tiles;
+    float inv_k;
+    float eps;
+    int glu;
+};
+
+__device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// the 4 sums of row m at columns col..col+3 through the folds into out (and hn, and this CTA's row sums of squares,
+// returned for the caller's reduction)
+__device__ __forceinline__ float epi_store4(const Epi& e, __nv_bfloat16* out, int ldo, int m, int col, float4 s,
+                                            const float* rstd) {
+    float v[4] = {s.x, s.y, s.z, s.w};
+    if (e.ssq_in != nullptr) {
+        const float r = rstd[m];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] *= r;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = bf16r(v[i]);
+    if (e.res != nullptr) {
+        const __nv_bfloat162* r = reinterpret_cast<const __nv_bfloat162*>(e.res + static_cast<size_t>(m) * e.ldr + col);
+        const float2 a = __bfloat1622float2(r[0]), b = __bfloat1622float2(r[1]);
+        v[0] = bf16r(v[0] + a.x);
+        v[1] = bf16r(v[1] + a.y);
+        v[2] = bf16r(v[2] + b.x);
+        v[3] = bf16r(v[3] + b.y);
+    }
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + col);
+    o[0] = __floats2bfloat162_rn(v[0], v[1]);
+    o[1] = __floats2bfloat162_rn(v[2], v[3]);
+    if (e.hn != nullptr) {
+        const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(e.nw + col);
+        const float2 a = __bfloat1622float2(w[0]), b = __bfloat1622float2(w[1]);
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(e.hn + static_cast<size_t>(m) * e.ldh + col);
+        h[0] = __floats2bfloat162_rn(v[0] * a.x, v[1] * a.y);
+        h[1] = __floats2bfloat162_rn(v[2] * b.x, v[3] * b.y);
+    }
+    return v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+}
+
+__device__ __forceinline__ float silu_bf16(float g) { return bf16r(g / (1.f + __expf(-g))); }
+
+// Epi::glu: gate sums g and up sums u of row m (4 columns of each) -> out[m][col..col+3] = silu(g) * u
+__device__ __forceinline__ void epi_glu4(const Epi& e, __nv_bfloat16* out, int ldo, int m, int col, float4 g,
+                                         float4 u, const float* rstd) {
+    const float r = e.ssq_in != nullptr ? rstd[m] : 1.f;
+    const float gv[4] = {g.x, g.y, g.z, g.w}, uv[4] = {u.x, u.y, u.z, u.w};
+    float a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = silu_bf16(bf16r(gv[i] * r)) * bf16r(uv[i] * r);
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + col);
+    o[0] = __floats2bfloat162_rn(a[0], a[1]);
+    o[1] = __floats2bfloat162_rn(a[2], a[3]);
+}
+
+// a row's sum of squares over the lanes that hold its columns (W = min(32, BN / 4) consecutive lanes), added to
+// row_ssq[m] by the group's first lane; every lane of the warp calls it (inactive ones with sq = 0, act false)
+template <int BN>
+__device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, bool act, int lane) {
+    constexpr int W = BN / 4 < 32 ? BN / 4 : 32;
+#pragma unroll
+    for (int off = W / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    if (act && lane % W == 0) atomicAdd(row_ssq + m, sq);
+}
+
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
@@ -171,7 +258,7 @@ template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST>
 __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
                                                   __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
                                                   int late, float* __restrict__ ws, int* __restrict__ counters,
-                                                  unsigned long long* prof) {
+                                                  unsigned long long* prof, const Epi& e) {
     constexpr int THREADS = 128 * WG;
     constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
     constexpr int NREG = NTOK / 2;    // accumulator registers an m64 tile
@@ -199,6 +286,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int n0 = blockIdx.x * BN;
+    const int row0 = e.glu ? blockIdx.x * (BN / 2) : n0;  // the tile's first row in the weights' map
     const int KT = K / BK;
     const int kt0 = KT * rank / S, nkt = KT * (rank + 1) / S - kt0;
     const uint32_t base = smem_addr(smem);
@@ -212,11 +300,13 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    __shared__ float rstd[XROWS], row_ssq[XROWS];  // Epi::ssq_in's scales, Epi::ssq_out's sums (token rows)
+    if (tid < XROWS) row_ssq[tid] = 0.f;
     __syncthreads();
 
     auto load_w = [&](int slot, int kt) {  // thread 0 only
         mbar_expect(bars + 8 * slot, W_BYTES);
-        tma_load_2d<EVICT>(base + slot * STAGE_BYTES, wmap, kt * BK, n0, bars + 8 * slot, evict_first);
+        tma_load_3d<EVICT>(base + slot * STAGE_BYTES, wmap, kt * BK, row0, bars + 8 * slot, evict_first);
     };
     auto load_x = [&](int slot, int kt) {
         const uint32_t dst = base + slot * STAGE_BYTES + W_BYTES;
@@ -235,6 +325,11 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         if (s < nkt && tid == 0) load_w(s, kt0 + s);
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (stamp) stamp[1] = globaltimer();  // the previous kernel done
+    if (e.ssq_in != nullptr && tid < M) {  // the rows' norm scales (read after the loop; the loop's barriers order it)
+        float t = 0.f;
+        for (int i = 0; i < e.ssq_tiles; ++i) t += e.ssq_in[i * e.ssq_in_ld + tid];
+        rstd[tid] = rsqrtf(t * e.inv_k + e.eps);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nkt) load_x(s, kt0 + s);
@@ -303,8 +398,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         }
         if (stamp) stamp[4] = globaltimer();  // partials exchanged (the last CTA)
         const float* tile = ws + static_cast<size_t>(blockIdx.x) * S * NTOK * BN;
-        for (int v = tid; v < quads; v += THREADS) {
-            const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
+        auto fetch = [&](int m, int c) {  // row m's sums at columns c..c+3
             float4 sum = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
             if (S > 1) {  // every partial from the workspace, in rank order (deterministic whichever CTA is last)
                 sum = __ldcg(reinterpret_cast<const float4*>(tile + m * BN + c));
@@ -316,9 +410,25 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
                     sum.w += p.w;
                 }
             }
-            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + n0 + c);
-            o[0] = __floats2bfloat162_rn(sum.x, sum.y);
-            o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+            return sum;
+        };
+        if (e.glu) {
+            for (int v = tid; v < M * (BN / 8); v += THREADS) {
+                const int m = v / (BN / 8), c = (v % (BN / 8)) * 4;
+                epi_glu4(e, out, ldo, m, blockIdx.x * (BN / 2) + c, fetch(m, c), fetch(m, BN / 2 + c), rstd);
+            }
+        } else {
+            for (int v0 = 0; v0 < quads; v0 += THREADS) {
+                const int v = v0 + tid;
+                const bool act = v < quads;
+                const int m = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
+                const float sq = act ? epi_store4(e, out, ldo, m, n0 + c, fetch(m, c), rstd) : 0.f;
+                if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
+            }
+            if (e.ssq_out != nullptr) {
+                __syncthreads();
+                if (tid < M) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
+            }
         }
         if (S > 1 && tid == 0) counters[blockIdx.x] = 0;  // for the next call (it counts only after its wait)
         if (stamp) stamp[5] = globaltimer();
@@ -351,8 +461,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
 
     // this CTA's token rows, summed over the S partials in rank order (deterministic), stored
     const int mine = M > rank ? (M - rank + S - 1) / S : 0;  // rows m = rank, rank + S, ... below M
-    for (int v = tid; v < mine * (BN / 4); v += THREADS) {
-        const int lm = v / (BN / 4), c = (v % (BN / 4)) * 4;
+    auto owned = [&](int lm, int c) {  // local row lm's sums at columns c..c+3
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int q = 0; q < S; ++q) {
             const float4 p = *reinterpret_cast<const float4*>(inbox + (q * own + lm) * BN + c);
@@ -361,10 +470,27 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             sum.z += p.z;
             sum.w += p.w;
         }
-        const int m = lm * S + rank;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + static_cast<size_t>(m) * ldo + n0 + c);
-        o[0] = __floats2bfloat162_rn(sum.x, sum.y);
-        o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+        return sum;
+    };
+    if (e.glu) {
+        for (int v = tid; v < mine * (BN / 8); v += THREADS) {
+            const int lm = v / (BN / 8), c = (v % (BN / 8)) * 4;
+            epi_glu4(e, out, ldo, lm * S + rank, blockIdx.x * (BN / 2) + c, owned(lm, c), owned(lm, BN / 2 + c), rstd);
+        }
+    } else {
+        const int total = mine * (BN / 4);
+        for (int v0 = 0; v0 < total; v0 += THREADS) {
+            const int v = v0 + tid;
+            const bool act = v < total;
+            const int lm = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
+            const int m = lm * S + rank;
+            const float sq = act ? epi_store4(e, out, ldo, m, n0 + c, owned(lm, c), rstd) : 0.f;
+            if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
+        }
+        if (e.ssq_out != nullptr) {
+            __syncthreads();
+            if (tid < M && tid % S == rank) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
+        }
     }
     if (stamp) stamp[5] = globaltimer();  // stored
     // (no second cluster barrier: after the first, no CTA touches another's shared memory)
@@ -375,9 +501,9 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
         cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
                             __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late, float* ws,  \
-                            int* counters, unsigned long long* prof) {                                             \
+                            int* counters, unsigned long long* prof, const Epi epi) {                              \
         cluster_gemm_body<BN, WG, NTOK, STAGES, EVICT, MMA, LAST>(&wmap, x, out, M, K, ldx, ldo, late, ws,         \
-                                                                  counters, prof);                                 \
+                                                                  counters, prof, epi);                            \
     }
 #define CLUSTER_GEMM(BN, WG, NTOK, STAGES, EVICT, MMA, NAME, MINB) \
     GEMM_KERNEL(BN, WG, NTOK, STAGES, EVICT, MMA, false, NAME, MINB)
