@@ -45,6 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iso-no-pdl", type=int, default=1, help="iso: also time each plan without PDL (1) or not (0)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
     ap.add_argument(
+        "--chain-plans",
+        default="",
+        help="chain: more plan sets for the glue-folded layer, 'NAME=kind:variant:split,...;NAME2=...' (kinds not "
+        "named keep the iso / PLANS plan), e.g. 'sk=qkv:bn128_sk:1,o:bn128_sk:1,gate_up:bn128_sk:1,down:bn128_sk:1'",
+    )
+    ap.add_argument(
         "--save-plans",
         help="write iso's fastest plan a shape (PDL on) as JSON {'N,K': [variant, split]} (bench/decode.py "
         "--cluster-gemm-plans reads it)",
@@ -206,7 +212,7 @@ def main(argv=None) -> int:
                 if not cg.supports(x, ws[0], v) or "nomma" in v:
                     continue
                 for s in splits:
-                    if s > min(cg.SPLIT_MAX, k // cg.BK):
+                    if s > min(cg.SPLIT_MAX, k // cg.BK) or (v in cg.STREAMK and s > 2):
                         continue
                     for pdl in (True, False) if args.iso_no_pdl else (True,):
 
@@ -286,6 +292,13 @@ def main(argv=None) -> int:
             "gate_up": ("bn128_half", 2),
             "down": ("bn128_half", 6),
         }
+        extra = {}  # --chain-plans
+        for spec in filter(None, args.chain_plans.split(";")):
+            name, body = spec.split("=", 1)
+            extra[name] = dict(plans)
+            for item in body.split(","):
+                kind, v, sp = item.split(":")
+                extra[name][kind] = (v, int(sp))
         # the chosen plans' tiles, each tile's last CTA reducing through L2 (no cluster)
         last = {kind: (v + "_l", s) if v + "_l" in cg.VARIANTS else (v, s) for kind, (v, s) in plans.items()}
         # the layer with what sits between its matmuls (RMSNorm, silu(gate) * up, the residual adds): torch's glue
@@ -338,6 +351,7 @@ def main(argv=None) -> int:
             ("iso plans + torch glue", glued(ours(plans))),
             ("iso plans, glue folded", folded(plans)),
             ("iso plans, glue folded, no pdl", folded(plans, False)),
+            *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
             ("torch + glue", glued(mm_torch)),
         ]:
             run = mm if name.endswith("glue") or "folded" in name else chain(mm)
@@ -355,7 +369,7 @@ def main(argv=None) -> int:
         md.append(
             f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}, last-CTA plans {last}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
             f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}; glue folded vs torch + glue "
-            f"{rel_glue:.2e}):\n\n"
+            f"{rel_glue:.2e}; --chain-plans {extra or '-'}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
         data["chain"] = rows_out
