@@ -55,6 +55,11 @@ def main(argv=None) -> int:
         help="write iso's fastest plan a shape (PDL on) as JSON {'N,K': [variant, split]} (bench/decode.py "
         "--cluster-gemm-plans reads it)",
     )
+    ap.add_argument(
+        "--save-chain-plans",
+        help="write the plan set of the fastest glue-folded chain row (iso's or a --chain-plans one) as --save-plans "
+        "does",
+    )
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -372,6 +377,14 @@ def main(argv=None) -> int:
             f"{rel_glue:.2e}; --chain-plans {extra or '-'}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
+        sets = {"iso plans, glue folded": plans, **{f"{n} plans, glue folded": p for n, p in extra.items()}}
+        timed_sets = [(r["ms a layer"], r["matmuls"]) for r in rows_out if r["matmuls"] in sets and r["ms a layer"]]
+        if args.save_chain_plans and timed_sets:
+            best = sets[min(timed_sets)[1]]
+            Path(args.save_chain_plans).write_text(
+                json.dumps({"{},{}".format(*KINDS[k]): list(p) for k, p in best.items()}, indent=1)
+            )
+            md.append(f"\nfastest glue-folded plan set: {min(timed_sets)[1]} ({best})\n")
         data["chain"] = rows_out
         data["plans"] = plans
     if args.save_plans and best_plan:

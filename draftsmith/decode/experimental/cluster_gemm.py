@@ -323,6 +323,9 @@ def launch(
     tiles, KT = N // bn, K // BK
     grid = (tiles, split)
     if sk:  # `split` CTAs an SM, never more than iterations
+        if split > _occupancy(fn, variant) or tiles > COUNTERS // 2:
+            # every CTA must be resident at once: each waits for its tiles' other contributors (csrc: streamk_body)
+            raise ValueError(f"cluster_gemm: {variant} holds fewer than {split} CTAs an SM, or N={N} is too wide")
         grid = (min(split * _sms(x.device), tiles * KT), 1)
         cmax = KT // max(tiles * KT // grid[0], 1) + 2
         ws_need = tiles * cmax * VARIANTS[variant][2] * bn * 4
@@ -380,6 +383,21 @@ def launch(
 
 
 _SMS: dict[int, int] = {}
+_OCC: dict[int, int] = {}  # CUfunction address -> CTAs an SM
+
+
+def _occupancy(fn: ctypes.c_void_p, variant: str) -> int:
+    """How many CTAs of the variant an SM holds (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    if fn.value not in _OCC:
+        n = ctypes.c_int()
+        _check(
+            _cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n), fn, 128 * VARIANTS[variant][1], ctypes.c_size_t(smem_bytes(variant))
+            ),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+        _OCC[fn.value] = n.value
+    return _OCC[fn.value]
 
 
 def _sms(device: torch.device) -> int:

@@ -252,6 +252,7 @@ __device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, boo
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
+#define COUNTERS_HALF 4096  // stream-K: counters[0, 4096) arrivals, [4096, 8192) departures (cluster_gemm.COUNTERS)
 // LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
 // `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
 // others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
@@ -502,9 +503,12 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
 // tile's BN weight rows times one 64-wide K slice) into equal contiguous ranges, so every CTA streams the same bytes
 // whatever the tile count — no wave quantisation (gate/up's 224 tiles of 128 rows on 132 SMs ran 1.7 waves) and no
 // cluster partner to wait for. A range crosses tile boundaries: each segment's partial sums go to an L2 workspace
-// slot [tile][contributor], the tile's last contributor to arrive (a per-tile counter) sums them in contributor
-// order (deterministic) and applies the folds — after its own range, with the ring drained (docs/LOG.md,
-// twenty-fourth session).
+// slot [tile][contributor] and is counted (arrive[tile]); after its own range (the ring drained) each contributor waits
+// for its tiles' counts, then sums the token rows m = its index (mod the tile's contributors) over the partials in
+// contributor order (deterministic) and applies the folds: the fix-up spread over the tile's CTAs. (A first version
+// had the last contributor to arrive sum whole tiles: o's and down's 4-6 partials a tile, read by one CTA, made the
+// layer's chain 0.167-0.184 ms against the cluster variants' 0.132: docs/LOG.md, twenty-fourth session.) The wait
+// needs every CTA of the grid resident at once: launch() keeps `split` within the occupancy.
 __device__ __forceinline__ int sk_cta_of(int i, int G, int W) {  // the CTA whose range holds iteration i
     return static_cast<int>((static_cast<long long>(i + 1) * G - 1) / W);
 }
@@ -545,13 +549,15 @@ __device__ __forceinline__ void streamk_body(const TmaDesc* wmap, const __nv_bfl
     uint64_t evict_first;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
     __shared__ float rstd[XROWS], row_ssq[XROWS];
-    __shared__ int done[DONE_MAX], n_done;
+    __shared__ int t_tile[DONE_MAX], t_idx[DONE_MAX], t_cnt[DONE_MAX], n_touched;  // the tiles this CTA added to
+    int* arrive = counters;
+    int* leave = counters + COUNTERS_HALF;
     if (tid == 0) {
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(wmap)) : "memory");
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        n_done = 0;
+        n_touched = 0;
     }
     __syncthreads();
 
@@ -629,9 +635,12 @@ __device__ __forceinline__ void streamk_body(const TmaDesc* wmap, const __nv_bfl
                 for (int r = 0; r < NREG; ++r) acc[t][r] = 0.f;
             __threadfence();  // this partial visible device-wide before it is counted
             __syncthreads();
-            if (tid == 0 && atomicAdd(counters + tile, 1) == cnt - 1) {
-                done[n_done++] = tile;  // the last to arrive: this CTA reduces the tile after its range
-                counters[tile] = 0;     // every contributor has counted: reset for the next call
+            if (tid == 0) {
+                atomicAdd(arrive + tile, 1);
+                t_tile[n_touched] = tile;
+                t_idx[n_touched] = c - c0;
+                t_cnt[n_touched] = cnt;
+                ++n_touched;
             }
         }
     }
@@ -640,11 +649,14 @@ __device__ __forceinline__ void streamk_body(const TmaDesc* wmap, const __nv_bfl
     if (late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (stamp) stamp[3] = globaltimer();
 
-    for (int d = 0; d < n_done; ++d) {
-        const int tile = done[d], n0 = tile * BN;
-        const int c0 = sk_cta_of(tile * KT, G, W), cnt = sk_cta_of(tile * KT + KT - 1, G, W) - c0 + 1;
+    for (int d = 0; d < n_touched; ++d) {
+        const int tile = t_tile[d], idx = t_idx[d], cnt = t_cnt[d], n0 = tile * BN;
         const float* parts = ws + static_cast<size_t>(tile) * cmax * NTOK * BN;
-        __threadfence();  // the other contributors' partials, counted before us, visible to our loads
+        if (tid == 0) {  // every contributor's partial in
+            while (atomicAdd(arrive + tile, 0) < cnt) __nanosleep(32);
+            __threadfence();
+        }
+        __syncthreads();
         auto fetch = [&](int m, int col) {  // row m's sums at columns col..col+3, in contributor order
             float4 sum = __ldcg(reinterpret_cast<const float4*>(parts + m * BN + col));
             for (int q = 1; q < cnt; ++q) {
@@ -656,25 +668,30 @@ __device__ __forceinline__ void streamk_body(const TmaDesc* wmap, const __nv_bfl
             }
             return sum;
         };
+        const int rows = M > idx ? (M - idx + cnt - 1) / cnt : 0;  // this CTA's token rows: m = idx + cnt * r
         if (e.glu) {
-            for (int v = tid; v < M * (BN / 8); v += THREADS) {
-                const int m = v / (BN / 8), col = (v % (BN / 8)) * 4;
+            for (int v = tid; v < rows * (BN / 8); v += THREADS) {
+                const int m = idx + cnt * (v / (BN / 8)), col = (v % (BN / 8)) * 4;
                 epi_glu4(e, out, ldo, m, tile * (BN / 2) + col, fetch(m, col), fetch(m, BN / 2 + col), rstd);
             }
         } else {
             if (tid < XROWS) row_ssq[tid] = 0.f;
             __syncthreads();
-            const int quads = M * (BN / 4);
+            const int quads = rows * (BN / 4);
             for (int v0 = 0; v0 < quads; v0 += THREADS) {
                 const int v = v0 + tid;
                 const bool act = v < quads;
-                const int m = act ? v / (BN / 4) : 0, col = (v % (BN / 4)) * 4;
+                const int m = act ? idx + cnt * (v / (BN / 4)) : 0, col = (v % (BN / 4)) * 4;
                 const float sq = act ? epi_store4(e, out, ldo, m, n0 + col, fetch(m, col), rstd) : 0.f;
                 if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
             }
             __syncthreads();
-            if (e.ssq_out != nullptr && tid < M) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
-            __syncthreads();
+            if (e.ssq_out != nullptr && tid < M && tid % cnt == idx) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
+        }
+        __syncthreads();  // every thread done with the partials before they are released
+        if (tid == 0 && atomicAdd(leave + tile, 1) == cnt - 1) {  // the last to leave resets the counts
+            arrive[tile] = 0;
+            leave[tile] = 0;
         }
     }
     if (stamp) stamp[4] = globaltimer();
