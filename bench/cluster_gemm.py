@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         "--chain-plans",
         default="",
         help="chain: more plan sets for the glue-folded layer, 'NAME=kind:variant:split,...;NAME2=...' (kinds not "
-        "named keep the iso / PLANS plan), e.g. 'sk=qkv:bn128_sk:1,o:bn128_sk:1,gate_up:bn128_sk:1,down:bn128_sk:1'",
+        "named keep the iso / PLANS plan), e.g. 'half=gate_up:bn128_half:2,down:bn128_half:6'",
     )
     ap.add_argument(
         "--save-plans",
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                 if not cg.supports(x, ws[0], v) or "nomma" in v:
                     continue
                 for s in splits:
-                    if s > min(cg.SPLIT_MAX, k // cg.BK) or (v in cg.STREAMK and s > 2):
+                    if s > min(cg.SPLIT_MAX, k // cg.BK):
                         continue
                     for pdl in (True, False) if args.iso_no_pdl else (True,):
 

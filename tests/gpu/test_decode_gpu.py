@@ -375,8 +375,7 @@ def test_cluster_gemm_matches_fp32_reference():
                 for v in cg.VARIANTS:
                     if "nomma" in v or not cg.supports(x, w, v):
                         continue
-                    sk_splits = (1,) if v == "bn256_sk" else (1, 2)  # stream-K: CTAs an SM (bn256_sk: one fits)
-                    for s in sk_splits if v in cg.STREAMK else (1, 2, 3, 4):
+                    for s in (1, 2, 3, 4):
                         out = torch.full((M + 1, N), 7.0, device="cuda", dtype=torch.bfloat16)
                         cg.launch(x, w, out, v, s)
                         err = (out[:M].float() - ref).abs().max().item()
@@ -399,7 +398,6 @@ def test_cluster_gemm_folds_match_references():
     wk = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) * 0.05  # a producer's [K out, N in]
     nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     plans = [("bn128_half", 1), ("bn128_half", 3), ("bn128_l", 1), ("bn128_l", 2), ("bn256wg4", 2), ("bn64", 4)]
-    plans += [("bn128_sk", 1), ("bn128_sk", 2), ("bn64_sk", 1), ("bn256_sk", 1)]  # stream-K
     for M in (1, 17, 49):
         h = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -444,8 +442,7 @@ def test_cluster_gemm_pdl_chain_in_a_graph_equals_eager():
     def run(pdl, late=False):
         y = x
         for i, w in enumerate(ws):
-            v = ("bn128_half", "bn64", "bn256", "bn128_sk")[i % 4]
-            y = cg.cluster_gemm(y, w, (v, 1 + i % 2 if v in cg.STREAMK else 1 + i % 4), pdl, late)
+            y = cg.cluster_gemm(y, w, (("bn128_half", "bn64", "bn256")[i % 3], 1 + i % 4), pdl, late)
         return y
 
     want = run(False)

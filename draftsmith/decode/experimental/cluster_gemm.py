@@ -47,14 +47,8 @@ VARIANTS = {
     "bn64_l": (64, 1, 56, 12),
     "bn128_l": (128, 2, 56, 8),
     "bn256_l": (256, 2, 56, 5),
-    # stream-K: `split` persistent CTAs an SM share the tiles' K iterations equally, partials through the workspace
-    "bn128_sk": (128, 2, 56, 4),
-    "bn64_sk": (64, 1, 56, 6),
-    "bn256_sk": (256, 2, 56, 5),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
-STREAMK = frozenset(v for v in VARIANTS if v.endswith("_sk"))
-_SK_DONE_MAX = 16  # tiles one stream-K CTA may finish (csrc: DONE_MAX)
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
@@ -314,29 +308,14 @@ def launch(
     M, K = x.shape
     N = w.shape[0]
     bn = VARIANTS[variant][0]
-    sk = variant in STREAMK
-    if not 1 <= split <= (2 if sk else min(SPLIT_MAX, K // BK)):
-        raise ValueError(f"cluster_gemm: split {split} out of range for {variant} at K={K}")
+    if not 1 <= split <= min(SPLIT_MAX, K // BK):
+        raise ValueError(f"cluster_gemm: split {split} not in 1..{min(SPLIT_MAX, K // BK)} for K={K}")
     fn = _function(x.device, variant)
-    last = variant in LAST or sk
+    last = variant in LAST
     ws = counters = None
-    tiles, KT = N // bn, K // BK
-    grid = (tiles, split)
-    if sk:  # `split` CTAs an SM, never more than iterations
-        if split > _occupancy(fn, variant) or tiles > COUNTERS // 2:
-            # every CTA must be resident at once: each waits for its tiles' other contributors (csrc: streamk_body)
-            raise ValueError(f"cluster_gemm: {variant} holds fewer than {split} CTAs an SM, or N={N} is too wide")
-        grid = (min(split * _sms(x.device), tiles * KT), 1)
-        cmax = KT // max(tiles * KT // grid[0], 1) + 2
-        ws_need = tiles * cmax * VARIANTS[variant][2] * bn * 4
-        per_max = -(-(tiles * KT) // grid[0])  # iterations of the longest range
-        if -(-per_max // KT) + 1 > _SK_DONE_MAX:
-            raise ValueError(f"cluster_gemm: {variant} at N={N}, K={K}: a CTA would finish too many tiles")
-    else:
-        ws_need = N * split * VARIANTS[variant][2] * 4
     if last:
         ws, counters = _workspace(x.device)
-        if tiles > COUNTERS or ws_need > WS_BYTES:
+        if (N // bn) > COUNTERS or N * split * VARIANTS[variant][2] * 4 > WS_BYTES:
             raise ValueError(f"cluster_gemm: N={N} split {split} past the {variant} workspace")
     attrs = (_LaunchAttr * 2)()
     attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -344,7 +323,7 @@ def launch(
     attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attrs[1].value[0] = 1 if pdl else 0
     cfg = _LaunchConfig()
-    cfg.grid[:] = (grid[0], grid[1], 1)
+    cfg.grid[:] = (N // bn, split, 1)
     cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
     cfg.shared_mem_bytes = smem_bytes(variant)
     cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -377,34 +356,9 @@ def launch(
         ctypes.c_void_p(counters.data_ptr() if last else None),
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
         epi,
-    ] + ([ctypes.c_int(tiles)] if sk else [])
+    ]
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
     _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
-
-
-_SMS: dict[int, int] = {}
-_OCC: dict[int, int] = {}  # CUfunction address -> CTAs an SM
-
-
-def _occupancy(fn: ctypes.c_void_p, variant: str) -> int:
-    """How many CTAs of the variant an SM holds (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
-    if fn.value not in _OCC:
-        n = ctypes.c_int()
-        _check(
-            _cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(n), fn, 128 * VARIANTS[variant][1], ctypes.c_size_t(smem_bytes(variant))
-            ),
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        )
-        _OCC[fn.value] = n.value
-    return _OCC[fn.value]
-
-
-def _sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def max_active_clusters(variant: str, split: int, device: torch.device | None = None) -> int:
@@ -414,9 +368,9 @@ def max_active_clusters(variant: str, split: int, device: torch.device | None = 
     fn = _function(device, variant)
     attrs = (_LaunchAttr * 1)()
     attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if variant in LAST | STREAMK else split, 1
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if variant in LAST else split, 1
     cfg = _LaunchConfig()
-    cfg.grid[:] = (1, 1 if variant in LAST | STREAMK else split, 1)
+    cfg.grid[:] = (1, 1 if variant in LAST else split, 1)
     cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
     cfg.shared_mem_bytes = smem_bytes(variant)
     cfg.attrs = attrs

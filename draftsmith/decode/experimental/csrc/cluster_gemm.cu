@@ -146,11 +146,10 @@ __device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db) {
 // BN weight rows a CTA over WG warpgroups (each BN / WG rows: MT m64 tiles), NTOK tokens, a STAGES-deep ring; EVICT:
 // the weights' loads hint L2 to evict them first; MMA false: no multiplies (measures the ring's streaming alone; the
 // output is garbage). `wmap`: the weights [N, K] as a tensor map with a [BN, 64] box.
-// a CTA's accumulators (wgmma's fragment layout) into red [token][weight row] fp32, rows LD floats apart (shared
-// memory: BN + 4, fewer bank conflicts; a stream-K partial in global memory: BN)
-template <int BN, int WG, int NTOK, int MT, int LD = BN + 4>
+// a CTA's accumulators (wgmma's fragment layout) into red [token][weight row] fp32, rows BN + 4 floats apart
+template <int BN, int WG, int NTOK, int MT>
 __device__ __forceinline__ void write_partial(float* red, const float (*acc)[NTOK / 2], int wg, int wq, int lane) {
-    constexpr int RED_LD = LD;
+    constexpr int RED_LD = BN + 4;
 #pragma unroll
     for (int t = 0; t < MT; ++t)
 #pragma unroll
@@ -252,7 +251,6 @@ __device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, boo
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
-#define COUNTERS_HALF 4096  // stream-K: counters[0, 4096) arrivals, [4096, 8192) departures (cluster_gemm.COUNTERS)
 // LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
 // `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
 // others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
@@ -499,206 +497,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     if (stamp) stamp[6] = globaltimer();  // done
 }
 
-// Stream-K ("_sk" variants): gridDim.x persistent CTAs (one or two an SM) split the W = tiles * KT iterations (a
-// tile's BN weight rows times one 64-wide K slice) into equal contiguous ranges, so every CTA streams the same bytes
-// whatever the tile count — no wave quantisation (gate/up's 224 tiles of 128 rows on 132 SMs ran 1.7 waves) and no
-// cluster partner to wait for. A range crosses tile boundaries: each segment's partial sums go to an L2 workspace
-// slot [tile][contributor] and is counted (arrive[tile]); after its own range (the ring drained) each contributor waits
-// for its tiles' counts, then sums the token rows m = its index (mod the tile's contributors) over the partials in
-// contributor order (deterministic) and applies the folds: the fix-up spread over the tile's CTAs. (A first version
-// had the last contributor to arrive sum whole tiles: o's and down's 4-6 partials a tile, read by one CTA, made the
-// layer's chain 0.167-0.184 ms against the cluster variants' 0.132: docs/LOG.md, twenty-fourth session.) The wait
-// needs every CTA of the grid resident at once: launch() keeps `split` within the occupancy.
-__device__ __forceinline__ int sk_cta_of(int i, int G, int W) {  // the CTA whose range holds iteration i
-    return static_cast<int>((static_cast<long long>(i + 1) * G - 1) / W);
-}
-
-template <int BN, int WG, int NTOK, int STAGES>
-__device__ __forceinline__ void streamk_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
-                                             __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int tiles,
-                                             int late, float* __restrict__ ws, int* __restrict__ counters,
-                                             unsigned long long* prof, const Epi& e) {
-    constexpr int THREADS = 128 * WG;
-    constexpr int MT = BN / WG / 64;
-    constexpr int NREG = NTOK / 2;
-    constexpr int W_BYTES = BN * BK * 2;
-    constexpr int X_BYTES = XROWS * BK * 2;
-    constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
-    constexpr int CH = BK / 8;
-    constexpr int DONE_MAX = 16;  // tiles a CTA may finish (launch() checks)
-    static_assert(MT >= 1 && BN % (64 * WG) == 0 && BN <= 256, "warpgroup tile, TMA box");
-    static_assert((XROWS * CH) % THREADS == 0 && STAGE_BYTES % 1024 == 0, "x chunks per thread, swizzle alignment");
-
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    if (!late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    unsigned long long* stamp = nullptr;
-    if (prof != nullptr && threadIdx.x == 0) stamp = prof + blockIdx.x * PROF_POINTS;
-    if (stamp) stamp[0] = globaltimer();
-    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wq = warp & 3;
-    const int G = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-    const int KT = K / BK, W = tiles * KT;
-    const int beg = static_cast<int>(static_cast<long long>(W) * c / G);
-    const int n = static_cast<int>(static_cast<long long>(W) * (c + 1) / G) - beg;
-    const int cmax = KT / max(W / G, 1) + 2;  // contributors a tile may have (launch() sizes the workspace with it)
-    const uint32_t base = smem_addr(smem);
-    const uint32_t bars = base + STAGES * STAGE_BYTES;
-
-    uint64_t evict_first;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
-    __shared__ float rstd[XROWS], row_ssq[XROWS];
-    __shared__ int t_tile[DONE_MAX], t_idx[DONE_MAX], t_cnt[DONE_MAX], n_touched;  // the tiles this CTA added to
-    int* arrive = counters;
-    int* leave = counters + COUNTERS_HALF;
-    if (tid == 0) {
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(wmap)) : "memory");
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        n_touched = 0;
-    }
-    __syncthreads();
-
-    auto load_w = [&](int slot, int i) {  // thread 0 only; global iteration i
-        const int tile = i / KT, kt = i % KT;
-        mbar_expect(bars + 8 * slot, W_BYTES);
-        tma_load_3d<true>(base + slot * STAGE_BYTES, wmap, kt * BK, e.glu ? tile * (BN / 2) : tile * BN,
-                          bars + 8 * slot, evict_first);
-    };
-    auto load_x = [&](int slot, int i) {
-        const int kt = i % KT;
-        const uint32_t dst = base + slot * STAGE_BYTES + W_BYTES;
-#pragma unroll
-        for (int q = 0; q < XROWS * CH / THREADS; ++q) {
-            const int ci = tid + q * THREADS, r = ci / CH, ch = ci % CH;
-            if (r >= NTOK) continue;
-            const bool ok = r < M;
-            const __nv_bfloat16* src = ok ? x + static_cast<size_t>(r) * ldx + kt * BK + ch * 8 : x;
-            cp_async_zfill(dst + swz(r, ch), src, ok ? 16 : 0);
-        }
-    };
-
-    for (int s = 0; s < STAGES - 1; ++s)
-        if (s < n && tid == 0) load_w(s, beg + s);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (stamp) stamp[1] = globaltimer();
-    if (e.ssq_in != nullptr && tid < M) {
-        float t = 0.f;
-        for (int q = 0; q < e.ssq_tiles; ++q) t += e.ssq_in[q * e.ssq_in_ld + tid];
-        rstd[tid] = rsqrtf(t * e.inv_k + e.eps);
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n) load_x(s, beg + s);
-        cp_async_commit();
-    }
-
-    float acc[MT][NREG];
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int r = 0; r < NREG; ++r) acc[t][r] = 0.f;
-
-    for (int j = 0; j < n; ++j) {
-        const int i = beg + j, tile = i / KT, kt = i % KT;
-        cp_async_wait<STAGES - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);
-        if (stamp && j == 0) stamp[2] = globaltimer();
-        __syncthreads();
-        const int nxt = j + STAGES - 1;
-        if (nxt < n) {
-            if (tid == 0) load_w(nxt % STAGES, beg + nxt);
-            load_x(nxt % STAGES, beg + nxt);
-        }
-        cp_async_commit();
-        const uint32_t wt = base + (j % STAGES) * STAGE_BYTES, xt = wt + W_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            const uint64_t db = smem_desc(xt + kk * 32);
-#pragma unroll
-            for (int t = 0; t < MT; ++t)
-                wgmma_tile<NTOK>(acc[t], smem_desc(wt + (wg * MT + t) * 64 * 128 + kk * 32), db);
-        }
-        wgmma_commit();
-        wgmma_wait0();
-        if (kt == KT - 1 || j == n - 1) {  // the segment of this tile ends here: its partial to the workspace
-            const int c0 = sk_cta_of(tile * KT, G, W), cnt = sk_cta_of(tile * KT + KT - 1, G, W) - c0 + 1;
-            float* slot = ws + (static_cast<size_t>(tile) * cmax + (c - c0)) * NTOK * BN;
-            write_partial<BN, WG, NTOK, MT, BN>(slot, acc, wg, wq, lane);
-#pragma unroll
-            for (int t = 0; t < MT; ++t)
-#pragma unroll
-                for (int r = 0; r < NREG; ++r) acc[t][r] = 0.f;
-            __threadfence();  // this partial visible device-wide before it is counted
-            __syncthreads();
-            if (tid == 0) {
-                atomicAdd(arrive + tile, 1);
-                t_tile[n_touched] = tile;
-                t_idx[n_touched] = c - c0;
-                t_cnt[n_touched] = cnt;
-                ++n_touched;
-            }
-        }
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    if (late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    if (stamp) stamp[3] = globaltimer();
-
-    for (int d = 0; d < n_touched; ++d) {
-        const int tile = t_tile[d], idx = t_idx[d], cnt = t_cnt[d], n0 = tile * BN;
-        const float* parts = ws + static_cast<size_t>(tile) * cmax * NTOK * BN;
-        if (tid == 0) {  // every contributor's partial in
-            while (atomicAdd(arrive + tile, 0) < cnt) __nanosleep(32);
-            __threadfence();
-        }
-        __syncthreads();
-        auto fetch = [&](int m, int col) {  // row m's sums at columns col..col+3, in contributor order
-            float4 sum = __ldcg(reinterpret_cast<const float4*>(parts + m * BN + col));
-            for (int q = 1; q < cnt; ++q) {
-                const float4 p = __ldcg(reinterpret_cast<const float4*>(parts + (q * NTOK + m) * BN + col));
-                sum.x += p.x;
-                sum.y += p.y;
-                sum.z += p.z;
-                sum.w += p.w;
-            }
-            return sum;
-        };
-        const int rows = M > idx ? (M - idx + cnt - 1) / cnt : 0;  // this CTA's token rows: m = idx + cnt * r
-        if (e.glu) {
-            for (int v = tid; v < rows * (BN / 8); v += THREADS) {
-                const int m = idx + cnt * (v / (BN / 8)), col = (v % (BN / 8)) * 4;
-                epi_glu4(e, out, ldo, m, tile * (BN / 2) + col, fetch(m, col), fetch(m, BN / 2 + col), rstd);
-            }
-        } else {
-            if (tid < XROWS) row_ssq[tid] = 0.f;
-            __syncthreads();
-            const int quads = rows * (BN / 4);
-            for (int v0 = 0; v0 < quads; v0 += THREADS) {
-                const int v = v0 + tid;
-                const bool act = v < quads;
-                const int m = act ? idx + cnt * (v / (BN / 4)) : 0, col = (v % (BN / 4)) * 4;
-                const float sq = act ? epi_store4(e, out, ldo, m, n0 + col, fetch(m, col), rstd) : 0.f;
-                if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
-            }
-            __syncthreads();
-            if (e.ssq_out != nullptr && tid < M && tid % cnt == idx) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
-        }
-        __syncthreads();  // every thread done with the partials before they are released
-        if (tid == 0 && atomicAdd(leave + tile, 1) == cnt - 1) {  // the last to leave resets the counts
-            arrive[tile] = 0;
-            leave[tile] = 0;
-        }
-    }
-    if (stamp) stamp[4] = globaltimer();
-    if (stamp) stamp[5] = globaltimer();
-    if (stamp) stamp[6] = globaltimer();
-}
-
 #define GEMM_KERNEL(BN, WG, NTOK, STAGES, EVICT, MMA, LAST, NAME, MINB)                                             \
     extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
         cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
@@ -722,17 +520,6 @@ CLUSTER_GEMM(64, 1, 56, 6, true, true, bn64_half, 2)        // 96 KiB: two CTAs 
 CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
 CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
 CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
-#define STREAMK_GEMM(BN, WG, NTOK, STAGES, NAME, MINB)                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
-        cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
-                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late, float* ws,  \
-                            int* counters, unsigned long long* prof, const Epi epi, int tiles) {                   \
-        streamk_body<BN, WG, NTOK, STAGES>(&wmap, x, out, M, K, ldx, ldo, tiles, late, ws, counters, prof, epi);   \
-    }
-// stream-K over persistent CTAs ("_sk": `split` CTAs an SM), partials through an L2 workspace
-STREAMK_GEMM(128, 2, 56, 4, bn128_sk, 2)  // 96 KiB: two CTAs an SM
-STREAMK_GEMM(64, 1, 56, 6, bn64_sk, 2)    // 96 KiB
-STREAMK_GEMM(256, 2, 56, 5, bn256_sk, 1)  // 200 KiB
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
