@@ -23,7 +23,9 @@
 // of copy bandwidth, level with cuBLAS (0.97-1.04x its time); a 32-layer chain of the four matmuls with PDL 0.124
 // vs 0.125 ms a layer; in the compiled 8B verify 5.26 vs 5.20 ms. A call's fixed cost is ~2 us to the first weight
 // tile and ~2.5 us for the cluster's exchange (the latest CTA of a cluster sets it), against ~8 us of streaming for
-// o: what is left to win is there, and in what cuBLAS cannot do (fold the norm, RoPE, silu*up into the kernel).
+// o: what is left to win is there. `Epi` folds what sits between a layer's matmuls (RMSNorm, silu*up, residual add:
+// KernelConfig.cluster_gemm_fused): a folded layer's chain 0.132 ms, the compiled tree verify 5.00-5.05 vs
+// 5.12-5.21 ms with cuBLAS and inductor's glue (docs/LOG.md, twenty-fourth session).
 //
 // Shared-memory tiles are [rows][64] bf16 (128 bytes a row, 8 chunks of 16 bytes), chunk c of row r stored at chunk
 // c ^ (r & 7) — TMA's 128-byte swizzle, which the wgmma descriptors name (layout 1), for tiles at 1024-byte
