@@ -702,14 +702,19 @@ def p2b(args, dev, dtype, runner, best):
     # (experimental.cluster_gemm; late: its next kernel launches once its K loops are done)
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
-            if v in ("on", "late", "fused"):
-                over = {"cluster_gemm": True, "cluster_gemm_late": v == "late", "cluster_gemm_fused": v == "fused"}
+            if v in ("on", "late", "fused", "fusedrope"):
+                over = {
+                    "cluster_gemm": True,
+                    "cluster_gemm_late": v == "late",
+                    "cluster_gemm_fused": v.startswith("fused"),
+                    "cluster_gemm_rope": v == "fusedrope",
+                }
                 if args.cluster_gemm_plans:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
                     table = json.loads(Path(args.cluster_gemm_plans).read_text())
                     over["cluster_gemm_plans"] = {
                         tuple(int(d) for d in nk.split(",")): (p[0], int(p[1])) for nk, p in table.items()
                     }
-                tag = {"on": " cg", "late": " cglate", "fused": " cgfused"}[v]
+                tag = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}[v]
                 combos += [("triton", impl, 1, over, tag) for impl in args.attn_impls]
     # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
     if tri:
@@ -1009,7 +1014,8 @@ def main(argv=None):
         default=["off"],
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.cluster_gemm (experimental: the wide "
         "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
-        "cluster_gemm_late; 'fused': with cluster_gemm_fused (the norms, silu * up and residual adds folded into it)",
+        "cluster_gemm_late; 'fused': with cluster_gemm_fused (the norms, silu * up and residual adds folded into it); "
+        "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's)",
     )
     ap.add_argument(
         "--cluster-gemm-plans",

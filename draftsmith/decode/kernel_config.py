@@ -138,7 +138,8 @@ class KernelConfig:
     (with cluster_gemm; bias-free silu models): the kernel also takes what sits between the matmuls — the RMSNorms
     (from the residual producer's h * weight and its sums of squares), silu(gate) * up, the residual adds — so a layer
     is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
-    session)."""
+    session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
+    in q/k/v's reduction (the `_rope` instances; written 2026-12-04, not yet run on a GPU: dev/DEVICE_RUNS.md)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -161,6 +162,7 @@ class KernelConfig:
     cluster_gemm: bool = False
     cluster_gemm_late: bool = False
     cluster_gemm_fused: bool = False
+    cluster_gemm_rope: bool = False
     cluster_gemm_plans: dict = field(default_factory=dict)
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

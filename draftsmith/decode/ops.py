@@ -239,6 +239,9 @@ class TritonAttnOps(TorchOps):
                 ]
                 self.qkv, self.o_proj, self.mlp = self._qkv_fused, self._o_fused, self._mlp_fused
                 self._rope_inner, self.rope_cache = self.rope_cache, self._rope_cache_fused
+                if self.config.cluster_gemm_rope and "rope" in self.routed and all(L.qk_norm is None for L in ws):
+                    # RoPE and the cache writes in q/k/v's reduction: qkv() hands h through, rope_cache() launches it
+                    self.qkv, self.rope_cache = self._qkv_defer, self._qkv_rope_fused
                 self._stream = None  # (hn, ssq) the last producer handed the next norm-folding matmul
 
     # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
@@ -286,11 +289,15 @@ class TritonAttnOps(TorchOps):
     def _plan_of(self, w):
         return self.config.cluster_gemm_plans.get((w.shape[0], w.shape[1])) or self._cg_mod.plan_for(*w.shape)
 
-    def _normed(self, h, first, nw, w, glu):
+    def _norm_stream(self, h, first, nw):
+        """(h * nw, h's sums of squares): the last producer's, or the first layer's from the embedding."""
         if first:
-            hn, ssq = self._cg_mod.norm_inputs(h, nw)
-        else:
-            (hn, ssq), self._stream = self._stream, None
+            return self._cg_mod.norm_inputs(h, nw)
+        stream, self._stream = self._stream, None
+        return stream
+
+    def _normed(self, h, first, nw, w, glu):
+        hn, ssq = self._norm_stream(h, first, nw)
         v, s = self._plan_of(w)
         return self._cg_mod.cluster_gemm_normed_op(hn, w, ssq, self.eps, glu, v, s, self.config.pdl,
                                                    self.config.cluster_gemm_late)  # fmt: skip
@@ -308,6 +315,20 @@ class TritonAttnOps(TorchOps):
 
     def _rope_cache_fused(self, qkv, positions, slots, kc, vc, FL):
         return self._rope_inner(qkv, positions, slots, kc, vc, FL.w)
+
+    @staticmethod
+    def _qkv_defer(h, FL):
+        return h
+
+    def _qkv_rope_fused(self, h, positions, slots, kc, vc, FL):  # KernelConfig.cluster_gemm_rope
+        hn, ssq = self._norm_stream(h, FL.first, FL.w.input_norm)
+        w, f, c = FL.w.qkv[0], self.f, self.config
+        v, s = self._plan_of(w)
+        q = self._cg_mod.cluster_gemm_qkv_rope_op(
+            hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, v, s, c.pdl,
+            c.cluster_gemm_late,
+        )  # fmt: skip
+        return q.view(1, q.shape[0], self.nh, self.d)
 
     def _o_fused(self, o, h, FL):
         return self._produce(o, FL.w.o, h, FL.w.post_norm)

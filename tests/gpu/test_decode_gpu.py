@@ -231,12 +231,14 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
     assert int(outs[0].argmax()) == int(outs[1].argmax())
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused"])
+@pytest.mark.parametrize(
+    "kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused", "triton+cluster_gemm_fused_rope"]
+)
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
     (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
     through experimental.cluster_gemm (sm_90), compiled; "_fused": with the norms, silu * up and residual adds folded
-    into it (KernelConfig.cluster_gemm_fused)."""
+    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope)."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -258,8 +260,9 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
             pytest.skip("cluster_gemm needs sm_90")
         from draftsmith.decode.kernel_config import KernelConfig
 
-        fused = kernels.endswith("_fused")
-        kw = {"kernel_config": KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused), "compile": True}
+        fused, rope = "_fused" in kernels, kernels.endswith("_rope")
+        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope)
+        kw = {"kernel_config": cfg, "compile": True}
         kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
     prompts = _prompts(t32.tokenizer, 16)
@@ -426,6 +429,37 @@ def test_cluster_gemm_folds_match_references():
             a = cg.fused(hn0, w, plan, ssq_in=ssq0, eps=eps, glu=True)
             assert a.shape == (M, N // 2)
             assert (a.float() - ref_a).abs().max().item() <= tol_a, (M, plan)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
+def test_cluster_gemm_rope_equals_rope_and_cache():
+    """The `_rope` instances (KernelConfig.cluster_gemm_rope): q, and k and v in the caches, bit for bit what the
+    same plan's norm-folded q/k/v followed by kernels.rope_and_cache gives (the same sums, the same rounding), at
+    head sizes 128 and 64, split and not, 1 to 49 rows; cache slots outside the rows' untouched."""
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.experimental import cluster_gemm as cg
+
+    torch.manual_seed(3)
+    K_in, L, nh, nkv, eps = 448, 96, 4, 2, 1e-5
+    for d, plans in ((128, [("bn128_half", 1), ("bn128_half", 3)]), (64, [("bn64", 1), ("bn64", 4)])):
+        w = torch.randn((nh + 2 * nkv) * d, K_in, device="cuda", dtype=torch.bfloat16) * 0.05
+        nw = (1 + 0.1 * torch.randn(K_in, device="cuda")).to(torch.bfloat16)
+        ang = torch.arange(L, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
+        cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
+        sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
+        for M in (1, 17, 49):
+            hn, ssq = cg.norm_inputs(torch.randn(M, K_in, device="cuda", dtype=torch.bfloat16), nw)
+            pos = torch.randint(0, L, (M,), device="cuda")
+            slots = torch.randperm(L, device="cuda")[:M]
+            for plan in plans:
+                caches = [torch.randn(1, nkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                kc1, vc1 = (c.clone() for c in caches)
+                kc2, vc2 = (c.clone() for c in caches)
+                y = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps)
+                q1 = K.rope_and_cache(y, pos, slots, cos, sin, kc1, vc1, nh, nkv).reshape(M, nh * d)
+                q2 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, slots, cos, sin, kc2, vc2, nh, nkv))
+                assert torch.equal(q2, q1), (d, M, plan)
+                assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (d, M, plan)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")

@@ -47,8 +47,12 @@ VARIANTS = {
     "bn64_l": (64, 1, 56, 12),
     "bn128_l": (128, 2, 56, 8),
     "bn256_l": (256, 2, 56, 5),
+    # q/k/v with RoPE and the cache writes in the cluster reduction (`fused(rope=)`): a plan's variant + "_rope"
+    "bn128_half_rope": (128, 2, 56, 4),
+    "bn64_rope": (64, 1, 56, 12),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
+ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
@@ -101,6 +105,23 @@ class _Epi(ctypes.Structure):
         ("inv_k", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("glu", ctypes.c_int),
+    ]
+
+
+class _RopeArgs(ctypes.Structure):
+    """csrc/cluster_gemm.cu's `RopeArgs` (the `_rope` instances' extra argument), passed by value."""
+
+    _fields_ = [
+        ("pos", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("head_stride", ctypes.c_longlong),
+        ("q_cols", ctypes.c_int),
+        ("k_cols", ctypes.c_int),
+        ("d", ctypes.c_int),
     ]
 
 
@@ -296,6 +317,7 @@ def launch(
     ssq_in: torch.Tensor | None = None,
     eps: float = 1e-6,
     glu: bool = False,
+    rope: tuple | None = None,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
@@ -304,7 +326,11 @@ def launch(
     The folds (csrc/cluster_gemm.cu's `Epi`; `fused` checks and allocates them): `ssq_in` [tiles, >= M] fp32 —
     x is h * norm weight and row m's sums are scaled by rsqrt(ssq_in[:, m].sum() / K + eps); `glu` — w is [gate; up]
     and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
-    `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns."""
+    `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns;
+    `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
+    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots."""
+    if (rope is not None) != (variant in ROPE):
+        raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape
     N = w.shape[0]
     bn = VARIANTS[variant][0]
@@ -357,6 +383,23 @@ def launch(
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
         epi,
     ]
+    if rope is not None:
+        pos, slots, cos, sin, kc, vc, nh, nkv = rope
+        d = cos.shape[1]
+        args.append(
+            _RopeArgs(
+                pos.data_ptr(),
+                slots.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                kc.data_ptr(),
+                vc.data_ptr(),
+                kc.stride(1),
+                nh * d,
+                nkv * d,
+                d,
+            )  # fmt: skip
+        )
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
     _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
 
@@ -421,11 +464,18 @@ def fused(
     ssq_in: torch.Tensor | None = None,
     eps: float = 1e-6,
     glu: bool = False,
+    rope: tuple | None = None,
 ):
-    """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu), or with `nw` the
-    triple (out, hn [M, N], ssq_out [N / BN, 64] fp32) — a residual stream's producer hands the next norm-folding
-    call (ssq_in=) what it needs. `supports(x, w, plan's variant)` must hold."""
+    """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu; [M, n_heads * d], q
+    rotated, with `rope`: the plan's variant is then taken as its "_rope" sibling), or with `nw` the triple (out, hn
+    [M, N], ssq_out [N / BN, 64] fp32) — a residual stream's producer hands the next norm-folding call (ssq_in=) what
+    it needs. `supports(x, w, plan's variant)` must hold."""
     variant, split = plan or plan_for(w.shape[0], x.shape[1])
+    if rope is not None:
+        variant = variant if variant in ROPE else variant + "_rope"
+        why = rope_refusal(w, variant, rope)
+        if why:
+            raise ValueError(f"cluster_gemm: rope: {why}")
     M, K = x.shape
     N = w.shape[0]
     bn = VARIANTS[variant][0]
@@ -439,14 +489,36 @@ def fused(
         ssq_in.dtype != torch.float32 or ssq_in.dim() != 2 or ssq_in.stride(1) != 1 or ssq_in.shape[1] < M
     ):
         raise ValueError(f"cluster_gemm: ssq_in must be fp32 [tiles, >= {M}] with unit column stride")
-    out = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
+    cols = rope[6] * rope[2].shape[1] if rope is not None else N // 2 if glu else N
+    out = torch.empty(M, cols, dtype=x.dtype, device=x.device)
     hn = ssq_out = None
     if nw is not None:
         hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
-           glu=glu)  # fmt: skip
+           glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
+
+
+def rope_refusal(w: torch.Tensor, variant: str, rope: tuple) -> str:
+    """Why the `_rope` variant cannot take this q/k/v projection ('' when it can): whole heads a tile, the caches
+    [1, n_kv, len, d] contiguous per head, int64 positions and slots, cos / sin [len, d] in the weights' dtype."""
+    pos, slots, cos, sin, kc, vc, nh, nkv = rope
+    d = cos.shape[1]
+    if variant not in ROPE:
+        return f"no {variant} instance"
+    if VARIANTS[variant][0] % d or d % 8 or w.shape[0] != (nh + 2 * nkv) * d:
+        return f"head size {d} must divide the tile ({VARIANTS[variant][0]}) and N = (n_heads + 2 n_kv) d"
+    if pos.dtype != torch.int64 or slots.dtype != torch.int64 or cos.dtype != w.dtype or sin.dtype != w.dtype:
+        return "positions / slots int64, cos / sin in the weights' dtype"
+    for c in (kc, vc):
+        if c.dim() != 4 or c.shape[0] != 1 or c.shape[1] != nkv or c.shape[3] != d or c.stride(3) != 1:
+            return "caches [1, n_kv, len, d] with unit stride over d"
+        if c.stride(2) != d or c.stride(1) != kc.stride(1) or c.dtype != w.dtype:
+            return "caches with rows d apart and one head stride, in the weights' dtype"
+    if not (cos.is_contiguous() and sin.is_contiguous() and pos.is_contiguous() and slots.is_contiguous()):
+        return "contiguous positions, slots, cos and sin"
+    return ""
 
 
 def norm_inputs(h: torch.Tensor, nw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,6 +575,42 @@ def _(x, w, ssq, eps, glu, variant, split, pdl, late):
     return x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
 
 
+def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv: int) -> torch.Tensor:
+    """RoPE and the cache writes in torch, rounded as `kernels.rope_and_cache` (and the `_rope` instances) round:
+    y [M, (nh + 2 nkv) d] q/k/v -> q [M, nh * d]; k (rotated) and v written to the caches at `slots`."""
+    M, d = y.shape[0], cos.shape[1]
+    y = y.view(M, nh + 2 * nkv, d)
+    qk, v = y[:, : nh + nkv], y[:, nh + nkv :]
+    c, s = cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
+    partner = torch.cat([-qk[..., d // 2 :], qk[..., : d // 2]], -1)
+    rot = (qk * c) + (partner * s)  # bf16 * bf16 rounds each product; the sum rounds again
+    kc[0].index_copy_(1, slots, rot[:, nh:].transpose(0, 1))
+    vc[0].index_copy_(1, slots, v.transpose(0, 1))
+    return rot[:, :nh].reshape(M, nh * d).contiguous()
+
+
+@torch.library.custom_op("draftsmith::cluster_gemm_qkv_rope", mutates_args=("kc", "vc"))
+def cluster_gemm_qkv_rope_op(
+    x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, positions: torch.Tensor, slots: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nh: int, nkv: int, variant: str,
+    split: int, pdl: bool, late: bool,
+) -> torch.Tensor:  # fmt: skip
+    """`cluster_gemm_normed_op` for q/k/v with RoPE and the cache writes folded in (the `_rope` sibling of the plan's
+    variant): q [M, nh * d] rotated; k and v written to this layer's caches. Torch's ops where the kernel does not
+    take x (`rope_rows` after the normed fallback)."""
+    rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
+    rv = variant if variant in ROPE else variant + "_rope"
+    if rv in VARIANTS and supports(x, w, rv) and not rope_refusal(w, rv, rope):
+        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope)
+    y = cluster_gemm_normed_op(x, w, ssq, eps, False, variant, split, pdl, late)
+    return rope_rows(y, positions, slots, cos, sin, kc, vc, nh, nkv)
+
+
+@cluster_gemm_qkv_rope_op.register_fake
+def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late):
+    return x.new_empty(x.shape[0], nh * cos.shape[1])
+
+
 @torch.library.custom_op("draftsmith::cluster_gemm", mutates_args=())
 def cluster_gemm_op(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, pdl: bool, late: bool) -> torch.Tensor:
     """x @ w^T through the kernel with plan (variant, split) — a torch op, so a compiled forward calls it (inductor
@@ -521,6 +629,10 @@ def _(x, w, variant, split, pdl, late):
 __all__ = [
     "cluster_gemm_normed_op",
     "cluster_gemm_produce_op",
+    "cluster_gemm_qkv_rope_op",
+    "ROPE",
+    "rope_refusal",
+    "rope_rows",
     "fused",
     "norm_inputs",
     "N_MAX",

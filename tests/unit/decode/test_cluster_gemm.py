@@ -25,6 +25,8 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
     for v, (bn, wg, ntok, stages) in cg.VARIANTS.items():  # the table agrees with the instantiations
         if v in cg.LAST:
             assert re.search(rf"LASTCTA_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
+        elif v in cg.ROPE:
+            assert re.search(rf"ROPE_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         else:
             assert re.search(rf"CLUSTER_GEMM\({bn}, {wg}, {ntok}, {stages}, \w+, \w+, {v}, \d\)", src), v
 
@@ -95,3 +97,14 @@ def test_fused_plan_forward_on_the_cpu_matches_fp32_and_compiles(one_thread):
     assert (got.argmax(-1) == r32.argmax(-1)).float().mean() >= 0.8
     compiled = torch.compile(f.forward, fullgraph=True)(ids, pos, pos, mask)[0]
     assert rel(compiled, got) < 2e-2
+    # cluster_gemm_rope: q/k/v's op also rotates and writes the caches (torch's `rope_rows` here, rounded as
+    # rope_and_cache rounds on a GPU — Triton's interpreter truncates to bf16 instead, so close, not equal: the GPU
+    # test test_cluster_gemm_rope_equals_rope_and_cache checks equality): v exactly, k and the logits close
+    fr = fwd(m16, cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True)
+    assert fr.plan(T).rope_cache == fr.plan(T)._qkv_rope_fused
+    got_r = fr.forward(ids, pos, pos, mask)[0]
+    assert rel(got_r, got) < 2e-2 and rel(got_r, r32) <= 1.5 * rel(ref, r32) + 1e-3
+    assert torch.equal(fr.v_cache[0, 0, ..., :T, :], f.v_cache[0, 0, ..., :T, :])  # layer 0: same inputs
+    assert rel(fr.k_cache[..., :T, :].float(), f.k_cache[..., :T, :].float()) < 2e-2
+    compiled_r = torch.compile(fr.forward, fullgraph=True)(ids, pos, pos, mask)[0]
+    assert rel(compiled_r, got_r) < 2e-2

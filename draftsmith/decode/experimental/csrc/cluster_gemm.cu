@@ -192,6 +192,22 @@ struct Epi {
 
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// The `_rope` instances (KernelConfig.cluster_gemm_rope): the q/k/v projection whose owner CTAs, holding whole heads
+// (BN a multiple of the head size d), apply RoPE to the q and k heads and write k and v to this layer's caches at the
+// rows' slots, q to `out` [M, q_cols] — `kernels.rope_and_cache`'s work and rounding, without its launch.
+struct RopeArgs {
+    const long long* pos;    // [M] positions (rows of cos / sin)
+    const long long* slots;  // [M] cache slots
+    const __nv_bfloat16* cos;
+    const __nv_bfloat16* sin;  // [max_len, d]
+    __nv_bfloat16* kc;
+    __nv_bfloat16* vc;       // [n_kv][cache_len][d] (one layer, batch 1)
+    long long head_stride;   // elements from one kv head's cache to the next
+    int q_cols;              // n_heads * d: the q columns, then n_kv * d of k, then v
+    int k_cols;
+    int d;
+};
+
 // the 4 sums of row m at columns col..col+3 through the folds into out (and hn, and this CTA's row sums of squares,
 // returned for the caller's reduction)
 __device__ __forceinline__ float epi_store4(const Epi& e, __nv_bfloat16* out, int ldo, int m, int col, float4 s,
@@ -256,11 +272,13 @@ __device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, boo
 // LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
 // `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
 // others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
-template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST>
+template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST, bool ROPE = false>
 __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
                                                   __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
                                                   int late, float* __restrict__ ws, int* __restrict__ counters,
-                                                  unsigned long long* prof, const Epi& e) {
+                                                  unsigned long long* prof, const Epi& e,
+                                                  const RopeArgs* rp = nullptr) {
+    static_assert(!(ROPE && LAST), "RoPE is folded in the cluster reduction only");
     constexpr int THREADS = 128 * WG;
     constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
     constexpr int NREG = NTOK / 2;    // accumulator registers an m64 tile
@@ -474,6 +492,42 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         }
         return sum;
     };
+    if constexpr (ROPE) {
+        const int d = rp->d, half = d / 2;
+        for (int v = tid; v < mine * (BN / 4); v += THREADS) {
+            const int lm = v / (BN / 4), c = (v % (BN / 4)) * 4, m = lm * S + rank, col = n0 + c;
+            const int hc = col % d;  // the column within its head
+            const float r = e.ssq_in != nullptr ? rstd[m] : 1.f;
+            const float4 s4 = owned(lm, c);
+            float xv[4] = {bf16r(s4.x * r), bf16r(s4.y * r), bf16r(s4.z * r), bf16r(s4.w * r)};  // q/k/v as stored
+            const long long slot = rp->slots[m];
+            if (col < rp->q_cols + rp->k_cols) {
+                const float4 p4 = owned(lm, hc < half ? c + half : c - half);  // rotate_half's partner columns
+                const float pv[4] = {bf16r(p4.x * r), bf16r(p4.y * r), bf16r(p4.z * r), bf16r(p4.w * r)};
+                const long long at = rp->pos[m] * d + hc;
+                const float sign = hc < half ? -1.f : 1.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // rope_and_cache's rounding: bf16(bf16(x cos) + bf16(+-x' sin))
+                    const float a = bf16r(xv[i] * __bfloat162float(rp->cos[at + i]));
+                    const float b = bf16r(sign * pv[i] * __bfloat162float(rp->sin[at + i]));
+                    xv[i] = a + b;
+                }
+            }
+            __nv_bfloat16* dst;
+            if (col < rp->q_cols)
+                dst = out + static_cast<size_t>(m) * ldo + col;
+            else if (col < rp->q_cols + rp->k_cols)
+                dst = rp->kc + ((col - rp->q_cols) / d) * rp->head_stride + slot * d + hc;
+            else
+                dst = rp->vc + ((col - rp->q_cols - rp->k_cols) / d) * rp->head_stride + slot * d + hc;
+            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(dst);
+            o[0] = __floats2bfloat162_rn(xv[0], xv[1]);
+            o[1] = __floats2bfloat162_rn(xv[2], xv[3]);
+        }
+        if (stamp) stamp[5] = globaltimer();
+        if (stamp) stamp[6] = globaltimer();
+        return;
+    }
     if (e.glu) {
         for (int v = tid; v < mine * (BN / 8); v += THREADS) {
             const int lm = v / (BN / 8), c = (v % (BN / 8)) * 4;
@@ -522,6 +576,17 @@ CLUSTER_GEMM(64, 1, 56, 6, true, true, bn64_half, 2)        // 96 KiB: two CTAs 
 CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
 CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
 CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
+// q/k/v with RoPE and the cache writes folded ("_rope"; KernelConfig.cluster_gemm_rope)
+#define ROPE_GEMM(BN, WG, NTOK, STAGES, NAME, MINB)                                                                 \
+    extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
+        cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
+                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late, float* ws,  \
+                            int* counters, unsigned long long* prof, const Epi epi, const RopeArgs rope) {         \
+        cluster_gemm_body<BN, WG, NTOK, STAGES, true, true, false, true>(&wmap, x, out, M, K, ldx, ldo, late, ws,  \
+                                                                         counters, prof, epi, &rope);              \
+    }
+ROPE_GEMM(128, 2, 56, 4, bn128_half_rope, 2)  // bn128_half's tile (the 8B q/k/v plan)
+ROPE_GEMM(64, 1, 56, 12, bn64_rope, 1)        // bn64's
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
