@@ -34,6 +34,11 @@ import torch  # noqa: E402
 KINDS = {k: v for k, v in common.LLAMA_8B_MATMULS.items() if k != "lm_head"}
 
 
+def _save_plans(path: str, plans: dict) -> None:
+    """A plan a kind as JSON {'N,K': [variant, split]} (what bench/decode.py --cluster-gemm-plans reads)."""
+    Path(path).write_text(json.dumps({"{},{}".format(*KINDS[k]): list(p) for k, p in plans.items()}, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="check,iso,chain", help="check, iso, chain (comma-separated)")
@@ -381,16 +386,12 @@ def main(argv=None) -> int:
         timed_sets = [(r["ms a layer"], r["matmuls"]) for r in rows_out if r["matmuls"] in sets and r["ms a layer"]]
         if args.save_chain_plans and timed_sets:
             best = sets[min(timed_sets)[1]]
-            Path(args.save_chain_plans).write_text(
-                json.dumps({"{},{}".format(*KINDS[k]): list(p) for k, p in best.items()}, indent=1)
-            )
+            _save_plans(args.save_chain_plans, best)
             md.append(f"\nfastest glue-folded plan set: {min(timed_sets)[1]} ({best})\n")
         data["chain"] = rows_out
         data["plans"] = plans
     if args.save_plans and best_plan:
-        Path(args.save_plans).write_text(
-            json.dumps({"{},{}".format(*KINDS[k]): list(p) for k, p in best_plan.items()}, indent=1)
-        )
+        _save_plans(args.save_plans, best_plan)
     body = "".join(md)
     print(body)
     if not args.no_append:

@@ -250,7 +250,7 @@ class TritonAttnOps(TorchOps):
         cg = self._cg_mod
         if b is not None or x.dim() != 2 or w.shape[0] > cg.N_MAX:
             return None
-        plan = self.config.cluster_gemm_plans.get((w.shape[0], w.shape[1])) or cg.plan_for(w.shape[0], w.shape[1])
+        plan = self._plan_of(w)
         return plan if cg.supports(x, w, plan[0], check_ptr=False) else None
 
     def _cg(self, x, w, b):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.decode.llama import _rotate_half
+
 _CSRC = Path(__file__).resolve().parent / "csrc"
 PTX = _CSRC / "cluster_gemm.ptx"
 BK = 64  # K a ring stage covers: K must be a multiple of it
@@ -446,10 +448,7 @@ def cluster_gemm(
     x: torch.Tensor, w: torch.Tensor, plan: tuple[str, int] | None = None, pdl: bool = True, late: bool = False
 ):
     """x [M, K] @ w [N, K]^T -> [M, N] bf16 through the kernel (`supports` must hold for the plan's variant)."""
-    variant, split = plan or plan_for(w.shape[0], x.shape[1])
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    launch(x, w, out, variant, split, pdl, late=late)
-    return out
+    return fused(x, w, plan, pdl, late)
 
 
 def fused(
@@ -472,7 +471,7 @@ def fused(
     it needs. `supports(x, w, plan's variant)` must hold."""
     variant, split = plan or plan_for(w.shape[0], x.shape[1])
     if rope is not None:
-        variant = variant if variant in ROPE else variant + "_rope"
+        variant = _rope_variant(variant)
         why = rope_refusal(w, variant, rope)
         if why:
             raise ValueError(f"cluster_gemm: rope: {why}")
@@ -498,6 +497,11 @@ def fused(
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
            glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
+
+
+def _rope_variant(variant: str) -> str:
+    """The `_rope` sibling of a plan's variant (which may not exist: `rope_refusal` says so)."""
+    return variant if variant in ROPE else variant + "_rope"
 
 
 def rope_refusal(w: torch.Tensor, variant: str, rope: tuple) -> str:
@@ -582,8 +586,7 @@ def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv:
     y = y.view(M, nh + 2 * nkv, d)
     qk, v = y[:, : nh + nkv], y[:, nh + nkv :]
     c, s = cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
-    partner = torch.cat([-qk[..., d // 2 :], qk[..., : d // 2]], -1)
-    rot = (qk * c) + (partner * s)  # bf16 * bf16 rounds each product; the sum rounds again
+    rot = (qk * c) + (_rotate_half(qk) * s)  # bf16 * bf16 rounds each product; the sum rounds again
     kc[0].index_copy_(1, slots, rot[:, nh:].transpose(0, 1))
     vc[0].index_copy_(1, slots, v.transpose(0, 1))
     return rot[:, :nh].reshape(M, nh * d).contiguous()
@@ -599,7 +602,7 @@ def cluster_gemm_qkv_rope_op(
     variant): q [M, nh * d] rotated; k and v written to this layer's caches. Torch's ops where the kernel does not
     take x (`rope_rows` after the normed fallback)."""
     rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
-    rv = variant if variant in ROPE else variant + "_rope"
+    rv = _rope_variant(variant)
     if rv in VARIANTS and supports(x, w, rv) and not rope_refusal(w, rv, rope):
         return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope)
     y = cluster_gemm_normed_op(x, w, ssq, eps, False, variant, split, pdl, late)
