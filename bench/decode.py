@@ -700,6 +700,7 @@ def p2b(args, dev, dtype, runner, best):
         ]
     # --cluster-gemm on / late: also the triton engine whose wide forwards' layer matmuls take our CUDA kernel
     # (experimental.cluster_gemm; late: its next kernel launches once its K loops are done)
+    cg_last = ({}, "")
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
             if v in ("on", "late", "fused", "fusedrope"):
@@ -716,10 +717,13 @@ def p2b(args, dev, dtype, runner, best):
                     }
                 tag = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}[v]
                 combos += [("triton", impl, 1, over, tag) for impl in args.attn_impls]
-    # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P
+                cg_last = (over, tag)
+    # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P (on top of
+    # the last --cluster-gemm engine when there is one)
     if tri:
+        base, base_tag = cg_last
         combos += [
-            ("triton", impl, 1, {"rows_attn_plan": plan}, " attn" + "/".join(map(str, plan)))
+            ("triton", impl, 1, {**base, "rows_attn_plan": plan}, base_tag + " attn" + "/".join(map(str, plan)))
             for plan in args.rows_attn_plan
             for impl in args.attn_impls
         ]

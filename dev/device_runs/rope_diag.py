@@ -8,14 +8,23 @@ from draftsmith.decode import kernels as K
 from draftsmith.decode.experimental import cluster_gemm as cg
 
 
-def emulate(y, pos, cos, sin, nh, nkv, d):
+def emulate(y, pos, cos, sin, nh, nkv, d, how="double"):
+    """RoPE of y's q and k heads in fp32 with the roundings `how` names: double — bf16(bf16(x c) + bf16(x' s)) (torch's
+    bf16 ops); single — bf16(x c + x' s); fma_a — bf16(fma(x, c, bf16(x' s))); fma_b — bf16(fma(x', s, bf16(x c)))."""
     r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
     M = y.shape[0]
-    x = y.float().view(M, nh + 2 * nkv, d)[:, : nh + nkv]
+    x = y.float().view(M, nh + 2 * nkv, d)[:, : nh + nkv].double()
     half = d // 2
     x2 = torch.cat([-x[..., half:], x[..., :half]], -1)
-    c, s = cos[pos].float()[:, None], sin[pos].float()[:, None]
-    return r(r(x * c) + r(x2 * s))
+    c, s = cos[pos].double()[:, None], sin[pos].double()[:, None]
+    rd = lambda t: t.float().to(torch.bfloat16).float()  # noqa: E731  (an fp64 exact product rounded once)
+    if how == "single":
+        return rd((x * c).float().double() + (x2 * s).float().double())
+    if how == "fma_a":
+        return rd(x * c + r((x2 * s).float()).double())
+    if how == "fma_b":
+        return rd(x2 * s + r((x * c).float()).double())
+    return r(r((x * c).float()) + r((x2 * s).float()))
 
 
 def stats(name, a, b):
@@ -49,6 +58,10 @@ for d, plan in ((128, ("bn128_half", 1)), (128, ("bn128_half", 3)), (64, ("bn64"
         print(f"--- d {d} plan {plan} M {M} pos {pos[:4].tolist()}")
         stats("kernel q vs triton q", q2, q1)
         stats("emulated q vs triton q", em[:, :nh].reshape(M, -1), q1)
+        for how in ("single", "fma_a", "fma_b"):
+            stats(
+                f"emulated ({how}) q vs triton q", emulate(y, pos, cos, sin, nh, nkv, d, how)[:, :nh].reshape(M, -1), q1
+            )
         stats("emulated q vs kernel q", em[:, :nh].reshape(M, -1), q2)
         stats("kernel k vs triton k", kc2[0][:, slots], kc1[0][:, slots])
         stats("emulated k vs triton k", em[:, nh:].transpose(0, 1), kc1[0][:, slots].float())

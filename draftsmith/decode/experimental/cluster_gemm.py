@@ -33,7 +33,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 PTX = _CSRC / "cluster_gemm.ptx"
 BK = 64  # K a ring stage covers: K must be a multiple of it
 # variant -> (BN weight rows a CTA, warpgroups, tokens (M at most), ring stages): csrc/cluster_gemm.cu's CLUSTER_GEMM
-# instances ("_half": half the shared memory, two CTAs an SM; "_s3"/"_s4": a 3-/4-stage ring, 3-4 CTAs an SM; "_keep": no L2 evict-first hint on the weights;
+# instances ("_half": half the shared memory, two CTAs an SM; "_keep": no L2 evict-first hint on the weights;
 # "_nomma": the ring alone, no multiplies — a diagnostic whose output is garbage)
 VARIANTS = {
     "bn64": (64, 1, 56, 12),
@@ -43,9 +43,6 @@ VARIANTS = {
     "bn256n64": (256, 2, 64, 5),
     "bn64_half": (64, 1, 56, 6),
     "bn128_half": (128, 2, 56, 4),
-    "bn128_s3": (128, 2, 56, 3),
-    "bn64_s3": (64, 1, 56, 3),
-    "bn64_s4": (64, 1, 56, 4),
     "bn256_nomma": (256, 2, 56, 5),
     "bn128_nomma": (128, 2, 56, 8),
     # split-K reduced by each tile's last CTA through an L2 workspace, no cluster ("_l": LAST)
@@ -55,7 +52,6 @@ VARIANTS = {
     # q/k/v with RoPE and the cache writes in the cluster reduction (`fused(rope=)`): a plan's variant + "_rope"
     "bn128_half_rope": (128, 2, 56, 4),
     "bn64_rope": (64, 1, 56, 12),
-    "bn128_s3_rope": (128, 2, 56, 3),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))

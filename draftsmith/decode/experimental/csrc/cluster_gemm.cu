@@ -574,10 +574,6 @@ CLUSTER_GEMM(256, 4, 56, 5, true, true, bn256wg4, 1)        // 200 KiB, four war
 CLUSTER_GEMM(256, 2, 64, 5, true, true, bn256n64, 1)        // 200 KiB, up to 64 tokens
 CLUSTER_GEMM(64, 1, 56, 6, true, true, bn64_half, 2)        // 96 KiB: two CTAs an SM
 CLUSTER_GEMM(128, 2, 56, 4, true, true, bn128_half, 2)      // 96 KiB
-// small rings: three or four CTAs an SM, so the next matmul's CTAs fit beside this one's and prefetch under PDL
-CLUSTER_GEMM(128, 2, 56, 3, true, true, bn128_s3, 3)        // 73 KiB
-CLUSTER_GEMM(64, 1, 56, 3, true, true, bn64_s3, 4)          // 49 KiB
-CLUSTER_GEMM(64, 1, 56, 4, true, true, bn64_s4, 3)          // 65 KiB
 CLUSTER_GEMM(256, 2, 56, 5, true, false, bn256_nomma, 1)    // the ring alone (diagnostic)
 CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (diagnostic)
 // q/k/v with RoPE and the cache writes folded ("_rope"; KernelConfig.cluster_gemm_rope)
@@ -591,7 +587,6 @@ CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (d
     }
 ROPE_GEMM(128, 2, 56, 4, bn128_half_rope, 2)  // bn128_half's tile (the 8B q/k/v plan)
 ROPE_GEMM(64, 1, 56, 12, bn64_rope, 1)        // bn64's
-ROPE_GEMM(128, 2, 56, 3, bn128_s3_rope, 3)    // bn128_s3's
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
