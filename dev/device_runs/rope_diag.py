@@ -1,6 +1,7 @@
-"""Why the `_rope` instances' q differs from kernels.rope_and_cache's (the twenty-fifth session's GPU test failure):
-for one case, each pair of (the kernel's q, Triton's q, a torch emulation of the formula from y) — how many values
-differ, by how many bf16 ulps, at which columns; and the caches."""
+"""Why the `_rope` instances' q differed from kernels.rope_and_cache's (the twenty-fifth session's GPU test failure):
+for each case, the kernel's q and k, Triton's, and torch emulations of RoPE from y with candidate roundings — how many
+values differ, by how much, at which columns. Found: triton's compiled kernel rounds as fma_a (x·cos fused into the
+add), not as its source reads (double); the `_rope` instances now do the same (docs/LOG.md, twenty-fifth session)."""
 
 import torch
 

@@ -194,7 +194,10 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 
 // The `_rope` instances (KernelConfig.cluster_gemm_rope): the q/k/v projection whose owner CTAs, holding whole heads
 // (BN a multiple of the head size d), apply RoPE to the q and k heads and write k and v to this layer's caches at the
-// rows' slots, q to `out` [M, q_cols] — `kernels.rope_and_cache`'s work and rounding, without its launch.
+// rows' slots, q to `out` [M, q_cols] — `kernels.rope_and_cache`'s work and rounding, without its launch. Its
+// rounding is what triton compiles, not what its source says: x·cos is not rounded to bf16 before the add but fused
+// into it (bf16(fma(x, cos, bf16(±x'·sin)))), measured bit for bit on an H200 (dev/device_runs/rope_diag.py; docs/LOG.md,
+// twenty-fifth session). The one-row step takes that kernel, so the verify must round as it does.
 struct RopeArgs {
     const long long* pos;    // [M] positions (rows of cos / sin)
     const long long* slots;  // [M] cache slots
@@ -507,10 +510,9 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
                 const long long at = rp->pos[m] * d + hc;
                 const float sign = hc < half ? -1.f : 1.f;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {  // rope_and_cache's rounding: bf16(bf16(x cos) + bf16(+-x' sin))
-                    const float a = bf16r(xv[i] * __bfloat162float(rp->cos[at + i]));
+                for (int i = 0; i < 4; ++i) {  // rope_and_cache's rounding as compiled: bf16(fma(x, cos, bf16(+-x' sin)))
                     const float b = bf16r(sign * pv[i] * __bfloat162float(rp->sin[at + i]));
-                    xv[i] = a + b;
+                    xv[i] = fmaf(xv[i], __bfloat162float(rp->cos[at + i]), b);
                 }
             }
             __nv_bfloat16* dst;
