@@ -593,3 +593,249 @@ ROPE_GEMM(64, 1, 56, 12, bn64_rope, 1)        // bn64's
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
 LASTCTA_GEMM(256, 2, 56, 5, bn256_l, 1)
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The chain kernel (experimental; bench/cluster_gemm.py --sections persist): several dependent matmuls of a layer —
+// e.g. o -> gate/up -> down -> the next layer's q/k/v, each with its folds — in ONE persistent launch of G CTAs, all
+// resident at once (two an SM). Between phases a grid barrier (a global counter) replaces the kernel boundary, and a
+// CTA issues its next phase's first STAGES-1 weight tiles BEFORE it waits at the barrier: the weights do not depend on
+// the previous phase, so the ring keeps streaming across the dependency where a kernel boundary drains it (the ~4-8 us
+// a call above the bandwidth floor that the per-matmul kernels pay: BENCHMARKS.md "Issue 16, twenty-fifth session").
+// Split-K partials reduce through the L2 workspace, each tile's last CTA summing them in rank order (the `_l`
+// instances' reduction: no cluster, so a phase takes any split). Phase p has (N_p / BN) * split_p items; CTA c takes
+// items c, c + G, ... Deadlock-free as long as all G CTAs can be resident: the next kernel may launch (PDL) only after
+// the first barrier, when every CTA has arrived (the host sizes G by the occupancy).
+#define CHAIN_MAX 4
+struct alignas(64) ChainArgs {
+    TmaDesc maps[CHAIN_MAX];  // each phase's weights ([BN, 64] boxes; a GLU's [2][BN/2][64])
+    const __nv_bfloat16* x[CHAIN_MAX];
+    __nv_bfloat16* out[CHAIN_MAX];
+    int ldx[CHAIN_MAX], ldo[CHAIN_MAX], N[CHAIN_MAX], K[CHAIN_MAX], split[CHAIN_MAX];
+    int ws_off[CHAIN_MAX], cnt_off[CHAIN_MAX];  // each phase's workspace (floats) and counters
+    Epi epi[CHAIN_MAX];
+    int nph, M;
+    float* ws;
+    int* counters;
+    unsigned int* bar;  // [2]: arrivals, exits (the last CTA out resets both for the next launch)
+};
+
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <int BN, int WG, int NTOK, int STAGES>
+__device__ __forceinline__ void chain_body(const ChainArgs& a) {
+    constexpr int THREADS = 128 * WG;
+    constexpr int MT = BN / WG / 64;
+    constexpr int NREG = NTOK / 2;
+    constexpr int W_BYTES = BN * BK * 2;
+    constexpr int X_BYTES = XROWS * BK * 2;
+    constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
+    constexpr int CH = BK / 8;
+    constexpr int RED_LD = BN + 4;
+    static_assert(NTOK * RED_LD * 4 <= STAGES * STAGE_BYTES, "the partial tile over the ring");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const uint32_t base = smem_addr(smem), bars = base + STAGES * STAGE_BYTES;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+    const int G = gridDim.x, cta = blockIdx.x, M = a.M;
+    float* red = reinterpret_cast<float*>(smem);
+    __shared__ float rstd[XROWS], row_ssq[XROWS];
+    __shared__ int is_last;
+
+    uint64_t evict_first;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
+    if (tid == 0) {
+        for (int p = 0; p < a.nph; ++p)
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&a.maps[p])) : "memory");
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // the ring is one sequence of stages across items and phases: stage j sits in slot j % STAGES, its mbarrier's
+    // (j / STAGES)-th phase; `done` stages were consumed before the current item
+    int done = 0;
+    auto items = [&](int p) { return (a.N[p] / BN) * a.split[p]; };
+    auto slice = [&](int p, int item, int& kt0, int& nkt) {
+        const int S = a.split[p], r = item % S, KT = a.K[p] / BK;
+        kt0 = KT * r / S;
+        nkt = KT * (r + 1) / S - kt0;
+    };
+    auto load_w = [&](int p, int item, int j, int kt) {  // thread 0: stage j (of the sequence) from k tile kt
+        const int tile = item / a.split[p], row0 = a.epi[p].glu ? tile * (BN / 2) : tile * BN;
+        const uint32_t bar = bars + 8 * (j % STAGES);
+        mbar_expect(bar, W_BYTES);
+        tma_load_3d<true>(base + (j % STAGES) * STAGE_BYTES, &a.maps[p], kt * BK, row0, bar, evict_first);
+    };
+    auto prologue_w = [&](int p, int item) {  // an item's first STAGES-1 weight tiles (before any wait)
+        int kt0, nkt;
+        slice(p, item, kt0, nkt);
+        if (tid == 0)
+            for (int s = 0; s < STAGES - 1 && s < nkt; ++s) load_w(p, item, done + s, kt0 + s);
+    };
+    auto load_x = [&](int p, int j, int kt) {
+        const uint32_t dst = base + (j % STAGES) * STAGE_BYTES + W_BYTES;
+        const __nv_bfloat16* x = a.x[p];
+#pragma unroll
+        for (int i = 0; i < XROWS * CH / THREADS; ++i) {
+            const int c = tid + i * THREADS, r = c / CH, ch = c % CH;
+            if (r >= NTOK) continue;
+            const bool ok = r < M;
+            const __nv_bfloat16* src = ok ? x + static_cast<size_t>(r) * a.ldx[p] + kt * BK + ch * 8 : x;
+            cp_async_zfill(dst + swz(r, ch), src, ok ? 16 : 0);
+        }
+    };
+    auto barrier_arrive = [&]() {  // this CTA's stores of the phase visible device-wide, then counted
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence();
+            atomicAdd(a.bar, 1u);
+        }
+    };
+    auto barrier_wait = [&](unsigned int target) {
+        if (tid == 0)
+            while (ld_acquire(a.bar) < target) {
+            }
+        __syncthreads();
+    };
+
+    if (cta < items(0)) prologue_w(0, cta);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (a.nph == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    for (int p = 0; p < a.nph; ++p) {
+        if (p > 0) {
+            barrier_wait(static_cast<unsigned int>(p) * G);
+            if (p == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // every CTA is resident
+        }
+        const Epi& e = a.epi[p];
+        if (e.ssq_in != nullptr && tid < M) {
+            float t = 0.f;
+            for (int i = 0; i < e.ssq_tiles; ++i) t += __ldcg(e.ssq_in + i * e.ssq_in_ld + tid);
+            rstd[tid] = rsqrtf(t * e.inv_k + e.eps);
+        }
+        const int S = a.split[p];
+        for (int item = cta; item < items(p); item += G) {
+            if (item != cta) prologue_w(p, item);
+            int kt0, nkt;
+            slice(p, item, kt0, nkt);
+            const int tile = item / S, rank = item % S, n0 = tile * BN;
+            if (tid < XROWS) row_ssq[tid] = 0.f;
+#pragma unroll
+            for (int s = 0; s < STAGES - 1; ++s) {
+                if (s < nkt) load_x(p, done + s, kt0 + s);
+                cp_async_commit();
+            }
+            float acc[MT][NREG];
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int r = 0; r < NREG; ++r) acc[t][r] = 0.f;
+            for (int i = 0; i < nkt; ++i) {
+                const int j = done + i;
+                cp_async_wait<STAGES - 2>();
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);
+                __syncthreads();
+                const int nxt = i + STAGES - 1;
+                if (nxt < nkt) {
+                    if (tid == 0) load_w(p, item, done + nxt, kt0 + nxt);
+                    load_x(p, done + nxt, kt0 + nxt);
+                }
+                cp_async_commit();
+                const uint32_t wt = base + (j % STAGES) * STAGE_BYTES, xt = wt + W_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) {
+                    const uint64_t db = smem_desc(xt + kk * 32);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t)
+                        wgmma_tile<NTOK>(acc[t], smem_desc(wt + (wg * MT + t) * 64 * 128 + kk * 32), db);
+                }
+                wgmma_commit();
+                wgmma_wait0();
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+            done += nkt;
+
+            // the partial over the ring; split: to the workspace, the tile's last CTA sums all in rank order
+            write_partial<BN, WG, NTOK, MT>(red, acc, wg, wq, lane);
+            __syncthreads();
+            const int quads = M * (BN / 4);
+            float* tile_ws = a.ws + a.ws_off[p] + static_cast<size_t>(tile) * S * NTOK * BN;
+            bool last = true;
+            if (S > 1) {
+                float* mine = tile_ws + static_cast<size_t>(rank) * NTOK * BN;
+                for (int v = tid; v < quads; v += THREADS) {
+                    const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
+                    __stcg(reinterpret_cast<float4*>(mine + m * BN + c),
+                           *reinterpret_cast<const float4*>(red + m * RED_LD + c));
+                }
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) is_last = atomicAdd(a.counters + a.cnt_off[p] + tile, 1) == S - 1;
+                __syncthreads();
+                last = is_last;
+                if (last) __threadfence();
+            }
+            if (last) {
+                auto fetch = [&](int m, int c) {
+                    float4 sum = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
+                    if (S > 1) {
+                        sum = __ldcg(reinterpret_cast<const float4*>(tile_ws + m * BN + c));
+                        for (int q = 1; q < S; ++q) {
+                            const float4 t = __ldcg(reinterpret_cast<const float4*>(tile_ws + (q * NTOK + m) * BN + c));
+                            sum.x += t.x;
+                            sum.y += t.y;
+                            sum.z += t.z;
+                            sum.w += t.w;
+                        }
+                    }
+                    return sum;
+                };
+                __nv_bfloat16* out = a.out[p];
+                if (e.glu) {
+                    for (int v = tid; v < M * (BN / 8); v += THREADS) {
+                        const int m = v / (BN / 8), c = (v % (BN / 8)) * 4;
+                        epi_glu4(e, out, a.ldo[p], m, tile * (BN / 2) + c, fetch(m, c), fetch(m, BN / 2 + c), rstd);
+                    }
+                } else {
+                    for (int v0 = 0; v0 < quads; v0 += THREADS) {
+                        const int v = v0 + tid;
+                        const bool act = v < quads;
+                        const int m = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
+                        const float sq = act ? epi_store4(e, out, a.ldo[p], m, n0 + c, fetch(m, c), rstd) : 0.f;
+                        if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
+                    }
+                    if (e.ssq_out != nullptr) {
+                        __syncthreads();
+                        if (tid < M) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
+                    }
+                }
+                if (S > 1 && tid == 0) a.counters[a.cnt_off[p] + tile] = 0;  // for the next launch
+            }
+            __syncthreads();  // red (over the ring) read by all before the next item's loads land there
+        }
+        if (p + 1 < a.nph) {
+            barrier_arrive();
+            if (cta < items(p + 1)) prologue_w(p + 1, cta);  // the next phase's weights stream during the wait
+        }
+    }
+    if (tid == 0 && atomicAdd(a.bar + 1, 1u) == static_cast<unsigned int>(G) - 1) {
+        a.bar[0] = 0u;  // every CTA is past its last wait
+        a.bar[1] = 0u;
+    }
+}
+
+#define CHAIN_GEMM(BN, WG, NTOK, STAGES, NAME, MINB)                                               \
+    extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                   \
+        cluster_gemm_chain_##NAME(const __grid_constant__ ChainArgs args) {                        \
+        chain_body<BN, WG, NTOK, STAGES>(args);                                                    \
+    }
+CHAIN_GEMM(128, 2, 56, 4, bn128_half, 2)  // 96 KiB: two CTAs an SM
