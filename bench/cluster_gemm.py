@@ -358,8 +358,10 @@ def main(argv=None) -> int:
             return run
 
         def persisted(splits, four=True):
-            """The glue-folded layer through the chain kernel: [q/k/v, o, gate/up, down] in one launch (four), or
-            q/k/v by `fused` then [o, gate/up, down] in one (the engine's shape: attention sits after q/k/v)."""
+            """The glue-folded layer through the chain kernel: [q/k/v, o, gate/up, down] in one launch (four=True), or
+            q/k/v by `fused` then [o, gate/up, down] in one (False: the engine's shape, attention sits after q/k/v);
+            diagnostics: "single" — each matmul its own one-phase chain launch (the chain kernel's body without its
+            barriers), "g132" — four phases on one CTA an SM."""
             sq, so, sg, sd = splits
 
             def run():
@@ -379,7 +381,12 @@ def main(argv=None) -> int:
                         dict(x=hn2, w=lw["gate_up"], out=a, split=sg, ssq_in=ssq2, eps=1e-5, glu=True),
                         dict(x=a, w=lw["down"], out=h3, split=sd, res=h2, nw=nxt, hn=hn3, ssq_out=ssq3),
                     ]
-                    if four:
+                    if four == "single":
+                        for ph in (qkv, *rest):
+                            cg.chain_launch([ph])
+                    elif four == "g132":
+                        cg.chain_launch([qkv, *rest], ctas=torch.cuda.get_device_properties(0).multi_processor_count)
+                    elif four:
                         cg.chain_launch([qkv, *rest])
                     else:
                         cg.launch(hn, lw["qkv"], q, "bn128_half", sq, ssq_in=ssq, eps=1e-5)
@@ -395,15 +402,19 @@ def main(argv=None) -> int:
         g_ref, g_got = glued(mm_torch)(), folded(plans)()
         rel_glue = ((g_got.float() - g_ref.float()).norm() / g_ref.float().norm()).item()
         rel_persist = {}  # the chain kernel against the folded per-matmul kernels (same folds, same sums' order?)
-        for sp in persist_sets:
-            for four in (True, False):
-                try:
-                    p_got = persisted(sp, four)()
-                    torch.cuda.synchronize()
-                    rel_persist[(sp, four)] = ((p_got.float() - g_got.float()).norm() / g_got.float().norm()).item()
-                except Exception as ex:  # noqa: BLE001  (a report, not a crash: the other rows still run)
-                    rel_persist[(sp, four)] = f"{type(ex).__name__}: {ex}"
-                print(f"persist {sp} four={four}: vs folded {rel_persist[(sp, four)]}", flush=True)
+        modes = [
+            (sp, four)
+            for i, sp in enumerate(persist_sets)
+            for four in (True, False, *(("single", "g132") if i == 0 else ()))
+        ]
+        for sp, four in modes:
+            try:
+                p_got = persisted(sp, four)()
+                torch.cuda.synchronize()
+                rel_persist[(sp, four)] = ((p_got.float() - g_got.float()).norm() / g_got.float().norm()).item()
+            except Exception as ex:  # noqa: BLE001  (a report, not a crash: the other rows still run)
+                rel_persist[(sp, four)] = f"{type(ex).__name__}: {ex}"
+            print(f"persist {sp} four={four}: vs folded {rel_persist[(sp, four)]}", flush=True)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         rows_out = []
         for name, mm in [
@@ -420,9 +431,12 @@ def main(argv=None) -> int:
             ("iso plans, glue folded, no pdl", folded(plans, False)),
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
             *[
-                (f"chain kernel {'4' if four else 'qkv + 3'} phases, splits {sp}, glue folded", persisted(sp, four))
-                for sp in persist_sets
-                for four in (True, False)
+                (
+                    f"chain kernel {({True: '4 phases', False: 'qkv + 3 phases', 'single': '1 phase a launch', 'g132': '4 phases, 1 CTA an SM'})[four]}, "
+                    f"splits {sp}, glue folded",
+                    persisted(sp, four),
+                )
+                for sp, four in modes
                 if isinstance(rel_persist.get((sp, four)), float)
             ],
             ("torch + glue", glued(mm_torch)),
