@@ -595,16 +595,17 @@ LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
 LASTCTA_GEMM(256, 2, 56, 5, bn256_l, 1)
 
 // ---------------------------------------------------------------------------------------------------------------------
-// The chain kernel (experimental; bench/cluster_gemm.py --sections persist): several dependent matmuls of a layer —
+// The chain kernel (experimental; bench/cluster_gemm.py --persist-splits): several dependent matmuls of a layer —
 // e.g. o -> gate/up -> down -> the next layer's q/k/v, each with its folds — in ONE persistent launch of G CTAs, all
 // resident at once (two an SM). Between phases a grid barrier (a global counter) replaces the kernel boundary, and a
 // CTA issues its next phase's first STAGES-1 weight tiles BEFORE it waits at the barrier: the weights do not depend on
 // the previous phase, so the ring keeps streaming across the dependency where a kernel boundary drains it (the ~4-8 us
 // a call above the bandwidth floor that the per-matmul kernels pay: BENCHMARKS.md "Issue 16, twenty-fifth session").
-// Split-K partials reduce through the L2 workspace, each tile's last CTA summing them in rank order (the `_l`
-// instances' reduction: no cluster, so a phase takes any split). Phase p has (N_p / BN) * split_p items; CTA c takes
-// items c, c + G, ... Deadlock-free as long as all G CTAs can be resident: the next kernel may launch (PDL) only after
-// the first barrier, when every CTA has arrived (the host sizes G by the occupancy).
+// Split-K partials go through the L2 workspace; each of a tile's S CTAs then sums its own token rows over them in rank
+// order (the cluster instances' owners, with L2 for distributed shared memory: no cluster, so a phase takes any
+// split). Phase p has (N_p / BN) * split_p items; CTA c takes items c, c + G, ... Deadlock-free as long as all G
+// CTAs can be resident: the next kernel may launch (PDL) only after the first barrier, when every CTA has arrived
+// (the host sizes G by the occupancy).
 #define CHAIN_MAX 4
 struct alignas(64) ChainArgs {
     TmaDesc maps[CHAIN_MAX];  // each phase's weights ([BN, 64] boxes; a GLU's [2][BN/2][64])
@@ -644,7 +645,6 @@ __device__ __forceinline__ void chain_body(const ChainArgs& a) {
     const int G = gridDim.x, cta = blockIdx.x, M = a.M;
     float* red = reinterpret_cast<float*>(smem);
     __shared__ float rstd[XROWS], row_ssq[XROWS];
-    __shared__ int is_last;
 
     uint64_t evict_first;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
@@ -764,62 +764,70 @@ __device__ __forceinline__ void chain_body(const ChainArgs& a) {
             __syncthreads();
             done += nkt;
 
-            // the partial over the ring; split: to the workspace, the tile's last CTA sums all in rank order
+            // the partial over the ring; split: to the workspace, then each of the tile's S CTAs sums its own token
+            // rows (m = rank, rank + S, ...) over the S partials in rank order — in parallel, as the cluster
+            // instances' owners do (one CTA summing every row took ~30 us a layer more: the loads' latency serial).
+            // Waiting for the tile's other CTAs cannot deadlock: all G CTAs are resident and each takes its items
+            // in order, so tiles complete in order.
             write_partial<BN, WG, NTOK, MT>(red, acc, wg, wq, lane);
             __syncthreads();
-            const int quads = M * (BN / 4);
-            float* tile_ws = a.ws + a.ws_off[p] + static_cast<size_t>(tile) * S * NTOK * BN;
-            bool last = true;
+            const float* tile_ws = a.ws + a.ws_off[p] + static_cast<size_t>(tile) * S * NTOK * BN;
+            int* cnt = a.counters + a.cnt_off[p] + tile;
             if (S > 1) {
-                float* mine = tile_ws + static_cast<size_t>(rank) * NTOK * BN;
-                for (int v = tid; v < quads; v += THREADS) {
+                float* mine = const_cast<float*>(tile_ws) + static_cast<size_t>(rank) * NTOK * BN;
+                for (int v = tid; v < M * (BN / 4); v += THREADS) {
                     const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
                     __stcg(reinterpret_cast<float4*>(mine + m * BN + c),
                            *reinterpret_cast<const float4*>(red + m * RED_LD + c));
                 }
-                __threadfence();
                 __syncthreads();
-                if (tid == 0) is_last = atomicAdd(a.counters + a.cnt_off[p] + tile, 1) == S - 1;
-                __syncthreads();
-                last = is_last;
-                if (last) __threadfence();
-            }
-            if (last) {
-                auto fetch = [&](int m, int c) {
-                    float4 sum = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
-                    if (S > 1) {
-                        sum = __ldcg(reinterpret_cast<const float4*>(tile_ws + m * BN + c));
-                        for (int q = 1; q < S; ++q) {
-                            const float4 t = __ldcg(reinterpret_cast<const float4*>(tile_ws + (q * NTOK + m) * BN + c));
-                            sum.x += t.x;
-                            sum.y += t.y;
-                            sum.z += t.z;
-                            sum.w += t.w;
-                        }
-                    }
-                    return sum;
-                };
-                __nv_bfloat16* out = a.out[p];
-                if (e.glu) {
-                    for (int v = tid; v < M * (BN / 8); v += THREADS) {
-                        const int m = v / (BN / 8), c = (v % (BN / 8)) * 4;
-                        epi_glu4(e, out, a.ldo[p], m, tile * (BN / 2) + c, fetch(m, c), fetch(m, BN / 2 + c), rstd);
-                    }
-                } else {
-                    for (int v0 = 0; v0 < quads; v0 += THREADS) {
-                        const int v = v0 + tid;
-                        const bool act = v < quads;
-                        const int m = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
-                        const float sq = act ? epi_store4(e, out, a.ldo[p], m, n0 + c, fetch(m, c), rstd) : 0.f;
-                        if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
-                    }
-                    if (e.ssq_out != nullptr) {
-                        __syncthreads();
-                        if (tid < M) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
+                if (tid == 0) {
+                    __threadfence();
+                    atomicAdd(cnt, 1);
+                    while (static_cast<int>(ld_acquire(reinterpret_cast<const unsigned int*>(cnt))) < S) {
                     }
                 }
-                if (S > 1 && tid == 0) a.counters[a.cnt_off[p] + tile] = 0;  // for the next launch
+                __syncthreads();
             }
+            auto owned = [&](int m, int c) {  // row m's sums at columns c..c+3, the partials' loads all in flight
+                if (S == 1) return *reinterpret_cast<const float4*>(red + m * RED_LD + c);
+                float4 t[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (q < S) t[q] = __ldcg(reinterpret_cast<const float4*>(tile_ws + (q * NTOK + m) * BN + c));
+                float4 sum = t[0];
+#pragma unroll
+                for (int q = 1; q < 8; ++q)
+                    if (q < S) {
+                        sum.x += t[q].x;
+                        sum.y += t[q].y;
+                        sum.z += t[q].z;
+                        sum.w += t[q].w;
+                    }
+                return sum;
+            };
+            const int mine_rows = M > rank ? (M - rank + S - 1) / S : 0;
+            __nv_bfloat16* out = a.out[p];
+            if (e.glu) {
+                for (int v = tid; v < mine_rows * (BN / 8); v += THREADS) {
+                    const int m = (v / (BN / 8)) * S + rank, c = (v % (BN / 8)) * 4;
+                    epi_glu4(e, out, a.ldo[p], m, tile * (BN / 2) + c, owned(m, c), owned(m, BN / 2 + c), rstd);
+                }
+            } else {
+                const int total = mine_rows * (BN / 4);
+                for (int v0 = 0; v0 < total; v0 += THREADS) {
+                    const int v = v0 + tid;
+                    const bool act = v < total;
+                    const int m = act ? (v / (BN / 4)) * S + rank : 0, c = (v % (BN / 4)) * 4;
+                    const float sq = act ? epi_store4(e, out, a.ldo[p], m, n0 + c, owned(m, c), rstd) : 0.f;
+                    if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
+                }
+                if (e.ssq_out != nullptr) {
+                    __syncthreads();
+                    if (tid < mine_rows) e.ssq_out[tile * XROWS + rank + tid * S] = row_ssq[rank + tid * S];
+                }
+            }
+            if (S > 1 && tid == 0 && atomicAdd(cnt, 1) == 2 * S - 1) *cnt = 0;  // the tile's last one out: reset
             __syncthreads();  // red (over the ring) read by all before the next item's loads land there
         }
         if (p + 1 < a.nph) {
