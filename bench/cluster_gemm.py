@@ -62,13 +62,6 @@ def main(argv=None) -> int:
         "named keep the iso / PLANS plan), e.g. 'half=gate_up:bn128_half:2,down:bn128_half:6'",
     )
     ap.add_argument(
-        "--persist-splits",
-        default="",
-        help="chain: also the glue-folded layer through the chain kernel (cluster_gemm.chain_launch: one persistent "
-        "launch, grid barriers between the matmuls), for each 'qkv,o,gate_up,down' split set (';'-separated), e.g. "
-        "'5,8,1,8'",
-    )
-    ap.add_argument(
         "--save-plans",
         help="write iso's fastest plan a shape (PDL on) as JSON {'N,K': [variant, split]} (bench/decode.py "
         "--cluster-gemm-plans reads it)",
@@ -357,64 +350,10 @@ def main(argv=None) -> int:
 
             return run
 
-        def persisted(splits, four=True):
-            """The glue-folded layer through the chain kernel: [q/k/v, o, gate/up, down] in one launch (four=True), or
-            q/k/v by `fused` then [o, gate/up, down] in one (False: the engine's shape, attention sits after q/k/v);
-            diagnostics: "single" — each matmul its own one-phase chain launch (the chain kernel's body without its
-            barriers), "g132" — four phases on one CTA an SM."""
-            sq, so, sg, sd = splits
-
-            def run():
-                h = x0
-                hn, ssq = cg.norm_inputs(h, nws[0][0])
-                for i, (lw, nw) in enumerate(zip(layers, nws)):
-                    nxt = nws[i + 1][0] if i + 1 < L else nw[0]
-                    q = torch.empty(m, lw["qkv"].shape[0], device="cuda", dtype=torch.bfloat16)
-                    h2, hn2 = torch.empty_like(h), torch.empty_like(h)
-                    ssq2 = torch.empty(H // 128, 64, device="cuda", dtype=torch.float32)
-                    a = torch.empty(m, I2 // 2, device="cuda", dtype=torch.bfloat16)
-                    h3, hn3 = torch.empty_like(h), torch.empty_like(h)
-                    ssq3 = torch.empty(H // 128, 64, device="cuda", dtype=torch.float32)
-                    qkv = dict(x=hn, w=lw["qkv"], out=q, split=sq, ssq_in=ssq, eps=1e-5)
-                    rest = [
-                        dict(x=q[:, :H], w=lw["o"], out=h2, split=so, res=h, nw=nw[1], hn=hn2, ssq_out=ssq2),
-                        dict(x=hn2, w=lw["gate_up"], out=a, split=sg, ssq_in=ssq2, eps=1e-5, glu=True),
-                        dict(x=a, w=lw["down"], out=h3, split=sd, res=h2, nw=nxt, hn=hn3, ssq_out=ssq3),
-                    ]
-                    if four == "single":
-                        for ph in (qkv, *rest):
-                            cg.chain_launch([ph])
-                    elif four == "g132":
-                        cg.chain_launch([qkv, *rest], ctas=torch.cuda.get_device_properties(0).multi_processor_count)
-                    elif four:
-                        cg.chain_launch([qkv, *rest])
-                    else:
-                        cg.launch(hn, lw["qkv"], q, "bn128_half", sq, ssq_in=ssq, eps=1e-5)
-                        cg.chain_launch(rest)
-                    h, hn, ssq = h3, hn3, ssq3
-                return h
-
-            return run
-
-        persist_sets = [tuple(int(v) for v in t.split(",")) for t in filter(None, args.persist_splits.split(";"))]
         ref = chain(mm_torch)()
         got = chain(ours(plans))()
         g_ref, g_got = glued(mm_torch)(), folded(plans)()
         rel_glue = ((g_got.float() - g_ref.float()).norm() / g_ref.float().norm()).item()
-        rel_persist = {}  # the chain kernel against the folded per-matmul kernels (same folds, same sums' order?)
-        modes = [
-            (sp, four)
-            for i, sp in enumerate(persist_sets)
-            for four in (True, False, *(("single", "g132") if i == 0 else ()))
-        ]
-        for sp, four in modes:
-            try:
-                p_got = persisted(sp, four)()
-                torch.cuda.synchronize()
-                rel_persist[(sp, four)] = ((p_got.float() - g_got.float()).norm() / g_got.float().norm()).item()
-            except Exception as ex:  # noqa: BLE001  (a report, not a crash: the other rows still run)
-                rel_persist[(sp, four)] = f"{type(ex).__name__}: {ex}"
-            print(f"persist {sp} four={four}: vs folded {rel_persist[(sp, four)]}", flush=True)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         rows_out = []
         for name, mm in [
@@ -430,15 +369,6 @@ def main(argv=None) -> int:
             ("iso plans, glue folded", folded(plans)),
             ("iso plans, glue folded, no pdl", folded(plans, False)),
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
-            *[
-                (
-                    f"chain kernel {({True: '4 phases', False: 'qkv + 3 phases', 'single': '1 phase a launch', 'g132': '4 phases, 1 CTA an SM'})[four]}, "
-                    f"splits {sp}, glue folded",
-                    persisted(sp, four),
-                )
-                for sp, four in modes
-                if isinstance(rel_persist.get((sp, four)), float)
-            ],
             ("torch + glue", glued(mm_torch)),
         ]:
             run = mm if name.endswith("glue") or "folded" in name else chain(mm)
@@ -456,7 +386,7 @@ def main(argv=None) -> int:
         md.append(
             f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}, last-CTA plans {last}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
             f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}; glue folded vs torch + glue "
-            f"{rel_glue:.2e}; chain kernel vs glue folded {rel_persist or '-'}; --chain-plans {extra or '-'}):\n\n"
+            f"{rel_glue:.2e}; --chain-plans {extra or '-'}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
         sets = {"iso plans, glue folded": plans, **{f"{n} plans, glue folded": p for n, p in extra.items()}}

@@ -53,9 +53,6 @@ VARIANTS = {
     "bn128_half_rope": (128, 2, 56, 4),
     "bn64_rope": (64, 1, 56, 12),
 }
-# the chain kernel's tiles (csrc/cluster_gemm.cu's CHAIN_GEMM, "cluster_gemm_chain_<name>"; `chain_launch`)
-CHAIN_VARIANTS = {"bn128_half": (128, 2, 56, 4)}
-CHAIN_MAX = 4  # phases a launch
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
@@ -163,7 +160,7 @@ def _check(status: int, what: str) -> None:
 
 
 def smem_bytes(variant: str) -> int:
-    bn, _, _, stages = VARIANTS[variant] if variant in VARIANTS else CHAIN_VARIANTS[variant.removeprefix("chain_")]
+    bn, _, _, stages = VARIANTS[variant]
     return stages * (bn + 64) * BK * 2 + 1024 + 8 * stages  # the ring (x: 64 rows a stage), alignment, mbarriers
 
 
@@ -218,7 +215,7 @@ def _function(device: torch.device, variant: str) -> ctypes.c_void_p:
         image = _image()
         mod = ctypes.c_void_p()
         _check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(image)), "cuModuleLoadData")
-        for v in [*VARIANTS, *(f"chain_{c}" for c in CHAIN_VARIANTS)]:
+        for v in VARIANTS:
             f = ctypes.c_void_p()
             name = f"cluster_gemm_{v}".encode()
             _check(lib.cuModuleGetFunction(ctypes.byref(f), mod, name), f"cuModuleGetFunction({name.decode()})")
@@ -291,23 +288,6 @@ def _weight_map(w: torch.Tensor, bn: int, glu: bool = False) -> int:
     return addr
 
 
-def _epi(K, res=None, nw=None, hn=None, ssq_out=None, ssq_in=None, eps=1e-6, glu=False) -> _Epi:
-    return _Epi(
-        res.data_ptr() if res is not None else None,
-        res.stride(0) if res is not None else 0,
-        nw.data_ptr() if hn is not None else None,
-        hn.data_ptr() if hn is not None else None,
-        hn.stride(0) if hn is not None else 0,
-        ssq_out.data_ptr() if ssq_out is not None else None,
-        ssq_in.data_ptr() if ssq_in is not None else None,
-        ssq_in.stride(0) if ssq_in is not None else 0,
-        ssq_in.shape[0] if ssq_in is not None else 0,
-        1.0 / K,
-        eps,
-        1 if glu else 0,
-    )
-
-
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The LAST variants' workspace and zeroed counters on `device` (made once, outside any CUDA graph capture: a
     graph's private pool would hand the memory back when the graph goes; the counters reset themselves)."""
@@ -378,7 +358,20 @@ def launch(
     cfg.attrs = attrs
     cfg.num_attrs = 2
     wmap = _weight_map(w, bn, glu)
-    epi = _epi(K, res, nw, hn, ssq_out, ssq_in, eps, glu)
+    epi = _Epi(
+        res.data_ptr() if res is not None else None,
+        res.stride(0) if res is not None else 0,
+        nw.data_ptr() if hn is not None else None,
+        hn.data_ptr() if hn is not None else None,
+        hn.stride(0) if hn is not None else 0,
+        ssq_out.data_ptr() if ssq_out is not None else None,
+        ssq_in.data_ptr() if ssq_in is not None else None,
+        ssq_in.stride(0) if ssq_in is not None else 0,
+        ssq_in.shape[0] if ssq_in is not None else 0,
+        1.0 / K,
+        eps,
+        1 if glu else 0,
+    )
     args = [
         ctypes.c_void_p(x.data_ptr()),
         ctypes.c_void_p(out.data_ptr()),
@@ -410,105 +403,6 @@ def launch(
             )  # fmt: skip
         )
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
-    _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
-
-
-class _ChainArgs(ctypes.Structure):
-    """csrc/cluster_gemm.cu's `ChainArgs` (alignas(64): 1088 bytes), passed by value."""
-
-    _fields_ = [
-        ("maps", ctypes.c_uint8 * (128 * CHAIN_MAX)),
-        ("x", ctypes.c_void_p * CHAIN_MAX),
-        ("out", ctypes.c_void_p * CHAIN_MAX),
-        ("ldx", ctypes.c_int * CHAIN_MAX),
-        ("ldo", ctypes.c_int * CHAIN_MAX),
-        ("N", ctypes.c_int * CHAIN_MAX),
-        ("K", ctypes.c_int * CHAIN_MAX),
-        ("split", ctypes.c_int * CHAIN_MAX),
-        ("ws_off", ctypes.c_int * CHAIN_MAX),
-        ("cnt_off", ctypes.c_int * CHAIN_MAX),
-        ("epi", _Epi * CHAIN_MAX),
-        ("nph", ctypes.c_int),
-        ("M", ctypes.c_int),
-        ("ws", ctypes.c_void_p),
-        ("counters", ctypes.c_void_p),
-        ("bar", ctypes.c_void_p),
-        ("pad", ctypes.c_uint8 * 48),
-    ]
-
-
-assert ctypes.sizeof(_ChainArgs) == 1088, ctypes.sizeof(_ChainArgs)
-_BARS: dict[int, torch.Tensor] = {}  # device index -> the chain kernel's grid barrier [arrivals, exits]
-_CHAIN_CTAS: dict[tuple[int, str], int] = {}
-
-
-def chain_ctas(variant: str = "bn128_half", device: torch.device | None = None) -> int:
-    """The chain kernel's grid: as many CTAs as the GPU holds at once (its grid barrier needs them all resident)."""
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    key = (device.index if device.index is not None else torch.cuda.current_device(), variant)
-    if key in _CHAIN_CTAS:
-        return _CHAIN_CTAS[key]
-    fn = _function(device, f"chain_{variant}")
-    n = ctypes.c_int()
-    _check(
-        _cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(n), fn, 128 * CHAIN_VARIANTS[variant][1], smem_bytes(f"chain_{variant}")
-        ),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    )
-    _CHAIN_CTAS[key] = n.value * torch.cuda.get_device_properties(device).multi_processor_count
-    return _CHAIN_CTAS[key]
-
-
-def chain_launch(phases: list[dict], variant: str = "bn128_half", pdl: bool = True, ctas: int | None = None) -> None:
-    """Up to CHAIN_MAX dependent matmuls in one persistent launch (experimental; csrc/cluster_gemm.cu's chain
-    kernel). Each phase a dict: x [M, K] (a column slice is fine), w [N, K], out, split, and `launch`'s folds (res, nw,
-    hn, ssq_out, ssq_in, eps, glu); a phase's x may be an earlier phase's output. ssq_out / ssq_in are
-    [N / BN, 64] fp32 as `fused` makes them. `ctas`: the grid (default `chain_ctas`: all resident)."""
-    if not 1 <= len(phases) <= CHAIN_MAX:
-        raise ValueError(f"cluster_gemm: 1..{CHAIN_MAX} phases")
-    bn, wg, ntok, _ = CHAIN_VARIANTS[variant]
-    dev = phases[0]["x"].device
-    fn = _function(dev, f"chain_{variant}")
-    ws, counters = _workspace(dev)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _BARS:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cluster_gemm: make the chain's barrier before capturing (one eager call first)")
-        _BARS[idx] = torch.zeros(2, dtype=torch.int32, device=dev)
-    a = _ChainArgs()
-    M = phases[0]["x"].shape[0]
-    most = 0
-    for i, ph in enumerate(phases):
-        x, w, out, split = ph["x"], ph["w"], ph["out"], int(ph["split"])
-        N, K = w.shape
-        glu = bool(ph.get("glu", False))
-        if x.shape[0] != M or not supports(x, w, "bn128_half") or N % bn or not 1 <= split <= K // BK:
-            raise ValueError(f"cluster_gemm: chain phase {i}: x {tuple(x.shape)}, w {tuple(w.shape)}, split {split}")
-        if split > 1 and (N // bn) * split * ntok * bn * 4 > WS_BYTES:
-            raise ValueError(f"cluster_gemm: chain phase {i} past the workspace")
-        ctypes.memmove(ctypes.addressof(a.maps) + 128 * i, _weight_map(w, bn, glu), 128)
-        a.x[i], a.out[i] = x.data_ptr(), out.data_ptr()
-        a.ldx[i], a.ldo[i], a.N[i], a.K[i], a.split[i] = x.stride(0), out.stride(0), N, K, split
-        a.ws_off[i] = a.cnt_off[i] = 0  # phases run one after another: each reuses the workspace
-        a.epi[i] = _epi(K, ph.get("res"), ph.get("nw"), ph.get("hn"), ph.get("ssq_out"), ph.get("ssq_in"),
-                        ph.get("eps", 1e-6), glu)  # fmt: skip
-        most = max(most, (N // bn) * split)
-    a.nph, a.M = len(phases), M
-    a.ws, a.counters, a.bar = ws.data_ptr(), counters.data_ptr(), _BARS[idx].data_ptr()
-    attrs = (_LaunchAttr * 1)()
-    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value[0] = 1 if pdl else 0
-    cfg = _LaunchConfig()
-    resident = chain_ctas(variant, dev)
-    G = min(ctas or resident, resident, most)
-    cfg.grid[:] = (G, 1, 1)
-    cfg.block[:] = (128 * wg, 1, 1)
-    cfg.shared_mem_bytes = smem_bytes(f"chain_{variant}")
-    cfg.stream = torch.cuda.current_stream(dev).cuda_stream
-    cfg.attrs = attrs
-    cfg.num_attrs = 1
-    params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
     _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
 
 
@@ -753,9 +647,6 @@ __all__ = [
     "VARIANTS",
     "cluster_gemm",
     "launch",
-    "chain_launch",
-    "chain_ctas",
-    "CHAIN_VARIANTS",
     "max_active_clusters",
     "plan_for",
     "smem_bytes",

@@ -19,9 +19,7 @@ from draftsmith.decode.experimental import cluster_gemm as cg
 def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
     ptx = cg.PTX.read_text()
     entries = set(re.findall(r"\.entry (cluster_gemm_\w+)\(", ptx))
-    assert entries == {f"cluster_gemm_{v}" for v in cg.VARIANTS} | {
-        f"cluster_gemm_chain_{v}" for v in cg.CHAIN_VARIANTS
-    }
+    assert entries == {f"cluster_gemm_{v}" for v in cg.VARIANTS}
     assert re.search(r"^\.version 8\.7$", ptx, re.M) and re.search(r"^\.target sm_90a$", ptx, re.M)
     src = (cg.PTX.parent / "cluster_gemm.cu").read_text()
     for v, (bn, wg, ntok, stages) in cg.VARIANTS.items():  # the table agrees with the instantiations
@@ -31,8 +29,6 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
             assert re.search(rf"ROPE_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         else:
             assert re.search(rf"CLUSTER_GEMM\({bn}, {wg}, {ntok}, {stages}, \w+, \w+, {v}, \d\)", src), v
-    for v, (bn, wg, ntok, stages) in cg.CHAIN_VARIANTS.items():
-        assert re.search(rf"CHAIN_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
 
 
 def test_shared_memory_fits_and_half_variants_pair_up():
@@ -41,8 +37,6 @@ def test_shared_memory_fits_and_half_variants_pair_up():
         assert cg.smem_bytes(v) + static <= 227 * 1024, v
         if v.endswith("_half"):
             assert 2 * (cg.smem_bytes(v) + static) <= 228 * 1024, v  # two CTAs an SM (the SM keeps 1 KiB a CTA)
-    for v in cg.CHAIN_VARIANTS:  # the chain kernel's grid barrier needs its CTAs resident: two an SM
-        assert 2 * (cg.smem_bytes(f"chain_{v}") + static) <= 228 * 1024, v
 
 
 def test_plans_measured_first_then_one_wave():
