@@ -245,13 +245,17 @@ class TritonAttnOps(TorchOps):
                 self._stream = None  # (hn, ssq) the last producer handed the next norm-folding matmul
 
     # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
-    # (bias-free, at most its rows, N of its tile; a vocabulary-wide N — the lm_head — only where the plans name its
-    # shape: cuBLAS's by default), F.linear elsewhere
+    # (bias-free, at most its rows, N of its tile; a vocabulary-wide N — the lm_head — only where the plans or
+    # cluster_gemm.PLANS name its shape, cuBLAS's otherwise), F.linear elsewhere
     def _cg_plan(self, x, w, b):
         cg = self._cg_mod
         if b is not None or x.dim() != 2:
             return None
-        if w.shape[0] > cg.N_MAX and tuple(w.shape) not in self.config.cluster_gemm_plans:
+        if (
+            w.shape[0] > cg.N_MAX
+            and tuple(w.shape) not in self.config.cluster_gemm_plans
+            and tuple(w.shape) not in cg.PLANS
+        ):
             return None
         plan = self._plan_of(w)
         return plan if cg.supports(x, w, plan[0], check_ptr=False) else None

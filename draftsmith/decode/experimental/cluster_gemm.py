@@ -60,6 +60,7 @@ COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
 SPLIT_MAX = 8  # portable cluster size
 N_MAX = 65536  # the engine's route (ops.TritonAttnOps._cg) leaves wider matrices (a vocabulary's lm_head) to cuBLAS
+# unless PLANS (or KernelConfig.cluster_gemm_plans) name the shape
 # (variant, split) by (N, K), measured on an H200 at 49 rows (bench/cluster_gemm.py iso, BENCHMARKS.md "Issue 16,
 # twenty-third session": the 8B shapes); `plan_for` takes these before its rule
 PLANS = {
@@ -67,6 +68,8 @@ PLANS = {
     (4096, 4096): ("bn128_half", 6),
     (28672, 4096): ("bn128_l", 1),  # no split: 224 CTAs of 128 rows, stored straight from shared memory
     (4096, 14336): ("bn256wg4", 6),
+    # the Llama-3 lm_head: 256.5 us against cuBLAS's 268 (0.977 of copy bandwidth; twenty-fifth session)
+    (128256, 4096): ("bn128_half", 1),
 }
 # what each of a CTA's profile stamps marks (`launch(prof=)`)
 PROF_STAMPS = (

@@ -269,6 +269,36 @@ __device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, boo
     if (act && lane % W == 0) atomicAdd(row_ssq + m, sq);
 }
 
+// The epilogue over this CTA's token rows m = first, first + stride, ... below M (`rows` of them), both reductions
+// (the last CTA's: all rows; a cluster owner's: every S-th): local row r's sums at columns c..c+3 from sums(r, c)
+// through the folds — silu(g) * u (Epi::glu), or epi_store4 with the rows' sums of squares into ssq_out
+template <int BN, int THREADS, class Sums>
+__device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int ldo, int M, int rows, int stride,
+                                           int first, Sums sums, const float* rstd, float* row_ssq) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (e.glu) {
+        for (int v = tid; v < rows * (BN / 8); v += THREADS) {
+            const int r = v / (BN / 8), c = (v % (BN / 8)) * 4;
+            epi_glu4(e, out, ldo, r * stride + first, blockIdx.x * (BN / 2) + c, sums(r, c), sums(r, BN / 2 + c),
+                     rstd);
+        }
+        return;
+    }
+    const int total = rows * (BN / 4);
+    for (int v0 = 0; v0 < total; v0 += THREADS) {
+        const int v = v0 + tid;
+        const bool act = v < total;
+        const int r = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
+        const int m = r * stride + first;
+        const float sq = act ? epi_store4(e, out, ldo, m, blockIdx.x * BN + c, sums(r, c), rstd) : 0.f;
+        if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
+    }
+    if (e.ssq_out != nullptr) {
+        __syncthreads();
+        if (tid < M && tid % stride == first) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
+    }
+}
+
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
@@ -435,24 +465,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             }
             return sum;
         };
-        if (e.glu) {
-            for (int v = tid; v < M * (BN / 8); v += THREADS) {
-                const int m = v / (BN / 8), c = (v % (BN / 8)) * 4;
-                epi_glu4(e, out, ldo, m, blockIdx.x * (BN / 2) + c, fetch(m, c), fetch(m, BN / 2 + c), rstd);
-            }
-        } else {
-            for (int v0 = 0; v0 < quads; v0 += THREADS) {
-                const int v = v0 + tid;
-                const bool act = v < quads;
-                const int m = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
-                const float sq = act ? epi_store4(e, out, ldo, m, n0 + c, fetch(m, c), rstd) : 0.f;
-                if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
-            }
-            if (e.ssq_out != nullptr) {
-                __syncthreads();
-                if (tid < M) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
-            }
-        }
+        store_rows<BN, THREADS>(e, out, ldo, M, M, 1, 0, fetch, rstd, row_ssq);
         if (S > 1 && tid == 0) counters[blockIdx.x] = 0;  // for the next call (it counts only after its wait)
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
@@ -530,26 +543,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         if (stamp) stamp[6] = globaltimer();
         return;
     }
-    if (e.glu) {
-        for (int v = tid; v < mine * (BN / 8); v += THREADS) {
-            const int lm = v / (BN / 8), c = (v % (BN / 8)) * 4;
-            epi_glu4(e, out, ldo, lm * S + rank, blockIdx.x * (BN / 2) + c, owned(lm, c), owned(lm, BN / 2 + c), rstd);
-        }
-    } else {
-        const int total = mine * (BN / 4);
-        for (int v0 = 0; v0 < total; v0 += THREADS) {
-            const int v = v0 + tid;
-            const bool act = v < total;
-            const int lm = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
-            const int m = lm * S + rank;
-            const float sq = act ? epi_store4(e, out, ldo, m, n0 + c, owned(lm, c), rstd) : 0.f;
-            if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
-        }
-        if (e.ssq_out != nullptr) {
-            __syncthreads();
-            if (tid < M && tid % S == rank) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
-        }
-    }
+    store_rows<BN, THREADS>(e, out, ldo, M, mine, S, rank, owned, rstd, row_ssq);
     if (stamp) stamp[5] = globaltimer();  // stored
     // (no second cluster barrier: after the first, no CTA touches another's shared memory)
     if (stamp) stamp[6] = globaltimer();  // done
