@@ -703,19 +703,23 @@ def p2b(args, dev, dtype, runner, best):
     cg_last = ({}, "")
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
-            if v in ("on", "late", "fused", "fusedrope"):
+            if v not in ("on", "late", "fused", "fusedrope"):
+                continue
+            files = (args.cluster_gemm_plans or "").split(",")
+            for plans_file in files:
                 over = {
                     "cluster_gemm": True,
                     "cluster_gemm_late": v == "late",
                     "cluster_gemm_fused": v.startswith("fused"),
                     "cluster_gemm_rope": v == "fusedrope",
                 }
-                if args.cluster_gemm_plans:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
-                    table = json.loads(Path(args.cluster_gemm_plans).read_text())
+                tag = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}[v]
+                if plans_file:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
+                    table = json.loads(Path(plans_file).read_text())
                     over["cluster_gemm_plans"] = {
                         tuple(int(d) for d in nk.split(",")): (p[0], int(p[1])) for nk, p in table.items()
                     }
-                tag = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}[v]
+                    tag += f" {Path(plans_file).stem}" if len(files) > 1 else ""
                 combos += [("triton", impl, 1, over, tag) for impl in args.attn_impls]
                 cg_last = (over, tag)
     # --rows-attn-plan P: also the triton engine whose wide T-row attentions (the 8B verify's) take plan P (on top of
@@ -727,6 +731,9 @@ def p2b(args, dev, dtype, runner, best):
             for plan in args.rows_attn_plan
             for impl in args.attn_impls
         ]
+    n_default = len(kernels) * len(args.attn_impls)
+    if args.no_default_engine and len(combos) > n_default:  # only the option engines (A/Bs among them)
+        combos = combos[n_default:]
     graphs = None
     rows_kernels = []
     anatomies = []  # --anatomy: (title, anatomy()) of each engine's plain step and each setting's verify and draft step
@@ -1022,9 +1029,15 @@ def main(argv=None):
         "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's)",
     )
     ap.add_argument(
+        "--no-default-engine",
+        action="store_true",
+        help="P2b: leave out the default engine of each --kernels (only the engines the options add: an A/B among "
+        "them in less device time)",
+    )
+    ap.add_argument(
         "--cluster-gemm-plans",
         help="with --cluster-gemm: the kernel's plan a shape from this JSON (bench/cluster_gemm.py --save-plans), "
-        "not experimental.cluster_gemm.PLANS",
+        "not experimental.cluster_gemm.PLANS; several files comma-separated: an engine for each (tagged by its name)",
     )
     ap.add_argument(
         "--lt-matmuls",
