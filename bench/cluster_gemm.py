@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         "--iso-hot",
         action="store_true",
         help="iso: each shape's weights as one copy, re-read from L2 (the o projection, 33.5 MB, fits the H200's L2): "
-        "the kernel's time were the weights prefetched into L2 during the attention",
+        "the kernel's time if the weights were prefetched into L2 during the attention",
     )
     ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
     ap.add_argument(

@@ -139,7 +139,8 @@ class KernelConfig:
     (from the residual producer's h * weight and its sums of squares), silu(gate) * up, the residual adds — so a layer
     is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
     session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
-    in q/k/v's reduction (the `_rope` instances; written 2026-12-04, not yet run on a GPU: dev/DEVICE_RUNS.md)."""
+    in q/k/v's reduction (the `_rope` instances, rounding as triton's compiled `kernels.rope_and_cache` does: the
+    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session)."""
 
     block_n: int = 16
     block_k: int = 512

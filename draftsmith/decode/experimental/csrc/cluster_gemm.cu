@@ -25,7 +25,9 @@
 // tile and ~2.5 us for the cluster's exchange (the latest CTA of a cluster sets it), against ~8 us of streaming for
 // o: what is left to win is there. `Epi` folds what sits between a layer's matmuls (RMSNorm, silu*up, residual add:
 // KernelConfig.cluster_gemm_fused): a folded layer's chain 0.132 ms, the compiled tree verify 5.00-5.05 vs
-// 5.12-5.21 ms with cuBLAS and inductor's glue (docs/LOG.md, twenty-fourth session).
+// 5.12-5.21 ms with cuBLAS and inductor's glue (docs/LOG.md, twenty-fourth session); with RoPE in q/k/v's reduction
+// (the `_rope` instances) and the lm_head through the kernel 4.96-4.98 ms. Measured slower and removed: stream-K,
+// rings of 3-4 stages, a persistent chain kernel with split-K through L2 (twenty-fourth and twenty-fifth sessions).
 //
 // Shared-memory tiles are [rows][64] bf16 (128 bytes a row, 8 chunks of 16 bytes), chunk c of row r stored at chunk
 // c ^ (r & 7) — TMA's 128-byte swizzle, which the wgmma descriptors name (layout 1), for tiles at 1024-byte
