@@ -703,7 +703,7 @@ def p2b(args, dev, dtype, runner, best):
     cg_last = ({}, "")
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
-            if v not in ("on", "late", "fused", "fusedrope"):
+            if v not in ("on", "late", "fused", "fusedrope", "fusedropepf"):
                 continue
             files = (args.cluster_gemm_plans or "").split(",")
             for plans_file in files:
@@ -711,9 +711,16 @@ def p2b(args, dev, dtype, runner, best):
                     "cluster_gemm": True,
                     "cluster_gemm_late": v == "late",
                     "cluster_gemm_fused": v.startswith("fused"),
-                    "cluster_gemm_rope": v == "fusedrope",
+                    "cluster_gemm_rope": v.startswith("fusedrope"),
+                    "cluster_gemm_prefetch": v == "fusedropepf",
                 }
-                tag = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}[v]
+                tag = {
+                    "on": " cg",
+                    "late": " cglate",
+                    "fused": " cgfused",
+                    "fusedrope": " cgrope",
+                    "fusedropepf": " cgropepf",
+                }[v]
                 if plans_file:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
                     table = json.loads(Path(plans_file).read_text())
                     over["cluster_gemm_plans"] = {
@@ -1026,7 +1033,8 @@ def main(argv=None):
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.cluster_gemm (experimental: the wide "
         "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
         "cluster_gemm_late; 'fused': with cluster_gemm_fused (the norms, silu * up and residual adds folded into it); "
-        "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's)",
+        "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's); 'fusedropepf': and "
+        "cluster_gemm_prefetch (q/k/v's CTAs read o's weights into L2 for after the attention)",
     )
     ap.add_argument(
         "--no-default-engine",

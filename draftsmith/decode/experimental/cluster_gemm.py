@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -127,6 +128,8 @@ class _RopeArgs(ctypes.Structure):
         ("q_cols", ctypes.c_int),
         ("k_cols", ctypes.c_int),
         ("d", ctypes.c_int),
+        ("pf", ctypes.c_void_p),
+        ("pf_bytes", ctypes.c_longlong),
     ]
 
 
@@ -323,6 +326,7 @@ def launch(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
@@ -333,7 +337,11 @@ def launch(
     and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
     `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns;
     `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
-    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots."""
+    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots; with it, `prefetch` (a contiguous
+    tensor, the next matmul's weights) is read into L2 by the CTAs once they have stored
+    (KernelConfig.cluster_gemm_prefetch)."""
+    if prefetch is not None and (rope is None or not prefetch.is_contiguous()):
+        raise ValueError("cluster_gemm: prefetch goes with rope, a contiguous tensor")
     if (rope is not None) != (variant in ROPE):
         raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape
@@ -403,6 +411,8 @@ def launch(
                 nh * d,
                 nkv * d,
                 d,
+                prefetch.data_ptr() if prefetch is not None else None,
+                prefetch.numel() * prefetch.element_size() if prefetch is not None else 0,
             )  # fmt: skip
         )
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
@@ -467,6 +477,7 @@ def fused(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
+    prefetch: torch.Tensor | None = None,
 ):
     """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu; [M, n_heads * d], q
     rotated, with `rope`: the plan's variant is then taken as its "_rope" sibling), or with `nw` the triple (out, hn
@@ -498,7 +509,7 @@ def fused(
         hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
-           glu=glu, rope=rope)  # fmt: skip
+           glu=glu, rope=rope, prefetch=prefetch)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
 
 
@@ -583,8 +594,10 @@ def _(x, w, ssq, eps, glu, variant, split, pdl, late):
 
 
 def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv: int) -> torch.Tensor:
-    """RoPE and the cache writes in torch, rounded as `kernels.rope_and_cache` (and the `_rope` instances) round:
-    y [M, (nh + 2 nkv) d] q/k/v -> q [M, nh * d]; k (rotated) and v written to the caches at `slots`."""
+    """RoPE and the cache writes in torch (the fallback where the kernel does not run): y [M, (nh + 2 nkv) d] q/k/v ->
+    q [M, nh * d]; k (rotated) and v written to the caches at `slots`. Rounded as torch's bf16 ops round
+    (bf16(bf16(x cos) + bf16(x' sin)), torch's own rope_cache); on the GPU the `_rope` instances round as triton's
+    compiled `kernels.rope_and_cache` does, x cos fused into the add (dev/device_runs/rope_diag.py)."""
     M, d = y.shape[0], cos.shape[1]
     y = y.view(M, nh + 2 * nkv, d)
     qk, v = y[:, : nh + nkv], y[:, nh + nkv :]
@@ -599,21 +612,22 @@ def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv:
 def cluster_gemm_qkv_rope_op(
     x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, positions: torch.Tensor, slots: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nh: int, nkv: int, variant: str,
-    split: int, pdl: bool, late: bool,
+    split: int, pdl: bool, late: bool, prefetch: Optional[torch.Tensor],  # noqa: UP045 (torch.library's schema)
 ) -> torch.Tensor:  # fmt: skip
     """`cluster_gemm_normed_op` for q/k/v with RoPE and the cache writes folded in (the `_rope` sibling of the plan's
-    variant): q [M, nh * d] rotated; k and v written to this layer's caches. Torch's ops where the kernel does not
-    take x (`rope_rows` after the normed fallback)."""
+    variant): q [M, nh * d] rotated; k and v written to this layer's caches; `prefetch` (or None): weights the kernel
+    reads into L2 once it has stored (the o projection's, during the attention). Torch's ops where the kernel does not
+    take x (`rope_rows` after the normed fallback; no prefetch)."""
     rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
     rv = _rope_variant(variant)
     if rv in VARIANTS and supports(x, w, rv) and not rope_refusal(w, rv, rope):
-        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope)
+        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope, prefetch=prefetch)
     y = cluster_gemm_normed_op(x, w, ssq, eps, False, variant, split, pdl, late)
     return rope_rows(y, positions, slots, cos, sin, kc, vc, nh, nkv)
 
 
 @cluster_gemm_qkv_rope_op.register_fake
-def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late):
+def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late, prefetch):
     return x.new_empty(x.shape[0], nh * cos.shape[1])
 
 
