@@ -87,25 +87,15 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     `KernelConfig.tune_chained` on), "liveN" (the attention kernels split the live keys into N chunks, not the
     cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps), "norowslive" (the T-row attention of a few rows
     by the width rule, not over the live keys: `KernelConfig.rows_attn_live` off, the engine before 2026-12-03), "nochains" (gemm_rows's tl.dot tiles walk K in one MMA chain, not all of K as
-    independent chains of BLOCK_K: `KernelConfig.rows_k_chains` off, the engine before 2026-12-03's seventeenth session). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    independent chains of BLOCK_K: `KernelConfig.rows_k_chains` off, the engine before 2026-12-03's seventeenth session), "cg" / "cgfused" / "cgrope"
+    (the wide forwards' matmuls — verifies past kernel_rows, hand-offs — through experimental.cluster_gemm on sm_90:
+    `KernelConfig.cluster_gemm`, with its folds, and with RoPE in q/k/v's too; the census before making it a default,
+    dev/DEVICE_RUNS.md 0o). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
     differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
     rows = next((int(p[4:]) for p in parts if p.startswith("rows")), 1)
-    kc = KernelConfig(
-        embed_fold="noembed" not in parts,
-        rope_fold="ropefold" in parts or "ropefold1" in parts,
-        rope_fold_rows="ropefold1" not in parts,
-        tune_chained="chained" in parts,
-        attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
-        rows_attn_live="norowslive" not in parts,
-        rows_k_chains="nochains" not in parts,
-    )
-    if "dotrows" in parts:
-        kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
-    if "fewwarps" in parts:  # tiles of one or two warps too: no cross-warp reduction or barrier in a program
-        kc.rows_sweep = kc.rows_sweep + FEW_WARP_ROWS
-        kc.gemv_sweep = kc.gemv_sweep + FEW_WARP_GEMV
+    kc = kernel_config_for(parts)
     eng = SpeculativeDecoder(
         t, d, max_len=2048, kernels=kernels, compile="compile" in parts, kernel_rows=rows, kernel_config=kc
     )
@@ -121,6 +111,28 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
         eng.kernel_drafter = False
         eng._build_drafter_view()
     return eng
+
+
+def kernel_config_for(parts: list) -> KernelConfig:
+    """The KernelConfig a config's "+"-joined parts name (`make_engine` says what each part does)."""
+    kc = KernelConfig(
+        embed_fold="noembed" not in parts,
+        rope_fold="ropefold" in parts or "ropefold1" in parts,
+        rope_fold_rows="ropefold1" not in parts,
+        tune_chained="chained" in parts,
+        attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
+        rows_attn_live="norowslive" not in parts,
+        rows_k_chains="nochains" not in parts,
+        cluster_gemm=any(p in parts for p in ("cg", "cgfused", "cgrope")),
+        cluster_gemm_fused="cgfused" in parts or "cgrope" in parts,
+        cluster_gemm_rope="cgrope" in parts,
+    )
+    if "dotrows" in parts:
+        kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)
+    if "fewwarps" in parts:  # tiles of one or two warps too: no cross-warp reduction or barrier in a program
+        kc.rows_sweep = kc.rows_sweep + FEW_WARP_ROWS
+        kc.gemv_sweep = kc.gemv_sweep + FEW_WARP_GEMV
+    return kc
 
 
 def tiles_chosen(eng) -> dict:

@@ -126,3 +126,18 @@ def test_tiles_line_says_which_tiles_did_not_run():
     assert "tiles that did not run" not in bench.tiles_chosen(
         SimpleNamespace(runner=SimpleNamespace(kernel_config=cfg), kernel_tuning=tuning)
     )
+
+
+def test_config_parts_name_their_kernel_settings():
+    """`--configs` parts -> KernelConfig: the cluster_gemm parts (the census before making it a default) and a few
+    older ones; a part not named leaves the default."""
+    bench = _bench_module()
+    base = bench.kernel_config_for(["triton", "compile"])
+    assert not base.cluster_gemm and not base.cluster_gemm_fused and base.embed_fold and base.rows_k_chains
+    cg = bench.kernel_config_for(["triton", "cg"])
+    assert cg.cluster_gemm and not cg.cluster_gemm_fused and not cg.cluster_gemm_rope
+    fused = bench.kernel_config_for(["triton", "cgfused"])
+    assert fused.cluster_gemm and fused.cluster_gemm_fused and not fused.cluster_gemm_rope
+    rope = bench.kernel_config_for(["triton", "cgrope", "live4", "noembed"])
+    assert rope.cluster_gemm and rope.cluster_gemm_fused and rope.cluster_gemm_rope
+    assert rope.attn_live_chunks == 4 and not rope.embed_fold
