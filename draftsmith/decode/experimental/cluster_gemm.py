@@ -597,7 +597,7 @@ def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv:
     """RoPE and the cache writes in torch (the fallback where the kernel does not run): y [M, (nh + 2 nkv) d] q/k/v ->
     q [M, nh * d]; k (rotated) and v written to the caches at `slots`. Rounded as torch's bf16 ops round
     (bf16(bf16(x cos) + bf16(x' sin)), torch's own rope_cache); on the GPU the `_rope` instances round as triton's
-    compiled `kernels.rope_and_cache` does, x cos fused into the add (dev/device_runs/rope_diag.py)."""
+    compiled `kernels.rope_and_cache` does, x cos fused into the add (docs/LOG.md, twenty-fifth session)."""
     M, d = y.shape[0], cos.shape[1]
     y = y.view(M, nh + 2 * nkv, d)
     qk, v = y[:, : nh + nkv], y[:, nh + nkv :]

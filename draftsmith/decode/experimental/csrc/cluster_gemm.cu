@@ -198,8 +198,9 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 // (BN a multiple of the head size d), apply RoPE to the q and k heads and write k and v to this layer's caches at the
 // rows' slots, q to `out` [M, q_cols] — `kernels.rope_and_cache`'s work and rounding, without its launch. Its
 // rounding is what triton compiles, not what its source says: x·cos is not rounded to bf16 before the add but fused
-// into it (bf16(fma(x, cos, bf16(±x'·sin)))), measured bit for bit on an H200 (dev/device_runs/rope_diag.py; docs/LOG.md,
-// twenty-fifth session). The one-row step takes that kernel, so the verify must round as it does.
+// into it (bf16(fma(x, cos, bf16(±x'·sin)))), measured bit for bit on an H200 (docs/LOG.md, twenty-fifth session;
+// test_cluster_gemm_rope_equals_rope_and_cache holds it). The one-row step takes that kernel, so the verify must
+// round as it does.
 struct RopeArgs {
     const long long* pos;    // [M] positions (rows of cos / sin)
     const long long* slots;  // [M] cache slots
