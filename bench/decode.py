@@ -701,9 +701,10 @@ def p2b(args, dev, dtype, runner, best):
     # --cluster-gemm on / late: also the triton engine whose wide forwards' layer matmuls take our CUDA kernel
     # (experimental.cluster_gemm; late: its next kernel launches once its K loops are done)
     cg_last = ({}, "")
+    tags = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope", "fusedropepf": " cgropepf"}
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
-            if v not in ("on", "late", "fused", "fusedrope", "fusedropepf"):
+            if v not in tags:
                 continue
             files = (args.cluster_gemm_plans or "").split(",")
             for plans_file in files:
@@ -714,13 +715,7 @@ def p2b(args, dev, dtype, runner, best):
                     "cluster_gemm_rope": v.startswith("fusedrope"),
                     "cluster_gemm_prefetch": v == "fusedropepf",
                 }
-                tag = {
-                    "on": " cg",
-                    "late": " cglate",
-                    "fused": " cgfused",
-                    "fusedrope": " cgrope",
-                    "fusedropepf": " cgropepf",
-                }[v]
+                tag = tags[v]
                 if plans_file:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
                     table = json.loads(Path(plans_file).read_text())
                     over["cluster_gemm_plans"] = {
