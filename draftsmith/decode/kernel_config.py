@@ -140,10 +140,7 @@ class KernelConfig:
     is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
     session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
     in q/k/v's reduction (the `_rope` instances, rounding as triton's compiled `kernels.rope_and_cache` does: the
-    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session).
-    cluster_gemm_prefetch (with cluster_gemm_rope): q/k/v's CTAs, once they have stored, read the o projection's
-    weights into L2 (bulk prefetches), so o streams from L2 after the attention, during which HBM is idle (written
-    2026-12-04 after the device budget ran out: not yet measured; dev/DEVICE_RUNS.md 0o)."""
+    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -167,7 +164,6 @@ class KernelConfig:
     cluster_gemm_late: bool = False
     cluster_gemm_fused: bool = False
     cluster_gemm_rope: bool = False
-    cluster_gemm_prefetch: bool = False
     cluster_gemm_plans: dict = field(default_factory=dict)
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

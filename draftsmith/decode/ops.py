@@ -333,7 +333,7 @@ class TritonAttnOps(TorchOps):
         v, s = self._plan_of(w)
         q = self._cg_mod.cluster_gemm_qkv_rope_op(
             hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, v, s, c.pdl,
-            c.cluster_gemm_late, FL.w.o if c.cluster_gemm_prefetch and FL.w.o.is_contiguous() else None,
+            c.cluster_gemm_late,
         )  # fmt: skip
         return q.view(1, q.shape[0], self.nh, self.d)
 

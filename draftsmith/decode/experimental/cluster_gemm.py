@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -128,8 +127,6 @@ class _RopeArgs(ctypes.Structure):
         ("q_cols", ctypes.c_int),
         ("k_cols", ctypes.c_int),
         ("d", ctypes.c_int),
-        ("pf", ctypes.c_void_p),
-        ("pf_bytes", ctypes.c_longlong),
     ]
 
 
@@ -326,7 +323,6 @@ def launch(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
@@ -337,11 +333,7 @@ def launch(
     and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
     `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns;
     `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
-    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots; with it, `prefetch` (a contiguous
-    tensor, the next matmul's weights) is read into L2 by the CTAs once they have stored
-    (KernelConfig.cluster_gemm_prefetch)."""
-    if prefetch is not None and (rope is None or not prefetch.is_contiguous()):
-        raise ValueError("cluster_gemm: prefetch goes with rope, a contiguous tensor")
+    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots."""
     if (rope is not None) != (variant in ROPE):
         raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape
@@ -411,8 +403,6 @@ def launch(
                 nh * d,
                 nkv * d,
                 d,
-                prefetch.data_ptr() if prefetch is not None else None,
-                prefetch.numel() * prefetch.element_size() if prefetch is not None else 0,
             )  # fmt: skip
         )
     params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
@@ -477,7 +467,6 @@ def fused(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    prefetch: torch.Tensor | None = None,
 ):
     """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu; [M, n_heads * d], q
     rotated, with `rope`: the plan's variant is then taken as its "_rope" sibling), or with `nw` the triple (out, hn
@@ -509,7 +498,7 @@ def fused(
         hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
-           glu=glu, rope=rope, prefetch=prefetch)  # fmt: skip
+           glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
 
 
@@ -612,22 +601,21 @@ def rope_rows(y: torch.Tensor, positions, slots, cos, sin, kc, vc, nh: int, nkv:
 def cluster_gemm_qkv_rope_op(
     x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, positions: torch.Tensor, slots: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nh: int, nkv: int, variant: str,
-    split: int, pdl: bool, late: bool, prefetch: Optional[torch.Tensor],  # noqa: UP045 (torch.library's schema)
+    split: int, pdl: bool, late: bool,
 ) -> torch.Tensor:  # fmt: skip
     """`cluster_gemm_normed_op` for q/k/v with RoPE and the cache writes folded in (the `_rope` sibling of the plan's
-    variant): q [M, nh * d] rotated; k and v written to this layer's caches; `prefetch` (or None): weights the kernel
-    reads into L2 once it has stored (the o projection's, during the attention). Torch's ops where the kernel does not
-    take x (`rope_rows` after the normed fallback; no prefetch)."""
+    variant): q [M, nh * d] rotated; k and v written to this layer's caches. Torch's ops where the kernel does not
+    take x (`rope_rows` after the normed fallback)."""
     rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
     rv = _rope_variant(variant)
     if rv in VARIANTS and supports(x, w, rv) and not rope_refusal(w, rv, rope):
-        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope, prefetch=prefetch)
+        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope)
     y = cluster_gemm_normed_op(x, w, ssq, eps, False, variant, split, pdl, late)
     return rope_rows(y, positions, slots, cos, sin, kc, vc, nh, nkv)
 
 
 @cluster_gemm_qkv_rope_op.register_fake
-def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late, prefetch):
+def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late):
     return x.new_empty(x.shape[0], nh * cos.shape[1])
 
 

@@ -212,8 +212,6 @@ struct RopeArgs {
     int q_cols;              // n_heads * d: the q columns, then n_kv * d of k, then v
     int k_cols;
     int d;
-    const char* pf;          // KernelConfig.cluster_gemm_prefetch: bytes to prefetch into L2 once q/k/v is stored (the
-    long long pf_bytes;      // o projection's weights: HBM is idle while the attention runs), or null
 };
 
 // the 4 sums of row m at columns col..col+3 through the folds into out (and hn, and this CTA's row sums of squares,
@@ -543,14 +541,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(dst);
             o[0] = __floats2bfloat162_rn(xv[0], xv[1]);
             o[1] = __floats2bfloat162_rn(xv[2], xv[3]);
-        }
-        if (rp->pf != nullptr) {  // this CTA's share of the next matmul's weights into L2, 16 KiB a bulk prefetch
-            const long long C = static_cast<long long>(gridDim.x) * gridDim.y, i = blockIdx.y * gridDim.x + blockIdx.x;
-            const long long lo = (rp->pf_bytes * i / C) & ~15ll, hi = (rp->pf_bytes * (i + 1) / C) & ~15ll;
-            for (long long b = lo + tid * 16384ll; b < hi; b += THREADS * 16384ll) {
-                const uint32_t n = static_cast<uint32_t>(hi - b < 16384ll ? hi - b : 16384ll);
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(rp->pf + b), "r"(n) : "memory");
-            }
         }
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
