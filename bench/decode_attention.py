@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-s", default="32,64", help="key blocks the sweep tries")
     ap.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts the sweep tries (over the width and live)")
     ap.add_argument("--live-only", action="store_true", help="sweep only chunks over the live keys, not the width")
+    ap.add_argument(
+        "--cluster-chunks",
+        default="",
+        help="also experimental.cluster_attention (CUDA sm_90) with these chunk counts (0: its rule), e.g. 0,2,4,8",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU through triton's interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -249,6 +254,25 @@ def main(argv=None) -> int:
                     "error": err,
                 }
             )
+        for c in [int(x) for x in args.cluster_chunks.split(",")] if args.cluster_chunks and dev.type == "cuda" else []:
+            # experimental.cluster_attention: one launch, the chunks combined in a thread-block cluster (0: its rule)
+            from draftsmith.decode.experimental import cluster_attention as ca
+
+            bmask = mask.to(dev).bool().contiguous()
+            why = ca.refusal(q, kcs[0], vcs[0], bmask, slots)
+            label = f"cluster_attention ({'rule: ' + str(ca.chunks_for(T, G, nkv, S)) if c == 0 else c} chunks)"
+            if why:
+                res.append({"T": T, "path": label, "us/layer": None, "error": why})
+                continue
+            diff = float((ca.cluster_attention(q, kcs[0], vcs[0], bmask, slots, scale, c).float() - ref).abs().max())
+
+            def run_cluster(c=c, bmask=bmask):
+                for kc, vc in zip(kcs, vcs):
+                    ca.cluster_attention(q, kc, vc, bmask, slots, scale, c)
+
+            us, err = timed(run_cluster)
+            row = {"T": T, "path": label, "block_r": 64, "block_s": 64, "chunks": c or "-", "warps": 4}
+            res.append({**row, "us/layer": us, "max |Δ|": diff, "error": err})
         ok = sorted((r for r in res if r["us/layer"] is not None), key=lambda r: r["us/layer"])
         rows += res
         best += ok[: args.top] + [

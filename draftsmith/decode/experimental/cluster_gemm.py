@@ -18,15 +18,11 @@ them).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from draftsmith.decode.experimental import cuda_driver as drv
 from draftsmith.decode.llama import _rotate_half
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -82,16 +78,9 @@ PROF_STAMPS = (
     "end",
 )
 
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
 _CU_TENSOR_MAP_SWIZZLE_128B = 3
 _CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
-_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-class _LaunchAttr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
 
 
 class _Epi(ctypes.Structure):
@@ -130,36 +119,17 @@ class _RopeArgs(ctypes.Structure):
     ]
 
 
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared_mem_bytes", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttr)),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
-_CUDA: ctypes.CDLL | None = None
-_FUNCS: dict[tuple[int, str], ctypes.c_void_p] = {}
 _WS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (workspace, counters)
 _MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN, glu) -> (buffer, addr)
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
 
 def _cuda() -> ctypes.CDLL:
-    global _CUDA
-    if _CUDA is None:
-        _CUDA = ctypes.CDLL("libcuda.so.1")
-    return _CUDA
+    return drv.lib()
 
 
 def _check(status: int, what: str) -> None:
-    if status != 0:
-        name = ctypes.c_char_p()
-        _cuda().cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"cluster_gemm: {what} failed: {name.value.decode() if name.value else status}")
+    drv.check(status, what, "cluster_gemm")
 
 
 def smem_bytes(variant: str) -> int:
@@ -167,67 +137,9 @@ def smem_bytes(variant: str) -> int:
     return stages * (bn + 64) * BK * 2 + 1024 + 8 * stages  # the ring (x: 64 rows a stage), alignment, mbarriers
 
 
-def _ptxas() -> str | None:
-    try:
-        import triton.backends.nvidia as nv
-
-        p = Path(nv.__file__).parent / "bin" / "ptxas"
-        if p.exists():
-            return str(p)
-    except ImportError:
-        pass
-    return shutil.which("ptxas")
-
-
-def _image() -> bytes:
-    """The kernels for sm_90a: a cubin assembled from the shipped PTX by ptxas (cached by the PTX's hash), or the PTX
-    itself for the driver to compile when no ptxas is found."""
-    ptx = PTX.read_bytes()
-    ptxas = _ptxas()
-    if ptxas is None:
-        return ptx + b"\0"
-    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "cuda"
-    cubin = cache / f"cluster_gemm-{hashlib.sha256(ptx).hexdigest()[:16]}.cubin"
-    if not cubin.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / "k.cubin"
-            r = subprocess.run([ptxas, "-arch=sm_90a", "-O3", str(PTX), "-o", str(out)], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"cluster_gemm: ptxas failed on {PTX}: {r.stderr.strip().splitlines()[-1:]}")
-            os.replace(out, cubin)  # atomic: a concurrent build writes the same bytes
-    return cubin.read_bytes()
-
-
 def _function(device: torch.device, variant: str) -> ctypes.c_void_p:
-    key = (device.index if device.index is not None else torch.cuda.current_device(), variant)
-    fn = _FUNCS.get(key)
-    if fn is not None:
-        return fn
-    lib = _cuda()
-    torch.cuda.init()
-    with torch.cuda.device(key[0]):
-        torch.empty(1, device=device)  # the primary context current on this thread
-        ctx = ctypes.c_void_p()
-        _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-        if not ctx.value:
-            dev = ctypes.c_int()
-            _check(lib.cuDeviceGet(ctypes.byref(dev), key[0]), "cuDeviceGet")
-            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        image = _image()
-        mod = ctypes.c_void_p()
-        _check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(image)), "cuModuleLoadData")
-        for v in VARIANTS:
-            f = ctypes.c_void_p()
-            name = f"cluster_gemm_{v}".encode()
-            _check(lib.cuModuleGetFunction(ctypes.byref(f), mod, name), f"cuModuleGetFunction({name.decode()})")
-            _check(
-                lib.cuFuncSetAttribute(f, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(v)),
-                "cuFuncSetAttribute",
-            )
-            _FUNCS[(key[0], v)] = f
-    return _FUNCS[key]
+    names = {f"cluster_gemm_{v}": smem_bytes(v) for v in VARIANTS}
+    return drv.functions(device, PTX, names, "cluster_gemm")[f"cluster_gemm_{variant}"]
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, variant: str = "bn128", check_ptr: bool = True) -> bool:
@@ -348,18 +260,6 @@ def launch(
         ws, counters = _workspace(x.device)
         if (N // bn) > COUNTERS or N * split * VARIANTS[variant][2] * 4 > WS_BYTES:
             raise ValueError(f"cluster_gemm: N={N} split {split} past the {variant} workspace")
-    attrs = (_LaunchAttr * 2)()
-    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if last else split, 1
-    attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[1].value[0] = 1 if pdl else 0
-    cfg = _LaunchConfig()
-    cfg.grid[:] = (N // bn, split, 1)
-    cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
-    cfg.shared_mem_bytes = smem_bytes(variant)
-    cfg.stream = torch.cuda.current_stream(x.device).cuda_stream
-    cfg.attrs = attrs
-    cfg.num_attrs = 2
     wmap = _weight_map(w, bn, glu)
     epi = _Epi(
         res.data_ptr() if res is not None else None,
@@ -405,8 +305,11 @@ def launch(
                 d,
             )  # fmt: skip
         )
-    params = (ctypes.c_void_p * (len(args) + 1))(wmap, *[ctypes.addressof(a) for a in args])
-    _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
+    cluster = (1, 1 if last else split, 1)
+    block = 128 * VARIANTS[variant][1]
+    drv.launch(
+        fn, (N // bn, split, 1), block, smem_bytes(variant), cluster, pdl, [wmap, *args], x.device, "cluster_gemm"
+    )
 
 
 def max_active_clusters(variant: str, split: int, device: torch.device | None = None) -> int:
@@ -414,15 +317,10 @@ def max_active_clusters(variant: str, split: int, device: torch.device | None = 
     grid past that runs in more than one wave."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     fn = _function(device, variant)
-    attrs = (_LaunchAttr * 1)()
-    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = 1, 1 if variant in LAST else split, 1
-    cfg = _LaunchConfig()
-    cfg.grid[:] = (1, 1 if variant in LAST else split, 1)
-    cfg.block[:] = (128 * VARIANTS[variant][1], 1, 1)
-    cfg.shared_mem_bytes = smem_bytes(variant)
-    cfg.attrs = attrs
-    cfg.num_attrs = 1
+    split = 1 if variant in LAST else split
+    cfg, _attrs = drv.launch_config(
+        (1, split, 1), 128 * VARIANTS[variant][1], smem_bytes(variant), (1, split, 1), False
+    )
     n = ctypes.c_int()
     _check(_cuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters")
     return n.value
