@@ -739,11 +739,10 @@ def p2b(args, dev, dtype, runner, best):
         for v in args.cluster_attention:
             if v == "off":
                 continue
-            c = 0 if v == "on" else int(v)
-            over = {**base, "cluster_attention": True, "cluster_attention_chunks": c}
-            combos += [
-                ("triton", impl, 1, over, base_tag + (" ca" if c == 0 else f" ca{c}")) for impl in args.attn_impls
-            ]
+            c, k = (0, 0) if v == "on" else (int(x) for x in (v.split("/") + ["0"])[:2])
+            over = {**base, "cluster_attention": True, "cluster_attention_chunks": c, "cluster_attention_ksplit": k}
+            tag = base_tag + (" ca" if v == "on" else f" ca{v}")
+            combos += [("triton", impl, 1, over, tag) for impl in args.attn_impls]
     n_default = len(kernels) * len(args.attn_impls)
     if args.no_default_engine and len(combos) > n_default:  # only the option engines (A/Bs among them)
         combos = combos[n_default:]
@@ -1047,7 +1046,7 @@ def main(argv=None):
         default=["off"],
         help="P2b: 'off,on' also measures the triton engine (on top of the last --cluster-gemm one) with "
         "KernelConfig.cluster_attention (experimental: the wide forwards' attention in one CUDA launch, chunks combined "
-        "in a cluster); a number C: with C chunks (1, 2, 4, 8) instead of its rule",
+        "in a cluster); C or C/K: with C chunks (1, 2, 4, 8; 0: its rule) and K warps a row group (1, 2, 4)",
     )
     ap.add_argument(
         "--no-default-engine",

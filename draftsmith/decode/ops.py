@@ -379,8 +379,9 @@ class TritonAttnOps(TorchOps):
             if not ca.refusal(q[0], kc, vc, mask, slots):
                 c = self.config
                 return ca.cluster_attention_op(
-                    q[0], kc, vc, mask, slots, self.f.scale, c.cluster_attention_chunks, bool(c.pdl)
-                )
+                    q[0], kc, vc, mask, slots, self.f.scale, c.cluster_attention_chunks, bool(c.pdl),
+                    c.cluster_attention_ksplit,
+                )  # fmt: skip
         return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
 
 

@@ -476,7 +476,7 @@ def test_cluster_gemm_rope_equals_rope_and_cache():
 def test_cluster_attention_matches_fp32_reference(d):
     """experimental.cluster_attention against the fp32 grouped attention over the tree mask (and within bf16 of
     kernels.rows_attention), for one token to 64, every chunk count (empty chunks too: a short context split 8
-    ways), GQA groups 4 and 1, q a strided view as the forward hands it; in a CUDA graph with PDL as eager."""
+    ways) and key split, GQA groups 4 and 1, q a strided view as the forward hands it; in a CUDA graph with PDL as eager."""
     import sys
 
     from draftsmith.decode import kernels as K
@@ -500,10 +500,11 @@ def test_cluster_attention_matches_fp32_reference(d):
         assert ca.refusal(q, kc, vc, mask, slots) == ""
         rows = K.rows_attention(q, kc, vc, mask, scale, slots).float()
         for c in ca.CHUNKS:
-            got = ca.cluster_attention(q, kc, vc, mask, slots, scale, c).float()
-            err = float((got - ref).abs().max())
-            assert err < 3e-2, (nh, nkv, S, ctx, T, c, err)
-            assert float((got - rows).abs().max()) < 4e-2
+            for k in ca.KSPLITS:
+                got = ca.cluster_attention(q, kc, vc, mask, slots, scale, c, True, k).float()
+                err = float((got - ref).abs().max())
+                assert err < 3e-2, (nh, nkv, S, ctx, T, c, k, err)
+                assert float((got - rows).abs().max()) < 4e-2
         # PDL in a graph: the attention reads q the previous kernel wrote
         q2 = torch.empty_like(q)
         want = ca.cluster_attention(q, kc, vc, mask, slots, scale, 4, pdl=False)

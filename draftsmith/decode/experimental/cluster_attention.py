@@ -19,6 +19,8 @@ ROWS = 64  # (token, query head) rows a CTA
 BS = 64  # keys a block
 CHUNKS = (1, 2, 4, 8)  # CTAs a cluster (8: the portable cluster size)
 HEAD_DIMS = (64, 128)
+KSPLITS = (1, 2, 4)  # warps a row group (each a share of a key block's keys): 128 * KSPLIT threads a CTA
+KSPLIT_DEFAULT = 2
 
 
 class _AttnArgs(ctypes.Structure):
@@ -40,16 +42,19 @@ class _AttnArgs(ctypes.Structure):
         ("G", ctypes.c_int),
         ("nh", ctypes.c_int),
         ("scale", ctypes.c_float),
+        ("flags", ctypes.c_int),
     ]
 
 
-def smem_bytes(d: int) -> int:
-    return ROWS * d * 2 + 2 * 2 * BS * d * 2  # Q, then a 2-stage ring of K and V blocks (the combine's inbox after)
+def smem_bytes(d: int, ksplit: int = 1) -> int:
+    """Q, then a 2-stage ring of K and V blocks (the combine's inbox after); or, if larger, the key groups' merge
+    buffer over both."""
+    return max(ROWS * d * 2 + 2 * 2 * BS * d * 2, (ksplit - 1) * ROWS * d * 4)
 
 
-def _function(device: torch.device, d: int) -> ctypes.c_void_p:
-    names = {f"cluster_attention_d{e}": smem_bytes(e) for e in HEAD_DIMS}
-    return drv.functions(device, PTX, names, "cluster_attention")[f"cluster_attention_d{d}"]
+def _function(device: torch.device, d: int, ksplit: int) -> ctypes.c_void_p:
+    names = {f"cluster_attention_d{e}_k{k}": smem_bytes(e, k) for e in HEAD_DIMS for k in KSPLITS}
+    return drv.functions(device, PTX, names, "cluster_attention")[f"cluster_attention_d{d}_k{ksplit}"]
 
 
 def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, slots) -> str:
@@ -86,10 +91,24 @@ def chunks_for(T: int, G: int, nkv: int, S: int, sms: int = 132) -> int:
     return best
 
 
-def launch(q, k_cache, v_cache, mask, slots, scale: float, out: torch.Tensor, chunks: int, pdl: bool = True) -> None:
-    """out [T, nh, d] = the attention (`refusal` must be '' for the arguments; `chunks` in `CHUNKS`)."""
-    if chunks not in CHUNKS:
-        raise ValueError(f"cluster_attention: chunks {chunks} not in {CHUNKS}")
+def launch(
+    q,
+    k_cache,
+    v_cache,
+    mask,
+    slots,
+    scale: float,
+    out: torch.Tensor,
+    chunks: int,
+    pdl: bool = True,
+    ksplit: int = 0,
+    flags: int = 0,
+) -> None:
+    """out [T, nh, d] = the attention (`refusal` must be '' for the arguments; `chunks` in `CHUNKS`, `ksplit` in
+    `KSPLITS` or 0: KSPLIT_DEFAULT). flags 1 (a diagnostic): no keys read (out is garbage)."""
+    ksplit = ksplit or KSPLIT_DEFAULT
+    if chunks not in CHUNKS or ksplit not in KSPLITS:
+        raise ValueError(f"cluster_attention: chunks {chunks} not in {CHUNKS} or ksplit {ksplit} not in {KSPLITS}")
     T, nh, d = q.shape
     nkv = k_cache.shape[1]
     G = nh // nkv
@@ -109,18 +128,23 @@ def launch(q, k_cache, v_cache, mask, slots, scale: float, out: torch.Tensor, ch
         G,
         nh,
         float(scale),
+        flags,
     )
     grid = (nkv, -(-(T * G) // ROWS), chunks)
-    fn = _function(q.device, d)
-    drv.launch(fn, grid, 128, smem_bytes(d), (1, 1, chunks), pdl, [args], q.device, "cluster_attention")
+    fn = _function(q.device, d, ksplit)
+    drv.launch(
+        fn, grid, 128 * ksplit, smem_bytes(d, ksplit), (1, 1, chunks), pdl, [args], q.device, "cluster_attention"
+    )
 
 
-def cluster_attention(q, k_cache, v_cache, mask, slots, scale: float, chunks: int = 0, pdl: bool = True):
-    """[T, nh * d] (`refusal` must be ''); chunks 0: `chunks_for`'s."""
+def cluster_attention(
+    q, k_cache, v_cache, mask, slots, scale: float, chunks: int = 0, pdl: bool = True, ksplit: int = 0, flags: int = 0
+):
+    """[T, nh * d] (`refusal` must be ''); chunks 0: `chunks_for`'s; ksplit 0: KSPLIT_DEFAULT."""
     T, nh, d = q.shape
     c = chunks or chunks_for(T, nh // k_cache.shape[1], k_cache.shape[1], mask.shape[1])
     out = torch.empty(T, nh, d, dtype=q.dtype, device=q.device)
-    launch(q, k_cache, v_cache, mask, slots, scale, out, c, pdl)
+    launch(q, k_cache, v_cache, mask, slots, scale, out, c, pdl, ksplit, flags)
     return out.view(T, nh * d)
 
 
@@ -134,11 +158,12 @@ def cluster_attention_op(
     scale: float,
     chunks: int,
     pdl: bool,
+    ksplit: int = 0,
 ) -> torch.Tensor:
     """`cluster_attention` as a torch operator (a compiled forward calls it between inductor's kernels)."""
-    return cluster_attention(q, k_cache, v_cache, mask, slots, scale, chunks, pdl)
+    return cluster_attention(q, k_cache, v_cache, mask, slots, scale, chunks, pdl, ksplit)
 
 
 @cluster_attention_op.register_fake
-def _(q, k_cache, v_cache, mask, slots, scale, chunks, pdl):
+def _(q, k_cache, v_cache, mask, slots, scale, chunks, pdl, ksplit=0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -17,10 +17,10 @@ if not torch.cuda.is_available():  # the wide plan's attention and RoPE kernels 
 from draftsmith.decode.experimental import cluster_attention as ca
 
 
-def test_shipped_ptx_has_both_head_sizes_and_the_struct_agrees():
+def test_shipped_ptx_has_every_instance_and_the_struct_agrees():
     ptx = ca.PTX.read_text()
     assert set(re.findall(r"\.entry (cluster_attention_\w+)\(", ptx)) == {
-        f"cluster_attention_d{d}" for d in ca.HEAD_DIMS
+        f"cluster_attention_d{d}_k{k}" for d in ca.HEAD_DIMS for k in ca.KSPLITS
     }
     assert re.search(r"^\.version 8\.7$", ptx, re.M) and re.search(r"^\.target sm_90a$", ptx, re.M)
     src = (ca.PTX.parent / "cluster_attention.cu").read_text()
@@ -29,8 +29,10 @@ def test_shipped_ptx_has_both_head_sizes_and_the_struct_agrees():
     names = [piece.split()[-1].lstrip("*") for stmt in body.split(";") if stmt.strip() for piece in stmt.split(",")]
     assert names == [f for f, _ in ca._AttnArgs._fields_]
     assert f"#define ROWS {ca.ROWS}" in src and f"#define BS {ca.BS}" in src
-    for d in ca.HEAD_DIMS:  # Q, the ring, and the inbox (the ring's bytes reused) fit one CTA
-        assert ca.smem_bytes(d) + 1024 <= 227 * 1024 and ca.ROWS * d * 4 <= 2 * 2 * ca.BS * d * 2
+    for d in ca.HEAD_DIMS:  # Q, the ring, the merge buffer, and the inbox (the ring's bytes reused) fit one CTA
+        for k in ca.KSPLITS:
+            assert f"ATTN_KERNEL({d}, {k})" in src
+            assert ca.smem_bytes(d, k) + 4096 <= 227 * 1024 and ca.ROWS * d * 4 <= 2 * 2 * ca.BS * d * 2
 
 
 def test_chunk_rule_one_wave_and_no_more_chunks_than_key_blocks():

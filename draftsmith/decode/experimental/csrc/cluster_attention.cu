@@ -90,24 +90,34 @@ struct AttnArgs {
     __nv_bfloat16* out;      // [T, nh, D] contiguous
     int T, S, G, nh;
     float scale;
+    int flags;  // bit 0 (a diagnostic): read no keys — the launch, the waits, Q and the combine alone
 };
 
-// grid (nkv, row blocks, C), cluster (1, 1, C), 128 threads
-template <int D>
+// grid (nkv, row blocks, C), cluster (1, 1, C), 128 * KSPLIT threads: warp w takes rows (w % 4) * 16.. and, of each
+// key block, the keys (w / 4) * BS / KSPLIT.. — KSPLIT warps a row group, so a scheduler has KSPLIT warps to switch
+// between where one warp's chain of loads, MMAs and shuffles would leave it idle (the key groups' softmaxes are
+// merged through shared memory after the loop, as the chunks are across the cluster)
+template <int D, int KSPLIT>
 __device__ __forceinline__ void attention_body(const AttnArgs& a) {
+    constexpr int THREADS = 128 * KSPLIT;
     constexpr int CH = D / 8;  // 16-byte chunks a row
     constexpr int NT = D / 8;  // n8 tiles of O
+    constexpr int KB = BS / KSPLIT;  // keys a warp takes of a block
     constexpr int TILE = ROWS * D * 2;
+    static_assert(KB >= 16 && (ROWS * CH) % THREADS == 0 && (BS * CH) % THREADS == 0, "tiles over the threads");
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char* qs = smem;               // [ROWS][D]
-    unsigned char* ring = smem + TILE;      // 2 stages x (K [BS][D], V [BS][D])
+    unsigned char* qs = smem;           // [ROWS][D]
+    unsigned char* ring = smem + TILE;  // 2 stages x (K [BS][D], V [BS][D]); the cluster's inbox after
+    float* merge = reinterpret_cast<float*>(smem);  // key groups 1.. : [KSPLIT - 1][ROWS][D] fp32 after the loop
     __shared__ int live_s;
     __shared__ float ml_in[ROWS][2];  // the owner's inbox of (m, l): [sender][its rows] (ROWS entries in all)
+    __shared__ float ml_merge[KSPLIT][ROWS][2];
 
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");  // q, the caches' new rows and the slots are ours to read now
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rg = warp & 3, kg = warp >> 2;  // row group, key group
     const int h = blockIdx.x, rb = blockIdx.y;
     cg::cluster_group cluster = cg::this_cluster();
     const int C = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
@@ -120,8 +130,8 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
     // Q: row r of this block = (token, head) pair rb * ROWS + r
     const int rows_total = a.T * a.G;
 #pragma unroll
-    for (int i = 0; i < ROWS * CH / (WARPS * 32); ++i) {
-        const int c = tid + i * WARPS * 32, r = c / CH, ch = c % CH;
+    for (int i = 0; i < ROWS * CH / THREADS; ++i) {
+        const int c = tid + i * THREADS, r = c / CH, ch = c % CH;
         const int gr = rb * ROWS + r;
         const bool ok = gr < rows_total;
         const int t = ok ? gr / a.G : 0, qh = h * a.G + (ok ? gr % a.G : 0);
@@ -133,15 +143,15 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
     int span = (live + C - 1) / C;
     span = (span + 15) / 16 * 16;
     const int start = rank * span, stop = min(start + span, live);
-    const int nblk = stop > start ? (stop - start + BS - 1) / BS : 0;
+    const int nblk = stop > start && !(a.flags & 1) ? (stop - start + BS - 1) / BS : 0;
 
     const __nv_bfloat16* kb = a.kc + h * a.head_stride;
     const __nv_bfloat16* vb = a.vc + h * a.head_stride;
     auto load_kv = [&](int stage, int s0) {
         const uint32_t kd = smem_u32(ring) + stage * 2 * BS * D * 2, vd = kd + BS * D * 2;
 #pragma unroll
-        for (int i = 0; i < BS * CH / (WARPS * 32); ++i) {
-            const int c = tid + i * WARPS * 32, r = c / CH, ch = c % CH;
+        for (int i = 0; i < BS * CH / THREADS; ++i) {
+            const int c = tid + i * THREADS, r = c / CH, ch = c % CH;
             const int s = s0 + r;
             const bool ok = s < stop;
             const size_t off = static_cast<size_t>(ok ? s : 0) * D + ch * 8;
@@ -152,8 +162,8 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
     if (nblk > 0) load_kv(0, start);
     cp_commit();
 
-    // this thread's two rows (local lr0 = warp * 16 + lane / 4, lr0 + 8) and their tokens
-    const int lr0 = warp * 16 + (lane >> 2);
+    // this thread's two rows (local lr0 = rg * 16 + lane / 4, lr0 + 8) and their tokens
+    const int lr0 = rg * 16 + (lane >> 2);
     int tok[2];
     bool rok[2];
 #pragma unroll
@@ -170,31 +180,32 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
     for (int b = 0; b < nblk; ++b) {
         if (b + 1 < nblk) load_kv((b + 1) & 1, start + (b + 1) * BS);
         cp_commit();
-        cp_wait<1>();
-        __syncthreads();
-        const uint32_t kt = smem_u32(ring) + (b & 1) * 2 * BS * D * 2, vt = kt + BS * D * 2;
-        const int s0 = start + b * BS;
-        // the mask of this thread's 2 rows x 16 keys as bits (read before the MMAs, so its latency hides behind them)
+        const int s0 = start + b * BS + kg * KB;  // this warp's first key
+        // the mask of this thread's 2 rows x its keys as bits (read before the data wait and the MMAs: its latency
+        // hides behind them)
         uint32_t vis = 0;
 #pragma unroll
-        for (int j = 0; j < BS / 8; ++j)
+        for (int j = 0; j < KB / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1, s = s0 + j * 8 + 2 * (lane & 3) + (e & 1);
                 if (rok[i] && s < stop && a.mask[tok[i] * a.mask_st + s] != 0) vis |= 1u << (j * 4 + e);
             }
-        // scores: 16 rows x 64 keys (8 n8 tiles)
-        float sc[BS / 8][4];
+        cp_wait<1>();
+        __syncthreads();
+        const uint32_t kt = smem_u32(ring) + (b & 1) * 2 * BS * D * 2, vt = kt + BS * D * 2;
+        // scores: 16 rows x KB keys
+        float sc[KB / 8][4];
 #pragma unroll
-        for (int j = 0; j < BS / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        for (int j = 0; j < KB / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t qf[4];  // this warp's Q rows, d 16kk.. (an A fragment; re-read a block: registers are scarce)
-            ldsm_x4(smem_u32(qs) + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[0], qf[1], qf[2], qf[3]);
+            ldsm_x4(smem_u32(qs) + swz<D>(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[0], qf[1], qf[2], qf[3]);
 #pragma unroll
-            for (int j = 0; j < BS / 8; j += 2) {
+            for (int j = 0; j < KB / 8; j += 2) {
                 uint32_t b0, b1, b2, b3;  // keys j*8.. (d halves 2kk, 2kk+1), keys (j+1)*8..
-                const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3), ch = 2 * kk + ((lane >> 3) & 1);
+                const int r = kg * KB + j * 8 + (lane & 7) + ((lane >> 4) << 3), ch = 2 * kk + ((lane >> 3) & 1);
                 ldsm_x4(kt + swz<D>(r, ch), b0, b1, b2, b3);
                 mma16816(sc[j], qf, b0, b1);
                 mma16816(sc[j + 1], qf, b2, b3);
@@ -203,7 +214,7 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
         // mask, running max, p
         float mx[2] = {m[0], m[1]};
 #pragma unroll
-        for (int j = 0; j < BS / 8; ++j)
+        for (int j = 0; j < KB / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1;
@@ -219,7 +230,7 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) alpha[i] = __expf(m[i] - mx[i]);
 #pragma unroll
-        for (int j = 0; j < BS / 8; ++j)
+        for (int j = 0; j < KB / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1;
@@ -243,14 +254,14 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
         }
         // O += P V: P (bf16) as A fragments over 16 keys at a time, V through ldmatrix.trans
 #pragma unroll
-        for (int kk = 0; kk < BS / 16; ++kk) {
+        for (int kk = 0; kk < KB / 16; ++kk) {
             uint32_t pa[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
                               pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                               pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
             for (int j = 0; j < NT; j += 2) {
                 uint32_t b0, b1, b2, b3;  // d tile j (keys 0-7, 8-15), d tile j+1
-                const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), ch = j + (lane >> 4);
+                const int r = kg * KB + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), ch = j + (lane >> 4);
                 ldsm_x4_t(vt + swz<D>(r, ch), b0, b1, b2, b3);
                 mma16816(o[j], pa, b0, b1);
                 mma16816(o[j + 1], pa, b2, b3);
@@ -259,8 +270,54 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
         __syncthreads();  // this stage is refilled next step
     }
     cp_wait<0>();
+    __syncthreads();
+
+    if constexpr (KSPLIT > 1) {  // key groups 1.. hand their (m, l, O) to group 0 through shared memory (Q's, ring's)
+        if (kg > 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float* dst = merge + static_cast<size_t>((kg - 1) * ROWS + lr0 + 8 * i) * D;
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    *reinterpret_cast<float2*>(dst + j * 8 + 2 * (lane & 3)) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
+                ml_merge[kg][lr0 + 8 * i][0] = m[i];
+                ml_merge[kg][lr0 + 8 * i][1] = l[i];
+            }
+        }
+        __syncthreads();
+        if (kg == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int lr = lr0 + 8 * i;
+                float mm = m[i];
+#pragma unroll
+                for (int g = 1; g < KSPLIT; ++g) mm = fmaxf(mm, ml_merge[g][lr][0]);
+                const float a0 = __expf(m[i] - mm);
+                l[i] *= a0;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    o[j][2 * i] *= a0;
+                    o[j][2 * i + 1] *= a0;
+                }
+#pragma unroll
+                for (int g = 1; g < KSPLIT; ++g) {
+                    const float ag = __expf(ml_merge[g][lr][0] - mm);
+                    l[i] += ag * ml_merge[g][lr][1];
+                    const float* src = merge + static_cast<size_t>((g - 1) * ROWS + lr) * D;
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        const float2 p = *reinterpret_cast<const float2*>(src + j * 8 + 2 * (lane & 3));
+                        o[j][2 * i] += ag * p.x;
+                        o[j][2 * i + 1] += ag * p.y;
+                    }
+                }
+                m[i] = mm;
+            }
+        }
+    }
 
     if (C == 1) {  // no partner: out = O / l
+        if (kg > 0) return;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             if (!rok[i]) continue;
@@ -275,28 +332,30 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
         return;
     }
     // the combine: the inbox [sender][owned row][D] fp32 over the ring (ROWS * D * 4 bytes), once every CTA of the
-    // cluster is past its keys
+    // cluster is past its keys (and its merge)
     const int rpo = ROWS / C;  // rows an owner has
     float* inbox = reinterpret_cast<float*>(ring);
     __syncthreads();
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");  // every ring idle
+    if (kg == 0) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int lr = lr0 + 8 * i, owner = lr / rpo, slot = rank * rpo + lr % rpo;
-        float* dst = cluster.map_shared_rank(inbox, owner) + static_cast<size_t>(slot) * D;
+        for (int i = 0; i < 2; ++i) {
+            const int lr = lr0 + 8 * i, owner = lr / rpo, slot = rank * rpo + lr % rpo;
+            float* dst = cluster.map_shared_rank(inbox, owner) + static_cast<size_t>(slot) * D;
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-            *reinterpret_cast<float2*>(dst + j * 8 + 2 * (lane & 3)) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
-        if ((lane & 3) == 0) {
-            float* mlr = cluster.map_shared_rank(&ml_in[0][0], owner) + 2 * slot;
-            mlr[0] = m[i];
-            mlr[1] = l[i];
+            for (int j = 0; j < NT; ++j)
+                *reinterpret_cast<float2*>(dst + j * 8 + 2 * (lane & 3)) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
+            if ((lane & 3) == 0) {
+                float* mlr = cluster.map_shared_rank(&ml_in[0][0], owner) + 2 * slot;
+                mlr[0] = m[i];
+                mlr[1] = l[i];
+            }
         }
     }
     cluster.sync();  // every partial delivered
     // this CTA's rows lr = rank * rpo + k: sum the C partials in rank order
-    for (int v = tid; v < rpo * (D / 4); v += WARPS * 32) {
+    for (int v = tid; v < rpo * (D / 4); v += THREADS) {
         const int k = v / (D / 4), c = (v % (D / 4)) * 4, lr = rank * rpo + k, gr = rb * ROWS + lr;
         if (gr >= rows_total) continue;
         float mmax = -1.0e30f;
@@ -319,9 +378,14 @@ __device__ __forceinline__ void attention_body(const AttnArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1) cluster_attention_d128(const __grid_constant__ AttnArgs a) {
-    attention_body<128>(a);
-}
-extern "C" __global__ void __launch_bounds__(128, 1) cluster_attention_d64(const __grid_constant__ AttnArgs a) {
-    attention_body<64>(a);
-}
+#define ATTN_KERNEL(D, KSPLIT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128 * KSPLIT, 1)                                      \
+        cluster_attention_d##D##_k##KSPLIT(const __grid_constant__ AttnArgs a) {                       \
+        attention_body<D, KSPLIT>(a);                                                                  \
+    }
+ATTN_KERNEL(128, 1)
+ATTN_KERNEL(128, 2)
+ATTN_KERNEL(128, 4)
+ATTN_KERNEL(64, 1)
+ATTN_KERNEL(64, 2)
+ATTN_KERNEL(64, 4)
