@@ -732,17 +732,6 @@ def p2b(args, dev, dtype, runner, best):
             for plan in args.rows_attn_plan
             for impl in args.attn_impls
         ]
-    # --cluster-attention on / C: also the triton engine whose wide forwards' attention is one launch of our CUDA
-    # kernel (experimental.cluster_attention; C chunks a cluster, on: its rule), on top of the last --cluster-gemm engine
-    if tri and dev.type == "cuda":
-        base, base_tag = cg_last
-        for v in args.cluster_attention:
-            if v == "off":
-                continue
-            c, k = (0, 0) if v == "on" else (int(x) for x in (v.split("/") + ["0"])[:2])
-            over = {**base, "cluster_attention": True, "cluster_attention_chunks": c, "cluster_attention_ksplit": k}
-            tag = base_tag + (" ca" if v == "on" else f" ca{v}")
-            combos += [("triton", impl, 1, over, tag) for impl in args.attn_impls]
     n_default = len(kernels) * len(args.attn_impls)
     if args.no_default_engine and len(combos) > n_default:  # only the option engines (A/Bs among them)
         combos = combos[n_default:]
@@ -1039,14 +1028,6 @@ def main(argv=None):
         "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
         "cluster_gemm_late; 'fused': with cluster_gemm_fused (the norms, silu * up and residual adds folded into it); "
         "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's)",
-    )
-    ap.add_argument(
-        "--cluster-attention",
-        type=lambda v: v.split(","),
-        default=["off"],
-        help="P2b: 'off,on' also measures the triton engine (on top of the last --cluster-gemm one) with "
-        "KernelConfig.cluster_attention (experimental: the wide forwards' attention in one CUDA launch, chunks combined "
-        "in a cluster); C or C/K: with C chunks (1, 2, 4, 8; 0: its rule) and K warps a row group (1, 2, 4)",
     )
     ap.add_argument(
         "--no-default-engine",

@@ -90,15 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("--block-s", default="32,64", help="key blocks the sweep tries")
     ap.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts the sweep tries (over the width and live)")
     ap.add_argument("--live-only", action="store_true", help="sweep only chunks over the live keys, not the width")
-    ap.add_argument(
-        "--cluster-chunks",
-        default="",
-        help="also experimental.cluster_attention (CUDA sm_90) with these chunk counts (0: its rule), e.g. 0,2,4,8",
-    )
-    ap.add_argument("--cluster-ksplit", default="2", help="with --cluster-chunks: warps a row group (1, 2, 4)")
-    ap.add_argument(
-        "--cluster-diag", action="store_true", help="with --cluster-chunks: also each plan reading no keys (diagnostic)"
-    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU through triton's interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -258,33 +249,6 @@ def main(argv=None) -> int:
                     "error": err,
                 }
             )
-        ca_plans = [
-            (int(c), int(k), fl)
-            for c in (args.cluster_chunks.split(",") if args.cluster_chunks and dev.type == "cuda" else [])
-            for k in args.cluster_ksplit.split(",")
-            for fl in ((0, 1) if args.cluster_diag else (0,))
-        ]
-        for c, k, fl in ca_plans:
-            # experimental.cluster_attention: one launch, the chunks combined in a thread-block cluster (0: its rule)
-            from draftsmith.decode.experimental import cluster_attention as ca
-
-            bmask = mask.to(dev).bool().contiguous()
-            why = ca.refusal(q, kcs[0], vcs[0], bmask, slots)
-            label = f"cluster_attention ({'rule: ' + str(ca.chunks_for(T, G, nkv, S)) if c == 0 else c} chunks, k{k})"
-            label += " no keys (diagnostic)" if fl else ""
-            if why:
-                res.append({"T": T, "path": label, "us/layer": None, "error": why})
-                continue
-            got = ca.cluster_attention(q, kcs[0], vcs[0], bmask, slots, scale, c, True, k, fl).float()
-            diff = None if fl else float((got - ref).abs().max())
-
-            def run_cluster(c=c, k=k, fl=fl, bmask=bmask):
-                for kc, vc in zip(kcs, vcs):
-                    ca.cluster_attention(q, kc, vc, bmask, slots, scale, c, True, k, fl)
-
-            us, err = timed(run_cluster)
-            row = {"T": T, "path": label, "block_r": 64, "block_s": 64, "chunks": c or "-", "warps": 4 * k}
-            res.append({**row, "us/layer": us, "max |Δ|": diff, "error": err, "plan": f"{c}/{k}", "diag": fl})
         ok = sorted((r for r in res if r["us/layer"] is not None), key=lambda r: r["us/layer"])
         rows += res
         best += ok[: args.top] + [

@@ -140,11 +140,7 @@ class KernelConfig:
     is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
     session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
     in q/k/v's reduction (the `_rope` instances, rounding as triton's compiled `kernels.rope_and_cache` does: the
-    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session). cluster_attention
-    (experimental, CUDA sm_90, head_dim 64/128, bf16): a wide forward's attention through
-    `experimental.cluster_attention` — one launch, the live keys in cluster_attention_chunks chunks (0: its
-    `chunks_for` rule) combined inside a thread-block cluster, each key block shared by cluster_attention_ksplit warps
-    a row group (0: its default), where `rows_attention` takes a kernel pair (docs/LOG.md, twenty-sixth session)."""
+    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session)."""
 
     block_n: int = 16
     block_k: int = 512
@@ -169,9 +165,6 @@ class KernelConfig:
     cluster_gemm_fused: bool = False
     cluster_gemm_rope: bool = False
     cluster_gemm_plans: dict = field(default_factory=dict)
-    cluster_attention: bool = False
-    cluster_attention_chunks: int = 0
-    cluster_attention_ksplit: int = 0
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)
     rows_sweep: tuple[tuple[int, ...], ...] = ROWS_CONFIGS

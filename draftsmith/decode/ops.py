@@ -373,15 +373,6 @@ class TritonAttnOps(TorchOps):
         )[None]  # [1, T, nh, d]
 
     def attention(self, q, kc, vc, mask, slots, S):
-        if self.config.cluster_attention:  # experimental: one launch, chunks combined in a cluster (where it runs)
-            from draftsmith.decode.experimental import cluster_attention as ca
-
-            if not ca.refusal(q[0], kc, vc, mask, slots):
-                c = self.config
-                return ca.cluster_attention_op(
-                    q[0], kc, vc, mask, slots, self.f.scale, c.cluster_attention_chunks, bool(c.pdl),
-                    c.cluster_attention_ksplit,
-                )  # fmt: skip
         return self.K.rows_attention(q[0], kc, vc, mask, self.f.scale, slots, config=self.config)  # [T, nh * d]
 
 

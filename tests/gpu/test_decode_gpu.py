@@ -232,22 +232,13 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
 
 
 @pytest.mark.parametrize(
-    "kernels",
-    [
-        "torch",
-        "triton",
-        "triton+cluster_gemm",
-        "triton+cluster_gemm_fused",
-        "triton+cluster_gemm_fused_rope",
-        "triton+cluster_gemm_fused_rope+cluster_attention",
-    ],
+    "kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused", "triton+cluster_gemm_fused_rope"]
 )
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
     (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
     through experimental.cluster_gemm (sm_90), compiled; "_fused": with the norms, silu * up and residual adds folded
-    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope);
-    "+cluster_attention": the verify's attention through experimental.cluster_attention too."""
+    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope)."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -269,8 +260,8 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
             pytest.skip("cluster_gemm needs sm_90")
         from draftsmith.decode.kernel_config import KernelConfig
 
-        fused, rope, ca = "_fused" in kernels, "_rope" in kernels, kernels.endswith("+cluster_attention")
-        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope, cluster_attention=ca)
+        fused, rope = "_fused" in kernels, kernels.endswith("_rope")
+        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope)
         kw = {"kernel_config": cfg, "compile": True}
         kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
@@ -469,53 +460,6 @@ def test_cluster_gemm_rope_equals_rope_and_cache():
                 q2 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, slots, cos, sin, kc2, vc2, nh, nkv))
                 assert torch.equal(q2, q1), (d, M, plan)
                 assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (d, M, plan)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (clusters)")
-@pytest.mark.parametrize("d", [64, 128])
-def test_cluster_attention_matches_fp32_reference(d):
-    """experimental.cluster_attention against the fp32 grouped attention over the tree mask (and within bf16 of
-    kernels.rows_attention), for one token to 64, every chunk count (empty chunks too: a short context split 8
-    ways) and key split, GQA groups 4 and 1, q a strided view as the forward hands it; in a CUDA graph with PDL as eager."""
-    import sys
-
-    from draftsmith.decode import kernels as K
-    from draftsmith.decode.experimental import cluster_attention as ca
-    from draftsmith.decode.llama import grouped_attention
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from decode_helpers import tree_mask
-
-    torch.manual_seed(0)
-    for nh, nkv, S, ctx, T in ((8, 2, 320, 200, 49), (8, 2, 320, 3, 17), (4, 4, 160, 90, 1), (8, 2, 320, 250, 64)):
-        kc = torch.randn(1, nkv, S, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn(1, nkv, S, d, device="cuda", dtype=torch.bfloat16)
-        mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(T)], S, ctx).to("cuda").bool()
-        qkv = torch.randn(T, nh + 2 * nkv, d, device="cuda", dtype=torch.bfloat16)
-        q = qkv[:, :nh]
-        slots = torch.arange(ctx, ctx + T, device="cuda")
-        scale = d**-0.5
-        ref = grouped_attention(q.transpose(0, 1)[None].float(), kc.float(), vc.float(), mask, scale, "bmm")
-        ref = ref.transpose(1, 2).reshape(T, nh * d)
-        assert ca.refusal(q, kc, vc, mask, slots) == ""
-        rows = K.rows_attention(q, kc, vc, mask, scale, slots).float()
-        for c in ca.CHUNKS:
-            for k in ca.KSPLITS:
-                got = ca.cluster_attention(q, kc, vc, mask, slots, scale, c, True, k).float()
-                err = float((got - ref).abs().max())
-                assert err < 3e-2, (nh, nkv, S, ctx, T, c, k, err)
-                assert float((got - rows).abs().max()) < 4e-2
-        # PDL in a graph: the attention reads q the previous kernel wrote
-        q2 = torch.empty_like(q)
-        want = ca.cluster_attention(q, kc, vc, mask, slots, scale, 4, pdl=False)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            q2.copy_(q)
-            got = ca.cluster_attention(q2, kc, vc, mask, slots, scale, 4, pdl=True)
-        q2.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")

@@ -1,4 +1,4 @@
-"""The CUDA driver API as the experimental CUDA kernels use it (`cluster_gemm`, `cluster_attention`): their shipped PTX
+"""The CUDA driver API as the experimental CUDA kernels use it (`cluster_gemm`): their shipped PTX
 (`csrc/*.ptx`, made by `scripts/build_cuda_kernels.sh`) assembled for sm_90a by triton's bundled ptxas (cached by the
 PTX's hash; the driver's JIT when there is no ptxas), loaded into torch's primary context, and launched with
 `cuLaunchKernelEx` on torch's current stream — cluster dimensions and programmatic dependent launch are launch
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 16
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
