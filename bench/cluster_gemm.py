@@ -88,8 +88,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     sections = set(args.sections.split(","))
     kinds = args.kinds.split(",")
-    variants = args.variants.split(",") if args.variants else [v for v in cg.VARIANTS if "nomma" not in v]
-    scale_variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)  # + the ring alone
+    # (the _rope / _rope_attn instances take RoPE's arguments: measured in the engine, not here)
+    plain = [v for v in cg.VARIANTS if v not in cg.ROPE and v not in cg.ROPE_ATTN]
+    variants = args.variants.split(",") if args.variants else [v for v in plain if "nomma" not in v]
+    scale_variants = args.variants.split(",") if args.variants else plain  # + the ring alone
     splits = [int(s) for s in args.splits.split(",")]
     bw = common.measure_copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
