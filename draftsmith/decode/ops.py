@@ -334,14 +334,17 @@ class TritonAttnOps(TorchOps):
         return h
 
     def _qkv_rope_fused(self, h, positions, slots, kc, vc, FL):  # KernelConfig.cluster_gemm_rope
+        q = self._cg_mod.cluster_gemm_qkv_rope_op(*self._qkv_rope_args(h, positions, slots, kc, vc, FL))
+        return q.view(1, q.shape[0], self.nh, self.d)
+
+    def _qkv_rope_args(self, h, positions, slots, kc, vc, FL, mask=()):
+        """The q/k/v RoPE ops' arguments (with `mask`: the attention's mask and scale too, the `_attn` op's)."""
         hn, ssq = self._norm_stream(h, FL.first, FL.w.input_norm)
         w, f, c = FL.w.qkv[0], self.f, self.config
         v, s = self._plan_of(w)
-        q = self._cg_mod.cluster_gemm_qkv_rope_op(
-            hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, v, s, c.pdl,
-            c.cluster_gemm_late,
-        )  # fmt: skip
-        return q.view(1, q.shape[0], self.nh, self.d)
+        attn = (mask[0], f.scale) if mask else ()
+        return (hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, *attn, self.nh, self.nkv, v, s, c.pdl,
+                c.cluster_gemm_late)  # fmt: skip
 
     def _prepare_keep_mask(self, mask, positions, slots):
         out = self._prepare_routed(mask, positions, slots)
@@ -349,13 +352,8 @@ class TritonAttnOps(TorchOps):
         return out
 
     def _qkv_rope_attn_fused(self, h, positions, slots, kc, vc, FL):  # KernelConfig.cluster_gemm_attn
-        hn, ssq = self._norm_stream(h, FL.first, FL.w.input_norm)
-        w, f, c = FL.w.qkv[0], self.f, self.config
-        v, s = self._plan_of(w)
-        q, self._attn_out = self._cg_mod.cluster_gemm_qkv_rope_attn_op(
-            hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self._attn_mask, f.scale, self.nh,
-            self.nkv, v, s, c.pdl, c.cluster_gemm_late,
-        )  # fmt: skip
+        args = self._qkv_rope_args(h, positions, slots, kc, vc, FL, mask=(self._attn_mask,))
+        q, self._attn_out = self._cg_mod.cluster_gemm_qkv_rope_attn_op(*args)
         return q.view(1, q.shape[0], self.nh, self.d)
 
     def _attention_handed(self, q, kc, vc, mask, slots, S):

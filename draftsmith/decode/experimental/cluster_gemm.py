@@ -129,10 +129,6 @@ _MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
 
-def _cuda() -> ctypes.CDLL:
-    return drv.lib()
-
-
 class _AttnFold(ctypes.Structure):
     """csrc/cluster_gemm.cu's `AttnFold` (the `_rope_attn` instances' extra argument), passed by value."""
 
@@ -217,7 +213,7 @@ def _weight_map(w: torch.Tensor, bn: int, glu: bool = False) -> int:
     box = (ctypes.c_uint32 * 3)(BK, bn // planes, planes)
     elem = (ctypes.c_uint32 * 3)(1, 1, 1)
     _check(
-        _cuda().cuTensorMapEncodeTiled(
+        drv.lib().cuTensorMapEncodeTiled(
             ctypes.c_void_p(addr),
             _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             3,
@@ -378,7 +374,9 @@ def max_active_clusters(variant: str, split: int, device: torch.device | None = 
         (1, split, 1), 128 * VARIANTS[variant][1], smem_bytes(variant), (1, split, 1), False
     )
     n = ctypes.c_int()
-    _check(_cuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters")
+    _check(
+        drv.lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters"
+    )
     return n.value
 
 
