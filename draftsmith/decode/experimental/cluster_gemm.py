@@ -531,15 +531,20 @@ def cluster_gemm_produce_op(
     if supports(x, w, variant):
         return fused(x, w, (variant, split), pdl, late, res=res, nw=nw)
     h = res + torch.nn.functional.linear(x, w)
-    ssq = torch.zeros(_ssq_tiles(w.shape[0], variant), ROWS_MAX, dtype=torch.float32, device=x.device)
+    # (a forward wider than the kernel's rows — a prefill chunk — hands on the sums of all its rows)
+    ssq = torch.zeros(_ssq_tiles(w.shape[0], variant), _ssq_width(x), dtype=torch.float32, device=x.device)
     hn, ssq[0, : x.shape[0]] = norm_inputs(h, nw)
     return h, hn, ssq
+
+
+def _ssq_width(x: torch.Tensor):
+    return torch.sym_max(x.shape[0], ROWS_MAX)
 
 
 @cluster_gemm_produce_op.register_fake
 def _(x, w, res, nw, variant, split, pdl, late):
     M, N = x.shape[0], w.shape[0]
-    return x.new_empty(M, N), x.new_empty(M, N), x.new_empty(_ssq_tiles(N, variant), ROWS_MAX, dtype=torch.float32)
+    return x.new_empty(M, N), x.new_empty(M, N), x.new_empty(_ssq_tiles(N, variant), _ssq_width(x), dtype=torch.float32)
 
 
 @torch.library.custom_op("draftsmith::cluster_gemm_normed", mutates_args=())

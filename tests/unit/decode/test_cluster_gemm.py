@@ -120,3 +120,32 @@ def test_fused_plan_forward_on_the_cpu_matches_fp32_and_compiles(one_thread):
     assert torch.equal(fa.k_cache[..., :T, :], fr.k_cache[..., :T, :])
     compiled_a = torch.compile(fa.forward, fullgraph=True)(ids, pos, pos, mask)[0]
     assert rel(compiled_a, got_a) < 2e-2
+
+
+def test_fused_plan_forward_wider_than_the_kernel_rows(one_thread):
+    """A forward of more rows than the kernel takes (a prefill chunk: past cluster_gemm.ROWS_MAX) goes through the
+    custom ops' torch fallbacks, whose producers hand the next norm the sums of squares of all their rows (a
+    fixed-width hand-off broke pycode-small's prefill on a GPU, 2026-12-04): the logits as the torch plan's."""
+    pytest.importorskip("triton")
+    from decode_helpers import tiny_llama
+
+    from draftsmith.decode.experimental import cluster_gemm as cg
+    from draftsmith.decode.kernel_config import KernelConfig
+    from draftsmith.decode.llama import LlamaFamilyForward
+
+    T = cg.ROWS_MAX + 9
+    m16 = tiny_llama(vocab_size=64, hidden=64, layers=2, init=0.1).to(torch.bfloat16)
+
+    def run(**kc):
+        f = LlamaFamilyForward.from_hf(m16, [0, 1, 1], T + 8)
+        f.set_cpu_transposed(False)
+        f.kernels = "triton"
+        f.kernel_config = KernelConfig(**kc)
+        torch.manual_seed(0)
+        ids, pos = torch.randint(0, 64, (T,)), torch.arange(T)
+        return f.forward(ids, pos, pos, torch.ones(T, T + 8, dtype=torch.bool).tril())[0]
+
+    ref = run()
+    got = run(cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True)
+    assert got.shape == ref.shape == (T, 64)
+    assert ((got - ref).float().norm() / ref.float().norm()).item() < 2e-2

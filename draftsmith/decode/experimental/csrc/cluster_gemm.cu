@@ -275,7 +275,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // masked to -1e30, P rounded to bf16 for P V; the merge as `kernels._attn_combine_kernel`.
 template <int D, int THREADS>
 __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* rp, unsigned char* ring, int M, int S,
-                                            int rank, int mine, int h, int g) {
+                                            int rank, int mine, int h, int g, unsigned long long* stamp) {
     constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2;
     static_assert((WARPS == 4 || WARPS == 8) && D % 16 == 0, "4 or 8 warps, 16-wide heads");
     __shared__ int live_s;
@@ -295,6 +295,7 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
         if (tid == 0) live_s = static_cast<int>(min(mx + 1, static_cast<long long>(af.S)));
     }
     __syncthreads();
+    if (stamp) stamp[5] = globaltimer();  // the KV head's k and v rows in
     const int live = live_s, nb = (live + 15) / 16;
     const int b0 = nb * warp / WARPS, b1 = nb * (warp + 1) / WARPS;  // this warp's 16-key blocks
     const uint32_t qs = smem_addr(q_stage<D>());
@@ -447,6 +448,7 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
         dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
         dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
     }
+    if (stamp) stamp[6] = globaltimer();  // attended (thread 0's share of the merge stored)
 }
 
 // the 4 sums of row m at columns col..col+3 through the folds into out (and hn, and this CTA's row sums of squares,
@@ -794,10 +796,11 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
                     const int g = (n0 - rp->q_cols) % rp->k_cols / rp->d;
                     atomicAdd(af->ready + g, 1);
                 }
+                if (stamp) stamp[5] = stamp[6] = globaltimer();
                 return;
             }
             if (mine > 16) __trap();  // (the launcher refuses plans with more than 16 rows an owner)
-            attend_rows<BN, THREADS>(*af, rp, smem, M, S, rank, mine, n0 / rp->d, n0 / rp->d / af->G);
+            attend_rows<BN, THREADS>(*af, rp, smem, M, S, rank, mine, n0 / rp->d, n0 / rp->d / af->G, stamp);
             return;
         }
         if (stamp) stamp[5] = globaltimer();
