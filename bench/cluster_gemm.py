@@ -519,7 +519,7 @@ def _attn_section(args, cg, m: int, md: list, data: dict) -> None:
     variant = "bn128_half_rope_attn"
     ctas, nst = (N // 128) * split, len(cg.PROF_STAMPS)
     prof_rows = []
-    labels = [*cg.PROF_STAMPS[:5], "stored (q owners: k/v in)", "end (q owners: attended)"]
+    labels = [*cg.PROF_STAMPS[:5], "stored (q owners: attention began)", "end (q owners: attended)"]
     for inside in (False, True):
         v = variant if inside else "bn128_half_rope"
         prof = torch.zeros(ctas * nst, dtype=torch.int64, device="cuda")

@@ -269,40 +269,57 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // A q tile's owner CTA after its stores (8 warps at bn128, 4 at bn64): its `mine` token rows (m = lm * S + rank) of
 // q head `h` (KV head g) attend over the live keys, each warp a contiguous share of 16-key blocks (mma.sync,
-// FlashAttention-2's register layout). `ring` (the CTA's idle ring) stages each warp's K and V blocks (64 D bytes a
-// warp: the next K loads during this block's softmax and P V, the next V during the next QK^T), then the warps'
-// partials for the merge (WARPS * 16 * D * 4 bytes). Rounding as `kernels._softmax_step`: scores scaled in fp32,
-// masked to -1e30, P rounded to bf16 for P V; the merge as `kernels._attn_combine_kernel`.
-template <int D, int THREADS>
+// FlashAttention-2's register layout). `ring` (the CTA's idle ring) stages each warp's blocks — K double-buffered (the
+// next block's K loads during this block's QK^T, softmax and P V), V once (the next V during the next QK^T) — then
+// the warps' partials for the merge (WARPS * 16 * D * 4 bytes). A warp waits for the KV head's k and v owners only
+// before it loads its first block holding a key this forward wrote (the lowest slot on): the context's keys, most of
+// them, are attended while the k and v tiles still reduce. Rounding as `kernels._softmax_step`: scores scaled in
+// fp32, masked to -1e30, P rounded to bf16 for P V; the merge as `kernels._attn_combine_kernel`.
+template <int D, int THREADS, int RING>
 __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* rp, unsigned char* ring, int M, int S,
                                             int rank, int mine, int h, int g, unsigned long long* stamp) {
-    constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2;
+    constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2, BLK = 16 * ROWB;
     static_assert((WARPS == 4 || WARPS == 8) && D % 16 == 0, "4 or 8 warps, 16-wide heads");
-    __shared__ int live_s;
+    static_assert(WARPS * 3 * BLK <= RING && WARPS * 16 * D * 4 <= RING, "the warps' blocks and partials in the ring");
+    __shared__ int live_s, fresh_s;
     __shared__ float ml[WARPS][16][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid == 0) {  // the KV head's k and v rows are in the caches
+    if (tid < 32) {  // the live keys (up to the highest slot written) and the first key this forward wrote
+        long long mx = -1, mn = 0x7fffffffffffffffLL;
+        for (int t = tid; t < M; t += 32) {
+            mx = max(mx, rp->slots[t]);
+            mn = min(mn, rp->slots[t]);
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        }
+        if (tid == 0) {
+            live_s = static_cast<int>(min(mx + 1, static_cast<long long>(af.S)));
+            fresh_s = static_cast<int>(min(mn, static_cast<long long>(af.S)));
+        }
+    }
+    __syncthreads();
+    if (stamp) stamp[5] = globaltimer();  // the attention begins
+    const int live = live_s, fresh = fresh_s, nb = (live + 15) / 16;
+    const int b0 = nb * warp / WARPS, b1 = nb * (warp + 1) / WARPS;  // this warp's 16-key blocks
+    const uint32_t qs = smem_addr(q_stage<D>());
+    const uint32_t kbuf = smem_addr(ring) + warp * 3 * BLK, vs = kbuf + 2 * BLK;  // K(b) at kbuf + (b & 1) * BLK
+    const __nv_bfloat16* kb = rp->kc + static_cast<size_t>(g) * rp->head_stride;
+    const __nv_bfloat16* vb = rp->vc + static_cast<size_t>(g) * rp->head_stride;
+    auto kv_stored = [&]() {  // the KV head's 2 S k and v owner CTAs have stored their rows
         int n = 0;
         do {
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(n) : "l"(af.ready + g) : "memory");
             if (n < 2 * S) __nanosleep(64);
         } while (n < 2 * S);
-    }
-    if (tid < 32) {
-        long long mx = -1;
-        for (int t = tid; t < M; t += 32) mx = max(mx, rp->slots[t]);
-        for (int off = 16; off > 0; off >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        if (tid == 0) live_s = static_cast<int>(min(mx + 1, static_cast<long long>(af.S)));
-    }
-    __syncthreads();
-    if (stamp) stamp[5] = globaltimer();  // the KV head's k and v rows in
-    const int live = live_s, nb = (live + 15) / 16;
-    const int b0 = nb * warp / WARPS, b1 = nb * (warp + 1) / WARPS;  // this warp's 16-key blocks
-    const uint32_t qs = smem_addr(q_stage<D>());
-    const uint32_t ks = smem_addr(ring) + warp * 2 * 16 * ROWB, vs = ks + 16 * ROWB;
-    const __nv_bfloat16* kb = rp->kc + static_cast<size_t>(g) * rp->head_stride;
-    const __nv_bfloat16* vb = rp->vc + static_cast<size_t>(g) * rp->head_stride;
+    };
+    bool waited = false;  // (warp-uniform)
     auto load = [&](uint32_t dst, const __nv_bfloat16* base, int s0) {  // 16 keys x D into the warp's buffer (L2 only)
+        if (!waited && s0 + 16 > fresh) {  // the first block with keys this forward wrote: their owners first
+            kv_stored();
+            waited = true;
+        }
 #pragma unroll
         for (int i = 0; i < 16 * CHR / 32; ++i) {
             const int c = lane + 32 * i, r = c / CHR, ch = c % CHR, s = s0 + r;
@@ -320,23 +337,35 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
         rok[i] = r0 + 8 * i < mine;
         tok[i] = rok[i] ? (r0 + 8 * i) * S + rank : 0;
     }
-    float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    if (b0 < b1) {
-        load(ks, kb, b0 * 16);
-        load(vs, vb, b0 * 16);
-    }
-    for (int b = b0; b < b1; ++b) {
-        const int s0 = b * 16;
-        // this thread's 2 rows x 4 keys of the mask: bit j * 4 + row * 2 + col, as sc[j][row * 2 + col] below
+    auto mask_bits = [&](int s0) {  // this thread's 2 rows x 4 keys of a block's mask: bit j * 4 + row * 2 + col
         uint32_t vis = 0;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const int i = (e >> 1) & 1, s = s0 + (e >> 2) * 8 + 2 * (lane & 3) + (e & 1);
             if (rok[i] && s < live && af.mask[tok[i] * af.mask_st + s] != 0) vis |= 1u << e;
         }
-        asm volatile("cp.async.wait_group 1;\n" ::);  // K (V may still be in flight)
+        return vis;
+    };
+    float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    uint32_t vis_next = 0;
+    if (b0 < b1) {
+        vis_next = mask_bits(b0 * 16);
+        load(kbuf + (b0 & 1) * BLK, kb, b0 * 16);
+        load(vs, vb, b0 * 16);
+    }
+    // cp.async groups in flight at a block's start: K(b), V(b); then K(b + 1) joins them
+    for (int b = b0; b < b1; ++b) {
+        const int s0 = b * 16;
+        const uint32_t vis = vis_next, ks = kbuf + (b & 1) * BLK;  // (the mask's bits loaded a block ahead)
+        if (b + 1 < b1) {
+            load(kbuf + ((b + 1) & 1) * BLK, kb, s0 + 16);  // (its buffer's last reader, QK^T of b - 1, is done)
+            vis_next = mask_bits(s0 + 16);
+        } else {
+            asm volatile("cp.async.commit_group;\n" ::);
+        }
+        asm volatile("cp.async.wait_group 2;\n" ::);  // K(b)
         __syncwarp();
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -347,9 +376,6 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
             mma16816(sc[0], qf, k0, k1);
             mma16816(sc[1], qf, k2, k3);
         }
-        __syncwarp();
-        if (b + 1 < b1) load(ks, kb, s0 + 16);  // the next K while this block's softmax and P V run
-        else asm volatile("cp.async.commit_group;\n" ::);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -387,7 +413,7 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
             o[j][2] *= alpha[1];
             o[j][3] *= alpha[1];
         }
-        asm volatile("cp.async.wait_group 1;\n" ::);  // V (the next K may still be in flight)
+        asm volatile("cp.async.wait_group 1;\n" ::);  // V(b) (K(b + 1) may still be in flight)
         __syncwarp();
         const uint32_t pa[4] = {pack2(sc[0][0], sc[0][1]), pack2(sc[0][2], sc[0][3]), pack2(sc[1][0], sc[1][1]),
                                 pack2(sc[1][2], sc[1][3])};
@@ -405,6 +431,7 @@ __device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* 
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // every warp is past the caches and its buffers
     if (tid == 0) {   // the last reader of this KV head resets the counters for the next call
+        kv_stored();  // (so every k and v owner has counted before: at once here, a warp of this CTA waited)
         __threadfence();
         if (atomicAdd(af.done + g, 1) == af.G * S - 1) {
             atomicExch(af.ready + g, 0);
@@ -800,7 +827,8 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
                 return;
             }
             if (mine > 16) __trap();  // (the launcher refuses plans with more than 16 rows an owner)
-            attend_rows<BN, THREADS>(*af, rp, smem, M, S, rank, mine, n0 / rp->d, n0 / rp->d / af->G, stamp);
+            attend_rows<BN, THREADS, STAGES * STAGE_BYTES>(*af, rp, smem, M, S, rank, mine, n0 / rp->d, n0 / rp->d / af->G,
+                                                          stamp);
             return;
         }
         if (stamp) stamp[5] = globaltimer();
