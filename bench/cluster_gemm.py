@@ -10,9 +10,6 @@ Sections:
   check  every variant and split against an fp32 reference at 1, 17, 49 and 64 rows (max |err| beside torch's)
   iso    us a call for each (variant, split) over L copies of the weights (> 400 MB, read from HBM as a verify
          layer does), one CUDA graph of R passes; fraction of copy bandwidth (weights + x + out bytes); torch beside
-  attn   the attention inside q/k/v's launch (KernelConfig.cluster_gemm_attn) against q/k/v with RoPE then
-         kernels.rows_attention, alone and followed by o, 32 layers of distinct weights and caches at context
-         --attn-ctx (us a layer); and each CTA's stamps of one cold call (when its k/v rows were in, when it attended)
   chain  32 layers of q/k/v -> o -> gate/up -> down, each matmul's input the previous one's output (distinct weights:
          14 GB, all from HBM): ms a layer for torch, the kernel with each kind's fastest iso plan (PDL on and off),
          and the kernel with gate/up left to torch; the copy-bandwidth floor beside
@@ -63,9 +60,7 @@ def main(argv=None) -> int:
         help="iso: each shape's weights as one copy, re-read from L2 (the o projection, 33.5 MB, fits the H200's L2): "
         "the kernel's time if the weights were prefetched into L2 during the attention",
     )
-    ap.add_argument("--layers", type=int, default=32, help="layers of the chain (and of attn)")
-    ap.add_argument("--attn-ctx", type=int, default=512, help="attn: the context before the verify's rows")
-    ap.add_argument("--attn-splits", default="4,6", help="attn: q/k/v's splits (at most 16 rows an owner CTA)")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
     ap.add_argument(
         "--chain-plans",
         default="",
@@ -93,10 +88,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     sections = set(args.sections.split(","))
     kinds = args.kinds.split(",")
-    # (the _rope / _rope_attn instances take RoPE's arguments: measured in the engine, not here)
-    plain = [v for v in cg.VARIANTS if v not in cg.ROPE and v not in cg.ROPE_ATTN]
-    variants = args.variants.split(",") if args.variants else [v for v in plain if "nomma" not in v]
-    scale_variants = args.variants.split(",") if args.variants else plain  # + the ring alone
+    variants = args.variants.split(",") if args.variants else [v for v in cg.VARIANTS if "nomma" not in v]
+    scale_variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)  # + the ring alone
     splits = [int(s) for s in args.splits.split(",")]
     bw = common.measure_copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -220,9 +213,6 @@ def main(argv=None) -> int:
         md.append(f"\nprof (us from the first CTA's start, median / latest CTA; {m} rows, cold, no PDL):\n\n")
         md.append(common.markdown_table(rows_out, ["kind", "plan", *cg.PROF_STAMPS]))
         data["prof"] = rows_out
-
-    if "attn" in sections:
-        _attn_section(args, cg, m, md, data)
 
     best_plan: dict[str, tuple[str, int]] = {}
     if "iso" in sections:
@@ -432,118 +422,6 @@ def main(argv=None) -> int:
             "python bench/cluster_gemm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         )
     return 0
-
-
-def _attn_section(args, cg, m: int, md: list, data: dict) -> None:
-    """The 8B verify layer's q/k/v -> attention -> o two ways, us a layer over `args.layers` layers (distinct weights
-    and caches: the weights stream from HBM as in a verify): q/k/v with RoPE and the cache writes (`_rope`) then
-    kernels.rows_attention (the engine's pair of Triton launches), against the attention inside q/k/v's launch
-    (`_rope_attn`); each alone and followed by o (bn128_half split 6, its 8B plan). Then one cold eager call of each
-    with the CTAs' stamps: the `_rope_attn` q owners' wait for their KV head and their attention."""
-    from draftsmith.decode import kernels as K
-    from draftsmith.decode.kernel_config import KernelConfig
-    from draftsmith.decode.kernels import _time_graph
-
-    L, ctx, nh, nkv, d, H = args.layers, args.attn_ctx, 32, 8, 128, 4096
-    cap = ctx + 320
-    N = (nh + 2 * nkv) * d
-    qkv = [torch.randn(N, H, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(L)]
-    ow = [torch.randn(H, nh * d, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(L)]
-    nws = [(1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(L)]
-    caches = [[torch.randn(1, nkv, cap, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(L)]
-    ang = torch.arange(cap, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
-    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
-    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
-    pos = torch.arange(ctx, ctx + m, device="cuda")
-    mask = torch.zeros(m, cap, dtype=torch.bool, device="cuda")
-    mask[:, :ctx] = True
-    for t in range(m):  # a binary tree's ancestors
-        a = t
-        while a >= 0:
-            mask[t, ctx + a] = True
-            a = (a - 1) // 2 if a else -1
-    x0 = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    hn0, ssq0 = cg.norm_inputs(x0, nws[0])
-    cfg, scale = KernelConfig(), d**-0.5
-    o_plan = ("bn128_half", 6)
-
-    def rope_args(i):
-        return (pos, pos, cos, sin, caches[i][0], caches[i][1], nh, nkv)
-
-    def layers(split, inside, with_o):
-        def run():
-            hn, ssq = hn0, ssq0
-            for i in range(L):
-                if inside is None:  # no attention: o takes q (the pair's cost is the difference)
-                    a = cg.fused(hn, qkv[i], ("bn128_half", split), ssq_in=ssq, eps=1e-5, rope=rope_args(i))
-                elif inside:
-                    _q, a = cg.fused(hn, qkv[i], ("bn128_half", split), ssq_in=ssq, eps=1e-5, rope=rope_args(i),
-                                     attn=(mask, scale))  # fmt: skip
-                else:
-                    q = cg.fused(hn, qkv[i], ("bn128_half", split), ssq_in=ssq, eps=1e-5, rope=rope_args(i))
-                    a = K.rows_attention(q.view(m, nh, d), caches[i][0], caches[i][1], mask, scale, pos, config=cfg)
-                if with_o:
-                    _h, hn, ssq = cg.fused(a, ow[i], o_plan, res=x0, nw=nws[i])
-            return hn
-
-        return run
-
-    rows_out = []
-    for split in [int(s) for s in args.attn_splits.split(",")]:
-        x_, rope_ = torch.empty(m, H, device="cuda", dtype=torch.bfloat16), rope_args(0)
-        why = cg.attn_refusal(x_, qkv[0], "bn128_half_rope_attn", split, rope_, mask)
-        if why:
-            print(f"attn: split {split} skipped: {why}")
-            continue
-        want = layers(split, False, True)()
-        got = layers(split, True, True)()
-        err = float((got.float() - want.float()).abs().max())
-        for inside in (None, False, True):
-            for with_o in (False, True):
-                us, why = _time_graph(layers(split, inside, with_o), L, 5)
-                row = {
-                    "q/k/v split": split,
-                    "attention": {None: "none", False: "rows_attention after", True: "inside q/k/v's launch"}[inside],
-                    "then o": "yes" if with_o else "no",
-                    "us a layer": f"{us:.2f}" if us is not None else why,
-                    "max abs diff (after o)": f"{err:.3g}",
-                }
-                rows_out.append(row)
-                print(row, flush=True)
-    md.append(f"\nattn ({m} rows, context {ctx}, {L} layers, 8B heads {nh}/{nkv}x{d}; o {o_plan}):\n\n")
-    md.append(common.markdown_table(rows_out, ["q/k/v split", "attention", "then o", "us a layer",
-                                               "max abs diff (after o)"]))  # fmt: skip
-    # one cold eager call's stamps (no PDL), us from the first CTA's start: the k/v owners' store (stamp 5) against
-    # the q owners' wait (5) and attention (6)
-    split = int(args.attn_splits.split(",")[0])
-    variant = "bn128_half_rope_attn"
-    ctas, nst = (N // 128) * split, len(cg.PROF_STAMPS)
-    prof_rows = []
-    labels = [*cg.PROF_STAMPS[:5], "stored (q owners: attention began)", "end (q owners: attended)"]
-    for inside in (False, True):
-        v = variant if inside else "bn128_half_rope"
-        prof = torch.zeros(ctas * nst, dtype=torch.int64, device="cuda")
-        q, aout = (torch.empty(m, nh * d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        for i in range(L):  # the last one's stamps: a cold call (the weights of the 31 before evicted its own)
-            prof.zero_()
-            fold = (mask, aout, scale, cg.attn_flags(qkv[i], nkv)) if inside else None
-            cg.launch(hn0, qkv[i], q, v, split, False, prof, ssq_in=ssq0, eps=1e-5, rope=rope_args(i), attn=fold)
-            torch.cuda.synchronize()
-        st = prof.view(split, N // 128, nst).double()  # (a CTA's stamps at blockIdx.y * gridDim.x + blockIdx.x)
-        st = (st - st[..., 0].min()) / 1e3
-        for name, t in (("q tiles", st[:, :nh]), ("k/v tiles", st[:, nh:])):
-            t = t.reshape(-1, nst)
-            med, mx = t.median(0).values.tolist(), t.max(0).values.tolist()
-            row = {"kernel": v, "CTAs": f"{name} s{split}"}
-            row.update({label: f"{med[j]:.2f} / {mx[j]:.2f}" for j, label in enumerate(labels)})
-            prof_rows.append(row)
-            print(row, flush=True)
-    md.append(
-        f"\nstamps of one cold eager call (us from the first CTA's start, median / latest CTA; no PDL; split {split}):"
-        "\n\n"
-    )
-    md.append(common.markdown_table(prof_rows, ["kernel", "CTAs", *labels]))
-    data["attn"] = {"timed": rows_out, "stamps": prof_rows}
 
 
 if __name__ == "__main__":

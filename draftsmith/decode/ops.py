@@ -242,13 +242,7 @@ class TritonAttnOps(TorchOps):
                 if self.config.cluster_gemm_rope and "rope" in self.routed and all(L.qk_norm is None for L in ws):
                     # RoPE and the cache writes in q/k/v's reduction: qkv() hands h through, rope_cache() launches it
                     self.qkv, self.rope_cache = self._qkv_defer, self._qkv_rope_fused
-                    if self.config.cluster_gemm_attn and "attn" in self.routed:
-                        # and the attention in the same launch: prepare() keeps the mask for it, attention() hands
-                        # its output on
-                        self.rope_cache, self.attention = self._qkv_rope_attn_fused, self._attention_handed
-                        self._prepare_routed, self.prepare = self.prepare, self._prepare_keep_mask
                 self._stream = None  # (hn, ssq) the last producer handed the next norm-folding matmul
-                self._attn_mask = self._attn_out = None
 
     # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
     # (bias-free, at most its rows, N of its tile; a vocabulary-wide N — the lm_head — only where the plans or
@@ -334,31 +328,14 @@ class TritonAttnOps(TorchOps):
         return h
 
     def _qkv_rope_fused(self, h, positions, slots, kc, vc, FL):  # KernelConfig.cluster_gemm_rope
-        q = self._cg_mod.cluster_gemm_qkv_rope_op(*self._qkv_rope_args(h, positions, slots, kc, vc, FL))
-        return q.view(1, q.shape[0], self.nh, self.d)
-
-    def _qkv_rope_args(self, h, positions, slots, kc, vc, FL, mask=()):
-        """The q/k/v RoPE ops' arguments (with `mask`: the attention's mask and scale too, the `_attn` op's)."""
         hn, ssq = self._norm_stream(h, FL.first, FL.w.input_norm)
         w, f, c = FL.w.qkv[0], self.f, self.config
         v, s = self._plan_of(w)
-        attn = (mask[0], f.scale) if mask else ()
-        return (hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, *attn, self.nh, self.nkv, v, s, c.pdl,
-                c.cluster_gemm_late)  # fmt: skip
-
-    def _prepare_keep_mask(self, mask, positions, slots):
-        out = self._prepare_routed(mask, positions, slots)
-        self._attn_mask = out[0]
-        return out
-
-    def _qkv_rope_attn_fused(self, h, positions, slots, kc, vc, FL):  # KernelConfig.cluster_gemm_attn
-        args = self._qkv_rope_args(h, positions, slots, kc, vc, FL, mask=(self._attn_mask,))
-        q, self._attn_out = self._cg_mod.cluster_gemm_qkv_rope_attn_op(*args)
+        q = self._cg_mod.cluster_gemm_qkv_rope_op(
+            hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self.nh, self.nkv, v, s, c.pdl,
+            c.cluster_gemm_late,
+        )  # fmt: skip
         return q.view(1, q.shape[0], self.nh, self.d)
-
-    def _attention_handed(self, q, kc, vc, mask, slots, S):
-        o, self._attn_out = self._attn_out, None
-        return o
 
     def _o_fused(self, o, h, FL):
         return self._produce(o, FL.w.o, h, FL.w.post_norm)

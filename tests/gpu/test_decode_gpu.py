@@ -232,22 +232,13 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
 
 
 @pytest.mark.parametrize(
-    "kernels",
-    [
-        "torch",
-        "triton",
-        "triton+cluster_gemm",
-        "triton+cluster_gemm_fused",
-        "triton+cluster_gemm_fused_rope",
-        "triton+cluster_gemm_fused_rope_attn",
-    ],
+    "kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused", "triton+cluster_gemm_fused_rope"]
 )
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
     (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
     through experimental.cluster_gemm (sm_90), compiled; "_fused": with the norms, silu * up and residual adds folded
-    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope); "_attn":
-    and the attention in q/k/v's launch (cluster_gemm_attn; pycode-tiny's 64-wide heads take the bn64 instance)."""
+    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope)."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -269,8 +260,8 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
             pytest.skip("cluster_gemm needs sm_90")
         from draftsmith.decode.kernel_config import KernelConfig
 
-        fused, rope, attn = "_fused" in kernels, "_rope" in kernels, kernels.endswith("_attn")
-        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope, cluster_gemm_attn=attn)
+        fused, rope = "_fused" in kernels, kernels.endswith("_rope")
+        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope)
         kw = {"kernel_config": cfg, "compile": True}
         kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
@@ -385,7 +376,7 @@ def test_cluster_gemm_matches_fp32_reference():
                 ref = x.float() @ w.float().t()
                 tol = 2 * (torch.mm(x, w.t()).float() - ref).abs().max().item() + 1e-3
                 for v in cg.VARIANTS:  # (the _rope instances take RoPE's arguments: their own test)
-                    if "nomma" in v or v in cg.ROPE or v in cg.ROPE_ATTN or not cg.supports(x, w, v):
+                    if "nomma" in v or v in cg.ROPE or not cg.supports(x, w, v):
                         continue
                     for s in (1, 2, 3, 4):
                         out = torch.full((M + 1, N), 7.0, device="cuda", dtype=torch.bfloat16)
@@ -469,70 +460,6 @@ def test_cluster_gemm_rope_equals_rope_and_cache():
                 q2 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, slots, cos, sin, kc2, vc2, nh, nkv))
                 assert torch.equal(q2, q1), (d, M, plan)
                 assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (d, M, plan)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
-def test_cluster_gemm_rope_attn_matches_rope_then_attention():
-    """The `_rope_attn` instances (q/k/v, RoPE, the cache writes and the attention in one launch), head sizes 128 and
-    64: q and the caches bit for bit what the `_rope` instance gives, and the attention within bf16 of
-    kernels.rows_attention over them and of an fp32 reference; again (its counters reset themselves), from a CUDA
-    graph with PDL, and at every split the owner-row limit allows."""
-    import sys
-
-    from draftsmith.decode import kernels as K
-    from draftsmith.decode.experimental import cluster_gemm as cg
-    from draftsmith.decode.llama import grouped_attention
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from decode_helpers import tree_mask
-
-    torch.manual_seed(4)
-    K_in, L, nh, nkv, eps = 512, 320, 8, 2, 1e-5
-
-    def check(d, tile):
-        w = torch.randn((nh + 2 * nkv) * d, K_in, device="cuda", dtype=torch.bfloat16) * 0.05
-        nw = (1 + 0.1 * torch.randn(K_in, device="cuda")).to(torch.bfloat16)
-        ang = torch.arange(L, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
-        cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
-        sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
-        for M, ctx, splits in ((49, 200, (4, 6, 8)), (9, 3, (1, 2, 4)), (16, 260, (1, 8))):
-            hn, ssq = cg.norm_inputs(torch.randn(M, K_in, device="cuda", dtype=torch.bfloat16), nw)
-            mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(M)], L, ctx).cuda()
-            pos = torch.arange(ctx, ctx + M, device="cuda")
-            slots = pos.clone()
-            for split in splits:
-                caches = [torch.randn(1, nkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-                kc1, vc1 = (c.clone() for c in caches)
-                kc2, vc2 = (c.clone() for c in caches)
-                q1 = cg.fused(hn, w, (tile, split), ssq_in=ssq, eps=eps, rope=(pos, slots, cos, sin, kc1, vc1, nh, nkv))
-                rope2 = (pos, slots, cos, sin, kc2, vc2, nh, nkv)
-                for _ in range(2):  # twice: the counters are back at zero after a call
-                    q2, a2 = cg.fused(hn, w, (tile, split), ssq_in=ssq, eps=eps, rope=rope2, attn=(mask, d**-0.5))
-                    assert torch.equal(q2, q1) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (d, M, split)
-                    assert not cg.attn_flags(w, nkv).any()
-                qh = q1.view(M, nh, d)
-                rows = K.rows_attention(qh, kc1, vc1, mask, d**-0.5, slots).float()
-                ref = grouped_attention(
-                    qh.transpose(0, 1)[None].float(), kc1.float(), vc1.float(), mask, d**-0.5, "bmm"
-                )
-                ref = ref.transpose(1, 2).reshape(M, nh * d)
-                assert float((a2.float() - ref).abs().max()) < 3e-2, (d, M, split)
-                assert float((a2.float() - rows).abs().max()) < 4e-2, (d, M, split)
-        # from a graph, PDL on, after a kernel that writes its x
-        x2 = torch.empty_like(hn)
-        want = cg.fused(hn, w, (tile, 4), ssq_in=ssq, eps=eps, rope=rope2, attn=(mask, d**-0.5))[1]
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            x2.copy_(hn)
-            got = cg.fused(x2, w, (tile, 4), True, ssq_in=ssq, eps=eps, rope=rope2, attn=(mask, d**-0.5))[1]
-        x2.zero_()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want) and not cg.attn_flags(w, nkv).any()
-
-    check(128, "bn128_half")
-    check(64, "bn64")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")

@@ -48,14 +48,9 @@ VARIANTS = {
     # q/k/v with RoPE and the cache writes in the cluster reduction (`fused(rope=)`): a plan's variant + "_rope"
     "bn128_half_rope": (128, 2, 56, 4),
     "bn64_rope": (64, 1, 56, 12),
-    # and the attention after them, in the same launch (`fused(rope=, attn=)`; not yet run on a GPU)
-    "bn128_half_rope_attn": (128, 2, 56, 4),
-    "bn64_rope_attn": (64, 1, 56, 12),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
-ROPE_ATTN = frozenset(v for v in VARIANTS if v.endswith("_rope_attn"))
-ATTN_ROWS = 16  # token rows an owner CTA attends for (one m16 tile): ceil(M / split) at most this
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
@@ -127,37 +122,6 @@ class _RopeArgs(ctypes.Structure):
 _WS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (workspace, counters)
 _MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (ptr, N, K, BN, glu) -> (buffer, addr)
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
-
-
-class _AttnFold(ctypes.Structure):
-    """csrc/cluster_gemm.cu's `AttnFold` (the `_rope_attn` instances' extra argument), passed by value."""
-
-    _fields_ = [
-        ("mask", ctypes.c_void_p),
-        ("mask_st", ctypes.c_longlong),
-        ("S", ctypes.c_int),
-        ("G", ctypes.c_int),
-        ("out", ctypes.c_void_p),
-        ("ldo", ctypes.c_int),
-        ("scale", ctypes.c_float),
-        ("ready", ctypes.c_void_p),
-        ("done", ctypes.c_void_p),
-    ]
-
-
-_FLAGS: dict[tuple[int, int], torch.Tensor] = {}  # (device, weight pointer) -> the `_rope_attn` counters
-
-
-def attn_flags(w: torch.Tensor, nkv: int) -> torch.Tensor:
-    """The zeroed `ready` / `done` counters [2, nkv] int32 of a q/k/v weight's `_rope_attn` launches (made once,
-    outside any CUDA graph capture; the kernel resets them after each call)."""
-    key = (drv.device_index(w.device), w.data_ptr())
-    t = _FLAGS.get(key)
-    if t is None or t.shape[1] < nkv:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cluster_gemm: make the attention's counters before capturing (one eager call first)")
-        t = _FLAGS[key] = torch.zeros(2, nkv, dtype=torch.int32, device=w.device)
-    return t
 
 
 def _check(status: int, what: str) -> None:
@@ -267,7 +231,6 @@ def launch(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    attn: tuple | None = None,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
@@ -278,12 +241,9 @@ def launch(
     and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
     `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns;
     `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
-    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots; `attn` (a `_rope_attn` variant, with
-    rope; `fused` checks it) = (mask [M, S] bool, attn_out [M, n_heads * d], scale, flags [2, n_kv] int32 zeroed) —
-    the attention over the caches after them into attn_out."""
-    roped = variant in ROPE or variant in ROPE_ATTN
-    if (rope is not None) != roped or (attn is not None) != (variant in ROPE_ATTN):
-        raise ValueError(f"cluster_gemm: {variant} takes rope arguments {roped}, attn {variant in ROPE_ATTN}")
+    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots."""
+    if (rope is not None) != (variant in ROPE):
+        raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape
     N = w.shape[0]
     bn = VARIANTS[variant][0]
@@ -339,22 +299,6 @@ def launch(
                 nh * d,
                 nkv * d,
                 d,
-            )  # fmt: skip
-        )
-    if attn is not None:
-        mask, aout, scale, flags = attn
-        nh, nkv = rope[6], rope[7]
-        args.append(
-            _AttnFold(
-                mask.data_ptr(),
-                mask.stride(0),
-                mask.shape[1],
-                nh // nkv,
-                aout.data_ptr(),
-                aout.stride(0),
-                float(scale),
-                flags[0].data_ptr(),
-                flags[1].data_ptr(),
             )  # fmt: skip
         )
     cluster = (1, 1 if last else split, 1)
@@ -419,7 +363,6 @@ def fused(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    attn: tuple | None = None,
 ):
     """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu; [M, n_heads * d], q
     rotated, with `rope`: the plan's variant is then taken as its "_rope" sibling), or with `nw` the triple (out, hn
@@ -427,8 +370,8 @@ def fused(
     it needs. `supports(x, w, plan's variant)` must hold."""
     variant, split = plan or plan_for(w.shape[0], x.shape[1])
     if rope is not None:
-        variant = _rope_variant(variant, attn is not None)
-        why = rope_refusal(w, variant, rope) or (attn_refusal(x, w, variant, split, rope, attn[0]) if attn else "")
+        variant = _rope_variant(variant)
+        why = rope_refusal(w, variant, rope)
         if why:
             raise ValueError(f"cluster_gemm: rope: {why}")
     M, K = x.shape
@@ -450,22 +393,14 @@ def fused(
     if nw is not None:
         hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
-    fold = None
-    if attn is not None:  # (mask, scale) -> the launch's (mask, attn_out, scale, flags)
-        aout = torch.empty(M, cols, dtype=x.dtype, device=x.device)
-        fold = (attn[0], aout, attn[1], attn_flags(w, rope[7]))
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
-           glu=glu, rope=rope, attn=fold)  # fmt: skip
-    if attn is not None:
-        return out, fold[1]
+           glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
 
 
-def _rope_variant(variant: str, attn: bool = False) -> str:
-    """The `_rope` (or, with `attn`, `_rope_attn`) sibling of a plan's variant (which may not exist: `rope_refusal`
-    says so)."""
-    base = variant.removesuffix("_attn").removesuffix("_rope")
-    return base + ("_rope_attn" if attn else "_rope")
+def _rope_variant(variant: str) -> str:
+    """The `_rope` sibling of a plan's variant (which may not exist: `rope_refusal` says so)."""
+    return variant if variant in ROPE else variant + "_rope"
 
 
 def rope_refusal(w: torch.Tensor, variant: str, rope: tuple) -> str:
@@ -473,7 +408,7 @@ def rope_refusal(w: torch.Tensor, variant: str, rope: tuple) -> str:
     [1, n_kv, len, d] contiguous per head, int64 positions and slots, cos / sin [len, d] in the weights' dtype."""
     pos, slots, cos, sin, kc, vc, nh, nkv = rope
     d = cos.shape[1]
-    if variant not in ROPE and variant not in ROPE_ATTN:
+    if variant not in ROPE:
         return f"no {variant} instance"
     if VARIANTS[variant][0] % d or d % 8 or w.shape[0] != (nh + 2 * nkv) * d:
         return f"head size {d} must divide the tile ({VARIANTS[variant][0]}) and N = (n_heads + 2 n_kv) d"
@@ -486,27 +421,6 @@ def rope_refusal(w: torch.Tensor, variant: str, rope: tuple) -> str:
             return "caches with rows d apart and one head stride, in the weights' dtype"
     if not (cos.is_contiguous() and sin.is_contiguous() and pos.is_contiguous() and slots.is_contiguous()):
         return "contiguous positions, slots, cos and sin"
-    return ""
-
-
-def attn_refusal(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, rope: tuple, mask: torch.Tensor) -> str:
-    """Why the `_rope_attn` variant cannot also attend ('' when it can): a tile is one head, at most ATTN_ROWS token
-    rows an owner CTA, every CTA resident at once (two an SM for the `_half` tiles, else one), a [M, S] bool mask with
-    contiguous rows over at most the cache."""
-    M = x.shape[0]
-    nh, nkv, d, kc = rope[6], rope[7], rope[2].shape[1], rope[4]
-    if VARIANTS[variant][0] != d or nh % nkv:
-        return f"one head a tile (BN {VARIANTS[variant][0]}, head size {d}), n_heads a multiple of n_kv"
-    if -(-M // split) > ATTN_ROWS:
-        return f"{M} rows over {split} CTAs: more than {ATTN_ROWS} an owner"
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 0
-    per_sm = 2 if "_half" in variant else 1  # (the instances' __launch_bounds__ and shared memory)
-    if (w.shape[0] // d) * split > per_sm * sms:
-        return f"{(w.shape[0] // d) * split} CTAs: not all resident at once on {sms} SMs"
-    if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != M or mask.stride(1) != 1:
-        return "mask [M, S] bool with contiguous rows"
-    if mask.shape[1] > kc.shape[2]:
-        return "mask wider than the cache"
     return ""
 
 
@@ -606,38 +520,6 @@ def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, spli
     return x.new_empty(x.shape[0], nh * cos.shape[1])
 
 
-@torch.library.custom_op("draftsmith::cluster_gemm_qkv_rope_attn", mutates_args=("kc", "vc"))
-def cluster_gemm_qkv_rope_attn_op(
-    x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, positions: torch.Tensor, slots: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, scale: float,
-    nh: int, nkv: int, variant: str, split: int, pdl: bool, late: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`cluster_gemm_qkv_rope_op` and the attention after it in one launch (the `_rope_attn` sibling of the plan's
-    variant; KernelConfig.cluster_gemm_attn): (q [M, nh * d] rotated, the attention's output [M, nh * d]) over the
-    caches with the rows written, `mask` [M, S] bool. Where the kernel does not take it: the `_rope` op, then
-    `kernels.rows_attention`."""
-    rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
-    rv = _rope_variant(variant, attn=True)
-    if (
-        rv in VARIANTS
-        and supports(x, w, rv)
-        and not rope_refusal(w, rv, rope)
-        and not attn_refusal(x, w, rv, split, rope, mask)
-    ):
-        return fused(x, w, (rv, split), pdl, late, ssq_in=ssq, eps=eps, rope=rope, attn=(mask, scale))
-    from draftsmith.decode import kernels as K
-
-    q = cluster_gemm_qkv_rope_op(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late)
-    d = cos.shape[1]
-    return q, K.rows_attention(q.view(q.shape[0], nh, d), kc, vc, mask, scale, slots)
-
-
-@cluster_gemm_qkv_rope_attn_op.register_fake
-def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, mask, scale, nh, nkv, variant, split, pdl, late):
-    q = x.new_empty(x.shape[0], nh * cos.shape[1])
-    return q, torch.empty_like(q)
-
-
 @torch.library.custom_op("draftsmith::cluster_gemm", mutates_args=())
 def cluster_gemm_op(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, pdl: bool, late: bool) -> torch.Tensor:
     """x @ w^T through the kernel with plan (variant, split) — a torch op, so a compiled forward calls it (inductor
@@ -656,7 +538,6 @@ def _(x, w, variant, split, pdl, late):
 __all__ = [
     "cluster_gemm_normed_op",
     "cluster_gemm_produce_op",
-    "cluster_gemm_qkv_rope_attn_op",
     "cluster_gemm_qkv_rope_op",
     "ROPE",
     "rope_refusal",

@@ -27,8 +27,6 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
             assert re.search(rf"LASTCTA_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         elif v in cg.ROPE:
             assert re.search(rf"ROPE_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
-        elif v in cg.ROPE_ATTN:
-            assert re.search(rf"ROPE_ATTN_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         else:
             assert re.search(rf"CLUSTER_GEMM\({bn}, {wg}, {ntok}, {stages}, \w+, \w+, {v}, \d\)", src), v
 
@@ -110,16 +108,6 @@ def test_fused_plan_forward_on_the_cpu_matches_fp32_and_compiles(one_thread):
     assert rel(fr.k_cache[..., :T, :].float(), f.k_cache[..., :T, :].float()) < 2e-2
     compiled_r = torch.compile(fr.forward, fullgraph=True)(ids, pos, pos, mask)[0]
     assert rel(compiled_r, got_r) < 2e-2
-    # cluster_gemm_attn: the attention in q/k/v's op too (here its fallback: the _rope op, then rows_attention — the
-    # attention the plan runs without the flag), handed on by attention(); the same logits, traced fullgraph
-    fa = fwd(m16, cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True, cluster_gemm_attn=True)
-    pa = fa.plan(T)
-    assert pa.rope_cache == pa._qkv_rope_attn_fused and pa.attention == pa._attention_handed
-    got_a = fa.forward(ids, pos, pos, mask)[0]
-    assert torch.equal(got_a, got_r)
-    assert torch.equal(fa.k_cache[..., :T, :], fr.k_cache[..., :T, :])
-    compiled_a = torch.compile(fa.forward, fullgraph=True)(ids, pos, pos, mask)[0]
-    assert rel(compiled_a, got_a) < 2e-2
 
 
 def test_fused_plan_forward_wider_than_the_kernel_rows(one_thread):

@@ -214,270 +214,6 @@ struct RopeArgs {
     int d;
 };
 
-// The `_rope_attn` instance (KernelConfig.cluster_gemm_attn; not yet run on a GPU, docs/verify-persistent-kernel.md):
-// the layer's attention inside q/k/v's launch, so the verify's two attention launches and their latency go. Each tile
-// is one head (BN = d). The k and v tiles' owner CTAs, once their rows are in the caches, count themselves in
-// `ready[kv head]` and leave; each q tile's owner CTA (its token rows m = rank, rank + S, ... — at most 16) waits
-// until its KV head's 2 S owners have counted, then attends over the live keys of the caches (`attend_rows`) and
-// stores its rows of the attention's output — o's x. The last of a KV head's G * S readers resets both counters for
-// the next call. Every CTA of the grid is resident at once (192 at the 8B plan against 264 places; the launcher
-// checks), so the wait cannot deadlock.
-struct AttnFold {
-    const unsigned char* mask;  // [M, S] bool (1 = attend)
-    long long mask_st;
-    int S;                      // the mask's width (keys past the highest slot written are not read)
-    int G;                      // q heads a KV head
-    __nv_bfloat16* out;         // [M, n_heads * d]: the attention's output
-    int ldo;
-    float scale;
-    int* ready;  // [n_kv] k and v owner CTAs stored (counts to 2 S)
-    int* done;   // [n_kv] q owner CTAs done reading the caches (counts to G * S)
-};
-
-template <int BN>
-__device__ __forceinline__ unsigned char* q_stage() {  // the q tile's rotated rows, [16][BN] bf16 (one static buffer)
-    __shared__ __align__(128) unsigned char buf[16 * BN * 2];
-    return buf;
-}
-
-// byte offset of (row, 16-byte chunk) in a swizzled tile of rows `row_bytes` wide
-__device__ __forceinline__ uint32_t swz_d(int row, int chunk, int row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
-}
-
-__device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// A q tile's owner CTA after its stores (8 warps at bn128, 4 at bn64): its `mine` token rows (m = lm * S + rank) of
-// q head `h` (KV head g) attend over the live keys, each warp a contiguous share of 16-key blocks (mma.sync,
-// FlashAttention-2's register layout). `ring` (the CTA's idle ring) stages each warp's blocks — K double-buffered (the
-// next block's K loads during this block's QK^T, softmax and P V), V once (the next V during the next QK^T) — then
-// the warps' partials for the merge (WARPS * 16 * D * 4 bytes). A warp waits for the KV head's k and v owners only
-// before it loads its first block holding a key this forward wrote (the lowest slot on): the context's keys, most of
-// them, are attended while the k and v tiles still reduce. Rounding as `kernels._softmax_step`: scores scaled in
-// fp32, masked to -1e30, P rounded to bf16 for P V; the merge as `kernels._attn_combine_kernel`.
-template <int D, int THREADS, int RING>
-__device__ __forceinline__ void attend_rows(const AttnFold& af, const RopeArgs* rp, unsigned char* ring, int M, int S,
-                                            int rank, int mine, int h, int g, unsigned long long* stamp) {
-    constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2, BLK = 16 * ROWB;
-    static_assert((WARPS == 4 || WARPS == 8) && D % 16 == 0, "4 or 8 warps, 16-wide heads");
-    static_assert(WARPS * 3 * BLK <= RING && WARPS * 16 * D * 4 <= RING, "the warps' blocks and partials in the ring");
-    __shared__ int live_s, fresh_s;
-    __shared__ float ml[WARPS][16][2];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid < 32) {  // the live keys (up to the highest slot written) and the first key this forward wrote
-        long long mx = -1, mn = 0x7fffffffffffffffLL;
-        for (int t = tid; t < M; t += 32) {
-            mx = max(mx, rp->slots[t]);
-            mn = min(mn, rp->slots[t]);
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-        }
-        if (tid == 0) {
-            live_s = static_cast<int>(min(mx + 1, static_cast<long long>(af.S)));
-            fresh_s = static_cast<int>(min(mn, static_cast<long long>(af.S)));
-        }
-    }
-    __syncthreads();
-    if (stamp) stamp[5] = globaltimer();  // the attention begins
-    const int live = live_s, fresh = fresh_s, nb = (live + 15) / 16;
-    const int b0 = nb * warp / WARPS, b1 = nb * (warp + 1) / WARPS;  // this warp's 16-key blocks
-    const uint32_t qs = smem_addr(q_stage<D>());
-    const uint32_t kbuf = smem_addr(ring) + warp * 3 * BLK, vs = kbuf + 2 * BLK;  // K(b) at kbuf + (b & 1) * BLK
-    const __nv_bfloat16* kb = rp->kc + static_cast<size_t>(g) * rp->head_stride;
-    const __nv_bfloat16* vb = rp->vc + static_cast<size_t>(g) * rp->head_stride;
-    auto kv_stored = [&]() {  // the KV head's 2 S k and v owner CTAs have stored their rows
-        int n = 0;
-        do {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(n) : "l"(af.ready + g) : "memory");
-            if (n < 2 * S) __nanosleep(64);
-        } while (n < 2 * S);
-    };
-    bool waited = false;  // (warp-uniform)
-    auto load = [&](uint32_t dst, const __nv_bfloat16* base, int s0) {  // 16 keys x D into the warp's buffer (L2 only)
-        if (!waited && s0 + 16 > fresh) {  // the first block with keys this forward wrote: their owners first
-            kv_stored();
-            waited = true;
-        }
-#pragma unroll
-        for (int i = 0; i < 16 * CHR / 32; ++i) {
-            const int c = lane + 32 * i, r = c / CHR, ch = c % CHR, s = s0 + r;
-            const bool ok = s < live;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swz_d(r, ch, ROWB)),
-                         "l"(base + static_cast<size_t>(ok ? s : 0) * D + ch * 8), "r"(ok ? 16 : 0));
-        }
-        asm volatile("cp.async.commit_group;\n" ::);
-    };
-    const int r0 = lane >> 2;  // this thread's rows r0, r0 + 8 of the 16
-    bool rok[2];
-    int tok[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        rok[i] = r0 + 8 * i < mine;
-        tok[i] = rok[i] ? (r0 + 8 * i) * S + rank : 0;
-    }
-    auto mask_bits = [&](int s0) {  // this thread's 2 rows x 4 keys of a block's mask: bit j * 4 + row * 2 + col
-        uint32_t vis = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int i = (e >> 1) & 1, s = s0 + (e >> 2) * 8 + 2 * (lane & 3) + (e & 1);
-            if (rok[i] && s < live && af.mask[tok[i] * af.mask_st + s] != 0) vis |= 1u << e;
-        }
-        return vis;
-    };
-    float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    uint32_t vis_next = 0;
-    if (b0 < b1) {
-        vis_next = mask_bits(b0 * 16);
-        load(kbuf + (b0 & 1) * BLK, kb, b0 * 16);
-        load(vs, vb, b0 * 16);
-    }
-    // cp.async groups in flight at a block's start: K(b), V(b); then K(b + 1) joins them
-    for (int b = b0; b < b1; ++b) {
-        const int s0 = b * 16;
-        const uint32_t vis = vis_next, ks = kbuf + (b & 1) * BLK;  // (the mask's bits loaded a block ahead)
-        if (b + 1 < b1) {
-            load(kbuf + ((b + 1) & 1) * BLK, kb, s0 + 16);  // (its buffer's last reader, QK^T of b - 1, is done)
-            vis_next = mask_bits(s0 + 16);
-        } else {
-            asm volatile("cp.async.commit_group;\n" ::);
-        }
-        asm volatile("cp.async.wait_group 2;\n" ::);  // K(b)
-        __syncwarp();
-        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qf[4], k0, k1, k2, k3;
-            ldsm4(qs + swz_d(lane & 15, 2 * kk + (lane >> 4), ROWB), qf[0], qf[1], qf[2], qf[3]);
-            ldsm4(ks + swz_d((lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1), ROWB), k0, k1, k2, k3);
-            mma16816(sc[0], qf, k0, k1);
-            mma16816(sc[1], qf, k2, k3);
-        }
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // sc[j][e]: row r0 + 8 (e >> 1), key s0 + 8 j + 2 (lane & 3) + (e & 1)
-                sc[j][e] = (vis >> (j * 4 + e)) & 1u ? sc[j][e] * af.scale : -1.0e30f;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]);
-            }
-        float alpha[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            alpha[i] = __expf(m[i] - mx[i]);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = sc[j][e] > -1.0e29f ? __expf(sc[j][e] - mx[e >> 1]) : 0.f;
-                sc[j][e] = p;
-                rs[e >> 1] += p;
-            }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
-            l[i] = l[i] * alpha[i] + rs[i];
-            m[i] = mx[i];
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            o[j][0] *= alpha[0];
-            o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1];
-            o[j][3] *= alpha[1];
-        }
-        asm volatile("cp.async.wait_group 1;\n" ::);  // V(b) (K(b + 1) may still be in flight)
-        __syncwarp();
-        const uint32_t pa[4] = {pack2(sc[0][0], sc[0][1]), pack2(sc[0][2], sc[0][3]), pack2(sc[1][0], sc[1][1]),
-                                pack2(sc[1][2], sc[1][3])};
-#pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-            uint32_t v0, v1, v2, v3;
-            ldsm4_t(vs + swz_d((lane & 7) + (((lane >> 3) & 1) << 3), j + (lane >> 4), ROWB), v0, v1, v2, v3);
-            mma16816(o[j], pa, v0, v1);
-            mma16816(o[j + 1], pa, v2, v3);
-        }
-        __syncwarp();
-        if (b + 1 < b1) load(vs, vb, s0 + 16);
-        else asm volatile("cp.async.commit_group;\n" ::);
-    }
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    __syncthreads();  // every warp is past the caches and its buffers
-    if (tid == 0) {   // the last reader of this KV head resets the counters for the next call
-        kv_stored();  // (so every k and v owner has counted before: at once here, a warp of this CTA waited)
-        __threadfence();
-        if (atomicAdd(af.done + g, 1) == af.G * S - 1) {
-            atomicExch(af.ready + g, 0);
-            atomicExch(af.done + g, 0);
-        }
-    }
-    // the merge: each warp's (m, l, O) over its keys into `ring` [warp][16][D] fp32, then every thread sums a share
-    float* part = reinterpret_cast<float*>(ring);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float* dst = part + (warp * 16 + r0 + 8 * i) * D;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-            *reinterpret_cast<float2*>(dst + j * 8 + 2 * (lane & 3)) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
-        if ((lane & 3) == 0) {
-            ml[warp][r0 + 8 * i][0] = m[i];
-            ml[warp][r0 + 8 * i][1] = l[i];
-        }
-    }
-    __syncthreads();
-    for (int v = tid; v < mine * (D / 4); v += THREADS) {
-        const int r = v / (D / 4), c = (v % (D / 4)) * 4;
-        float mm = -1.0e30f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, ml[w][r][0]);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float den = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float wt = __expf(ml[w][r][0] - mm);
-            const float4 p = *reinterpret_cast<const float4*>(part + (w * 16 + r) * D + c);
-            acc.x += wt * p.x;
-            acc.y += wt * p.y;
-            acc.z += wt * p.z;
-            acc.w += wt * p.w;
-            den += wt * ml[w][r][1];
-        }
-        const float inv = 1.f / den;
-        __nv_bfloat162* dst =
-            reinterpret_cast<__nv_bfloat162*>(af.out + static_cast<size_t>(r * S + rank) * af.ldo + h * D + c);
-        dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-        dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-    }
-    if (stamp) stamp[6] = globaltimer();  // attended (thread 0's share of the merge stored)
-}
-
 // the 4 sums of row m at columns col..col+3 through the folds into out (and hn, and this CTA's row sums of squares,
 // returned for the caller's reduction)
 __device__ __forceinline__ float epi_store4(const Epi& e, __nv_bfloat16* out, int ldo, int m, int col, float4 s,
@@ -572,14 +308,13 @@ __device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int
 // LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
 // `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
 // others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
-template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST, bool ROPE = false, bool ATTN = false>
+template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST, bool ROPE = false>
 __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
                                                   __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
                                                   int late, float* __restrict__ ws, int* __restrict__ counters,
                                                   unsigned long long* prof, const Epi& e,
-                                                  const RopeArgs* rp = nullptr, const AttnFold* af = nullptr) {
+                                                  const RopeArgs* rp = nullptr) {
     static_assert(!(ROPE && LAST), "RoPE is folded in the cluster reduction only");
-    static_assert(!ATTN || ROPE, "the attention follows RoPE");
     constexpr int THREADS = 128 * WG;
     constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
     constexpr int NREG = NTOK / 2;    // accumulator registers an m64 tile
@@ -806,30 +541,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(dst);
             o[0] = __floats2bfloat162_rn(xv[0], xv[1]);
             o[1] = __floats2bfloat162_rn(xv[2], xv[3]);
-            if constexpr (ATTN) {  // a q tile's rows also to the attention's Q tile (a tile is one head: hc = c)
-                if (col < rp->q_cols) {
-                    __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(q_stage<BN>() + swz_d(lm, c / 8, BN * 2) +
-                                                                           (c % 8) * 2);
-                    qd[0] = o[0];
-                    qd[1] = o[1];
-                }
-            }
-        }
-        if constexpr (ATTN) {
-            __syncthreads();  // the caches' rows and the Q tile written; the ring (the inbox) read
-            if (n0 >= rp->q_cols) {  // a k or v tile: count this owner in its KV head's `ready`, and go
-                if (tid == 0) {
-                    __threadfence();
-                    const int g = (n0 - rp->q_cols) % rp->k_cols / rp->d;
-                    atomicAdd(af->ready + g, 1);
-                }
-                if (stamp) stamp[5] = stamp[6] = globaltimer();
-                return;
-            }
-            if (mine > 16) __trap();  // (the launcher refuses plans with more than 16 rows an owner)
-            attend_rows<BN, THREADS, STAGES * STAGE_BYTES>(*af, rp, smem, M, S, rank, mine, n0 / rp->d, n0 / rp->d / af->G,
-                                                          stamp);
-            return;
         }
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
@@ -874,19 +585,7 @@ CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (d
                                                                          counters, prof, epi, &rope);              \
     }
 ROPE_GEMM(128, 2, 56, 4, bn128_half_rope, 2)  // bn128_half's tile (the 8B q/k/v plan)
-// q/k/v with RoPE, the cache writes and the attention after them ("_rope_attn"; KernelConfig.cluster_gemm_attn)
-#define ROPE_ATTN_GEMM(BN, WG, NTOK, STAGES, NAME, MINB)                                                            \
-    extern "C" __global__ void __launch_bounds__(128 * WG, MINB)                                                   \
-        cluster_gemm_##NAME(const __grid_constant__ TmaDesc wmap, const __nv_bfloat16* __restrict__ x,             \
-                            __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo, int late, float* ws,  \
-                            int* counters, unsigned long long* prof, const Epi epi, const RopeArgs rope,           \
-                            const AttnFold attn) {                                                                 \
-        cluster_gemm_body<BN, WG, NTOK, STAGES, true, true, false, true, true>(                                    \
-            &wmap, x, out, M, K, ldx, ldo, late, ws, counters, prof, epi, &rope, &attn);                           \
-    }
-ROPE_ATTN_GEMM(128, 2, 56, 4, bn128_half_rope_attn, 2)  // bn128_half's tile, one 128-wide head a tile
 ROPE_GEMM(64, 1, 56, 12, bn64_rope, 1)        // bn64's
-ROPE_ATTN_GEMM(64, 1, 56, 12, bn64_rope_attn, 1)  // bn64's, one 64-wide head a tile
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
