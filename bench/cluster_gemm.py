@@ -10,6 +10,9 @@ Sections:
   check  every variant and split against an fp32 reference at 1, 17, 49 and 64 rows (max |err| beside torch's)
   iso    us a call for each (variant, split) over L copies of the weights (> 400 MB, read from HBM as a verify
          layer does), one CUDA graph of R passes; fraction of copy bandwidth (weights + x + out bytes); torch beside
+  layer  a layer's q/k/v -> attention -> o in one launch (`cluster_gemm.layer_qkv_attn_o`, experimental) against
+         today's three (q/k/v with RoPE, kernels.rows_attention, o), 32 layers of distinct weights and caches at
+         context --layer-ctx, us a layer (docs/verify-persistent-kernel.md: the bar is 44.5 us, 2026-12-04)
   chain  32 layers of q/k/v -> o -> gate/up -> down, each matmul's input the previous one's output (distinct weights:
          14 GB, all from HBM): ms a layer for torch, the kernel with each kind's fastest iso plan (PDL on and off),
          and the kernel with gate/up left to torch; the copy-bandwidth floor beside
@@ -60,7 +63,9 @@ def main(argv=None) -> int:
         help="iso: each shape's weights as one copy, re-read from L2 (the o projection, 33.5 MB, fits the H200's L2): "
         "the kernel's time if the weights were prefetched into L2 during the attention",
     )
-    ap.add_argument("--layers", type=int, default=32, help="layers of the chain")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the chain (and of layer)")
+    ap.add_argument("--layer-ctx", type=int, default=512, help="layer: the context before the verify's rows")
+    ap.add_argument("--layer-splits", default="4", help="layer: the q/k/v (and the one launch's o) splits")
     ap.add_argument(
         "--chain-plans",
         default="",
@@ -213,6 +218,9 @@ def main(argv=None) -> int:
         md.append(f"\nprof (us from the first CTA's start, median / latest CTA; {m} rows, cold, no PDL):\n\n")
         md.append(common.markdown_table(rows_out, ["kind", "plan", *cg.PROF_STAMPS]))
         data["prof"] = rows_out
+
+    if "layer" in sections:
+        _layer_section(args, cg, m, md, data)
 
     best_plan: dict[str, tuple[str, int]] = {}
     if "iso" in sections:
@@ -422,6 +430,87 @@ def main(argv=None) -> int:
             "python bench/cluster_gemm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         )
     return 0
+
+
+def _layer_section(args, cg, m: int, md: list, data: dict) -> None:
+    """The 8B verify layer's q/k/v -> attention -> o, us a layer over `args.layers` layers (distinct weights and
+    caches: the weights stream from HBM as in a verify, each layer's next-norm inputs the next layer's x): today's
+    three launches — q/k/v with RoPE and the cache writes (the `_rope` instance), kernels.rows_attention (the engine's
+    Triton pair), o with the residual (bn128_half at split 6, its 8B plan, and at the one launch's split) — against
+    `cluster_gemm.layer_qkv_attn_o`, and the max |difference| of the last layer's outputs."""
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.kernel_config import KernelConfig
+    from draftsmith.decode.kernels import _time_graph
+
+    L, ctx, nh, nkv, d, H = args.layers, args.layer_ctx, 32, 8, 128, 4096
+    cap = ctx + 320
+    N = (nh + 2 * nkv) * d
+    qkv = [torch.randn(N, H, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(L)]
+    ow = [torch.randn(H, nh * d, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(L)]
+    nws = [(1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(L)]
+    caches = [[torch.randn(1, nkv, cap, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(L)]
+    ang = torch.arange(cap, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
+    pos = torch.arange(ctx, ctx + m, device="cuda")
+    mask = torch.zeros(m, cap, dtype=torch.bool, device="cuda")
+    mask[:, :ctx] = True
+    for t in range(m):  # a binary tree's ancestors
+        a = t
+        while a >= 0:
+            mask[t, ctx + a] = True
+            a = (a - 1) // 2 if a else -1
+    x0 = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    hn0, ssq0 = cg.norm_inputs(x0, nws[0])
+    cfg, scale = KernelConfig(), d**-0.5
+
+    def rope_args(i):
+        return (pos, pos, cos, sin, caches[i][0], caches[i][1], nh, nkv)
+
+    def three(split, o_split):
+        def run():
+            hn, ssq = hn0, ssq0
+            for i in range(L):
+                q = cg.fused(hn, qkv[i], ("bn128_half", split), ssq_in=ssq, eps=1e-5, rope=rope_args(i))
+                a = K.rows_attention(q.view(m, nh, d), caches[i][0], caches[i][1], mask, scale, pos, config=cfg)
+                _h, hn, ssq = cg.fused(a, ow[i], ("bn128_half", o_split), res=x0, nw=nws[i])
+            return hn
+
+        return run
+
+    def one(split):
+        def run():
+            hn, ssq = hn0, ssq0
+            for i in range(L):
+                out = cg.layer_qkv_attn_o(hn, qkv[i], ssq, 1e-5, rope_args(i), mask, scale, ow[i], x0, nws[i],
+                                          ("bn128_half", split))  # fmt: skip
+                hn, ssq = out[3], out[4]
+            return hn
+
+        return run
+
+    rows_out = []
+    for split in [int(s) for s in args.layer_splits.split(",")]:
+        why = cg.layer_refusal(hn0, qkv[0], ow[0], ("bn128_half", split), rope_args(0), mask)
+        want = three(split, split)()
+        err = float((one(split)().float() - want.float()).abs().max()) if not why else None
+        for name, run in (
+            ("three launches, o at split 6", three(split, 6)),
+            (f"three launches, o at split {split}", three(split, split)),
+            ("one launch (layer_qkv_attn_o)", None if why else one(split)),
+        ):
+            us, why_t = _time_graph(run, L, 5) if run is not None else (None, why)
+            row = {
+                "q/k/v split": split,
+                "layer": name,
+                "us a layer": f"{us:.2f}" if us is not None else why_t,
+                "max abs diff of the last hn (one launch vs three)": f"{err:.3g}" if err is not None else "-",
+            }
+            rows_out.append(row)
+            print(row, flush=True)
+    md.append(f"\nlayer ({m} rows, context {ctx}, {L} layers, 8B heads {nh}/{nkv}x{d}):\n\n")
+    md.append(common.markdown_table(rows_out, list(rows_out[0]) if rows_out else []))
+    data["layer"] = rows_out
 
 
 if __name__ == "__main__":

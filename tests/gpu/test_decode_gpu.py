@@ -463,6 +463,70 @@ def test_cluster_gemm_rope_equals_rope_and_cache():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
+def test_layer_qkv_attn_o_matches_three_launches():
+    """`cluster_gemm.layer_qkv_attn_o` (a layer's q/k/v, RoPE and cache writes, attention and o in one launch) against
+    the same three steps launched apart: q and the caches bit for bit the `_rope` instance's; the attention within
+    bf16 of kernels.rows_attention and of an fp32 reference; o's outputs (h, the next norm's h * weight and sums of
+    squares) bit for bit what the same plan gives on the kernel's attention; again (its counters reset themselves,
+    all zero after a call), and from a CUDA graph with PDL, at 49, 9 and 16 rows and splits 2 and 4."""
+    import sys
+
+    from draftsmith.decode import kernels as K
+    from draftsmith.decode.experimental import cluster_gemm as cg
+    from draftsmith.decode.llama import grouped_attention
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from decode_helpers import tree_mask
+
+    torch.manual_seed(5)
+    nh, nkv, d, L, eps = 8, 2, 128, 320, 1e-5
+    H = nh * d
+    w = torch.randn((nh + 2 * nkv) * d, H, device="cuda", dtype=torch.bfloat16) * 0.03
+    wo = torch.randn(H, H, device="cuda", dtype=torch.bfloat16) * 0.03
+    nw_in, nw = ((1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(2))
+    ang = torch.arange(L, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
+    scale = d**-0.5
+    for M, ctx, split in ((49, 200, 4), (9, 3, 2), (16, 260, 4), (49, 230, 2)):
+        h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        hn, ssq = cg.norm_inputs(h, nw_in)
+        mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(M)], L, ctx).cuda()
+        pos = torch.arange(ctx, ctx + M, device="cuda")
+        caches = [torch.randn(1, nkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        kc1, vc1 = (c.clone() for c in caches)
+        kc2, vc2 = (c.clone() for c in caches)
+        plan = ("bn128_half", split)
+        assert cg.layer_refusal(hn, w, wo, plan, (pos, pos, cos, sin, kc2, vc2, nh, nkv), mask) == ""
+        q1 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, pos, cos, sin, kc1, vc1, nh, nkv))
+        a1 = K.rows_attention(q1.view(M, nh, d), kc1, vc1, mask, scale, pos)
+        ref = grouped_attention(q1.view(M, nh, d).transpose(0, 1)[None].float(), kc1.float(), vc1.float(), mask, scale,
+                                "bmm").transpose(1, 2).reshape(M, H)  # fmt: skip
+        rope2 = (pos, pos, cos, sin, kc2, vc2, nh, nkv)
+        for _ in range(2):  # twice: the counters are back at zero after a call
+            q2, a2, h2, hn2, ssq2 = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)
+            assert torch.equal(q2, q1) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (M, split)
+            assert float((a2.float() - ref).abs().max()) < 3e-2, (M, split)
+            assert float((a2.float() - a1.float()).abs().max()) < 4e-2, (M, split)
+            h3, hn3, ssq3 = cg.fused(a2, wo, plan, res=h, nw=nw)
+            assert torch.equal(h2, h3) and torch.equal(hn2, hn3), (M, split)
+            assert torch.equal(ssq2[:, :M], ssq3[:, :M]), (M, split)
+            assert not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+    # from a graph, PDL on, after a kernel that writes its x
+    x2 = torch.empty_like(hn)
+    want = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)[2]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x2.copy_(hn)
+        got = cg.layer_qkv_attn_o(x2, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan, True)[2]
+    x2.zero_()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
 def test_cluster_gemm_pdl_chain_in_a_graph_equals_eager():
     """Dependent launches (each one's x the previous one's output) with PDL on, captured in a CUDA graph and
     replayed, give what the same launches give one by one without PDL: a kernel never reads its x before the

@@ -51,6 +51,10 @@ VARIANTS = {
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
+# a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental, written
+# 2026-12-04, not yet run on a GPU): the variant whose q/k/v plan it takes
+LAYER = frozenset({"bn128_half"})
+LAYER_ROWS = 256  # G x M (q head, token) rows of a KV head, at most (the kernel's workspace rows)
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
 ROWS_MAX = max(v[2] for v in VARIANTS.values())
@@ -124,6 +128,34 @@ _MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
 
+def _epi(K, res=None, nw=None, hn=None, ssq_out=None, ssq_in=None, eps=1e-6, glu=False) -> _Epi:
+    """csrc/cluster_gemm.cu's `Epi` for `launch`'s folds (None: the fold is off)."""
+    return _Epi(
+        res.data_ptr() if res is not None else None,
+        res.stride(0) if res is not None else 0,
+        nw.data_ptr() if hn is not None else None,
+        hn.data_ptr() if hn is not None else None,
+        hn.stride(0) if hn is not None else 0,
+        ssq_out.data_ptr() if ssq_out is not None else None,
+        ssq_in.data_ptr() if ssq_in is not None else None,
+        ssq_in.stride(0) if ssq_in is not None else 0,
+        ssq_in.shape[0] if ssq_in is not None else 0,
+        1.0 / K,
+        eps,
+        1 if glu else 0,
+    )
+
+
+def _rope_struct(rope: tuple) -> _RopeArgs:
+    """`RopeArgs` from (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv)."""
+    pos, slots, cos, sin, kc, vc, nh, nkv = rope
+    d = cos.shape[1]
+    return _RopeArgs(
+        pos.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(1),
+        nh * d, nkv * d, d,
+    )  # fmt: skip
+
+
 def _check(status: int, what: str) -> None:
     drv.check(status, what, "cluster_gemm")
 
@@ -133,9 +165,13 @@ def smem_bytes(variant: str) -> int:
     return stages * (bn + 64) * BK * 2 + 1024 + 8 * stages  # the ring (x: 64 rows a stage), alignment, mbarriers
 
 
-def _function(device: torch.device, variant: str) -> ctypes.c_void_p:
+def _function(device: torch.device, variant: str, layer: bool = False) -> ctypes.c_void_p:
+    """The variant's kernel (with `layer`: its `layer_qkv_attn_o` kernel, LAYER)."""
     names = {f"cluster_gemm_{v}": smem_bytes(v) for v in VARIANTS}
-    return drv.functions(device, PTX, names, "cluster_gemm")[f"cluster_gemm_{variant}"]
+    names.update({f"layer_qkv_attn_o_{v}": smem_bytes(v) for v in LAYER})
+    return drv.functions(device, PTX, names, "cluster_gemm")[
+        f"{'layer_qkv_attn_o' if layer else 'cluster_gemm'}_{variant}"
+    ]
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, variant: str = "bn128", check_ptr: bool = True) -> bool:
@@ -257,20 +293,7 @@ def launch(
         if (N // bn) > COUNTERS or N * split * VARIANTS[variant][2] * 4 > WS_BYTES:
             raise ValueError(f"cluster_gemm: N={N} split {split} past the {variant} workspace")
     wmap = _weight_map(w, bn, glu)
-    epi = _Epi(
-        res.data_ptr() if res is not None else None,
-        res.stride(0) if res is not None else 0,
-        nw.data_ptr() if hn is not None else None,
-        hn.data_ptr() if hn is not None else None,
-        hn.stride(0) if hn is not None else 0,
-        ssq_out.data_ptr() if ssq_out is not None else None,
-        ssq_in.data_ptr() if ssq_in is not None else None,
-        ssq_in.stride(0) if ssq_in is not None else 0,
-        ssq_in.shape[0] if ssq_in is not None else 0,
-        1.0 / K,
-        eps,
-        1 if glu else 0,
-    )
+    epi = _epi(K, res, nw, hn, ssq_out, ssq_in, eps, glu)
     args = [
         ctypes.c_void_p(x.data_ptr()),
         ctypes.c_void_p(out.data_ptr()),
@@ -285,22 +308,7 @@ def launch(
         epi,
     ]
     if rope is not None:
-        pos, slots, cos, sin, kc, vc, nh, nkv = rope
-        d = cos.shape[1]
-        args.append(
-            _RopeArgs(
-                pos.data_ptr(),
-                slots.data_ptr(),
-                cos.data_ptr(),
-                sin.data_ptr(),
-                kc.data_ptr(),
-                vc.data_ptr(),
-                kc.stride(1),
-                nh * d,
-                nkv * d,
-                d,
-            )  # fmt: skip
-        )
+        args.append(_rope_struct(rope))
     cluster = (1, 1 if last else split, 1)
     block = 128 * VARIANTS[variant][1]
     drv.launch(
@@ -308,11 +316,11 @@ def launch(
     )
 
 
-def max_active_clusters(variant: str, split: int, device: torch.device | None = None) -> int:
-    """How many clusters of `split` CTAs of the variant the GPU holds at once (cuOccupancyMaxActiveClusters): a
-    grid past that runs in more than one wave."""
+def max_active_clusters(variant: str, split: int, device: torch.device | None = None, layer: bool = False) -> int:
+    """How many clusters of `split` CTAs of the variant (with `layer`: its layer kernel) the GPU holds at once
+    (cuOccupancyMaxActiveClusters): a grid past that runs in more than one wave."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    fn = _function(device, variant)
+    fn = _function(device, variant, layer)
     split = 1 if variant in LAST else split
     cfg, _attrs = drv.launch_config(
         (1, split, 1), 128 * VARIANTS[variant][1], smem_bytes(variant), (1, split, 1), False
@@ -396,6 +404,140 @@ def fused(
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
            glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
+
+
+class _LayerArgs(ctypes.Structure):
+    """csrc/cluster_gemm.cu's `LayerArgs` (the layer kernel's attention and o arguments), passed by value."""
+
+    _fields_ = [
+        ("mask", ctypes.c_void_p),
+        ("mask_st", ctypes.c_longlong),
+        ("mask_s", ctypes.c_int),
+        ("G", ctypes.c_int),
+        ("n_kv", ctypes.c_int),
+        ("chunks", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("attn", ctypes.c_void_p),
+        ("lda", ctypes.c_int),
+        ("part", ctypes.c_void_p),
+        ("ml", ctypes.c_void_p),
+        ("flags", ctypes.c_void_p),
+        ("ko", ctypes.c_int),
+    ]
+
+
+_LAYER_WS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def layer_workspace(w: torch.Tensor, nkv: int, chunks: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer kernel's partials [nkv, chunks, LAYER_ROWS, d] and (m, l) [.., 2] fp32 and its zeroed counters
+    [4, nkv] int32 for a q/k/v weight (made once, outside any CUDA graph capture: one eager call first; the kernel
+    leaves the counters at zero)."""
+    key = (drv.device_index(w.device), w.data_ptr())
+    hit = _LAYER_WS.get(key)
+    if hit is None or hit[0].shape[:2] != (nkv, chunks) or hit[0].shape[3] != d:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "cluster_gemm: make the layer kernel's workspace before capturing (one eager call first)"
+            )
+        f32 = dict(dtype=torch.float32, device=w.device)
+        hit = _LAYER_WS[key] = (
+            torch.empty(nkv, chunks, LAYER_ROWS, d, **f32),
+            torch.empty(nkv, chunks, LAYER_ROWS, 2, **f32),
+            torch.zeros(4, nkv, dtype=torch.int32, device=w.device),
+        )
+    return hit
+
+
+def layer_refusal(x, w_qkv, w_o, plan: tuple[str, int], rope: tuple, mask: torch.Tensor) -> str:
+    """Why `layer_qkv_attn_o` cannot take a layer ('' when it can): the plan's variant in LAYER, a tile one head, o
+    square over the q columns (o's tiles are the q tiles' CTAs), G x M rows within LAYER_ROWS, a [M, S] bool mask with
+    contiguous rows over at most the cache, and every CTA resident at once (its counters' waits would deadlock)."""
+    variant, split = plan
+    M = x.shape[0]
+    nh, nkv, d, kc = rope[6], rope[7], rope[2].shape[1], rope[4]
+    if variant not in LAYER:
+        return f"no layer kernel for {variant} (only {sorted(LAYER)})"
+    bn, _, ntok, _ = VARIANTS[variant]
+    if bn != d or nh % nkv or w_qkv.shape[0] != (nh + 2 * nkv) * d:
+        return f"one head a tile (BN {bn}, head size {d}), n_heads a multiple of n_kv"
+    if tuple(w_o.shape) != (nh * d, nh * d):
+        return f"o must be [{nh * d}, {nh * d}] (its tiles are the q tiles' CTAs), not {tuple(w_o.shape)}"
+    if M > ntok or (nh // nkv) * M > LAYER_ROWS:
+        return f"{M} rows: more than {ntok}, or G x M past {LAYER_ROWS}"
+    if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != M or mask.stride(1) != 1:
+        return "mask [M, S] bool with contiguous rows"
+    if mask.shape[1] > kc.shape[2]:
+        return "mask wider than the cache"
+    if not supports(x, w_qkv, variant) or not supports(x, w_o, variant):
+        return "the kernel does not take x or the weights (device, dtype, shape)"
+    clusters = w_qkv.shape[0] // bn
+    if max_active_clusters(variant, split, x.device, layer=True) < clusters:
+        return f"{clusters} clusters of {split}: not all resident at once"
+    return ""
+
+
+def layer_qkv_attn_o(
+    hn: torch.Tensor,
+    w_qkv: torch.Tensor,
+    ssq: torch.Tensor,
+    eps: float,
+    rope: tuple,
+    mask: torch.Tensor,
+    scale: float,
+    w_o: torch.Tensor,
+    h: torch.Tensor,
+    nw: torch.Tensor,
+    plan: tuple[str, int] = ("bn128_half", 4),
+    pdl: bool = True,
+    prof: torch.Tensor | None = None,
+):
+    """A layer's q/k/v (its norm folded: hn = h * norm weight, `ssq` the sums of squares, as `fused(ssq_in=)`), RoPE
+    and the cache writes (`rope`, as `fused(rope=)`), the attention over the caches (`mask` [M, S] bool) and o with
+    the residual (h + attn @ w_o^T, and the next norm's inputs with `nw`) in one launch (experimental; written
+    2026-12-04, not yet run on a GPU). Returns (q, attn, h_out, hn_out, ssq_out) — what `fused` gives for q/k/v,
+    `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o. `layer_refusal` must be '' ."""
+    variant, split = plan
+    why = layer_refusal(hn, w_qkv, w_o, plan, rope, mask)
+    if why:
+        raise ValueError(f"cluster_gemm: layer kernel: {why}")
+    M, K = hn.shape
+    nh, nkv, d = rope[6], rope[7], rope[2].shape[1]
+    bn = VARIANTS[variant][0]
+    H = w_o.shape[0]
+    chunks = 2 * split  # the k and v tiles' CTAs: 2 n_kv S items, C a KV head
+    part, ml, flags = layer_workspace(w_qkv, nkv, chunks, d)
+    q = torch.empty(M, nh * d, dtype=hn.dtype, device=hn.device)
+    attn = torch.empty(M, nh * d, dtype=hn.dtype, device=hn.device)
+    h_out = torch.empty(M, H, dtype=hn.dtype, device=hn.device)
+    hn_out = torch.empty(M, H, dtype=hn.dtype, device=hn.device)
+    ssq_out = torch.empty(H // bn, ROWS_MAX, dtype=torch.float32, device=hn.device)
+    la = _LayerArgs(
+        mask.data_ptr(), mask.stride(0), mask.shape[1], nh // nkv, nkv, chunks, float(scale), attn.data_ptr(),
+        attn.stride(0), part.data_ptr(), ml.data_ptr(), flags.data_ptr(), nh * d,
+    )  # fmt: skip
+    args = [
+        _weight_map(w_qkv, bn),
+        _weight_map(w_o, bn),
+        ctypes.c_void_p(hn.data_ptr()),
+        ctypes.c_void_p(q.data_ptr()),
+        ctypes.c_int(M),
+        ctypes.c_int(K),
+        ctypes.c_int(hn.stride(0)),
+        ctypes.c_int(q.stride(0)),
+        ctypes.c_void_p(h_out.data_ptr()),
+        ctypes.c_int(h_out.stride(0)),
+        ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
+        _epi(K, ssq_in=ssq, eps=eps),
+        _rope_struct(rope),
+        _epi(nh * d, res=h, nw=nw, hn=hn_out, ssq_out=ssq_out),
+        la,
+    ]
+    drv.launch(
+        _function(hn.device, variant, layer=True), (w_qkv.shape[0] // bn, split, 1), 128 * VARIANTS[variant][1],
+        smem_bytes(variant), (1, split, 1), pdl, args, hn.device, "cluster_gemm",
+    )  # fmt: skip
+    return q, attn, h_out, hn_out, ssq_out
 
 
 def _rope_variant(variant: str) -> str:
@@ -536,6 +678,9 @@ def _(x, w, variant, split, pdl, late):
 
 
 __all__ = [
+    "LAYER",
+    "layer_qkv_attn_o",
+    "layer_refusal",
     "cluster_gemm_normed_op",
     "cluster_gemm_produce_op",
     "cluster_gemm_qkv_rope_op",

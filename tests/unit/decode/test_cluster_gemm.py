@@ -18,8 +18,8 @@ from draftsmith.decode.experimental import cluster_gemm as cg
 
 def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
     ptx = cg.PTX.read_text()
-    entries = set(re.findall(r"\.entry (cluster_gemm_\w+)\(", ptx))
-    assert entries == {f"cluster_gemm_{v}" for v in cg.VARIANTS}
+    entries = set(re.findall(r"\.entry ((?:cluster_gemm|layer_qkv_attn_o)_\w+)\(", ptx))
+    assert entries == {f"cluster_gemm_{v}" for v in cg.VARIANTS} | {f"layer_qkv_attn_o_{v}" for v in cg.LAYER}
     assert re.search(r"^\.version 8\.7$", ptx, re.M) and re.search(r"^\.target sm_90a$", ptx, re.M)
     src = (cg.PTX.parent / "cluster_gemm.cu").read_text()
     for v, (bn, wg, ntok, stages) in cg.VARIANTS.items():  # the table agrees with the instantiations
@@ -29,6 +29,26 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
             assert re.search(rf"ROPE_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         else:
             assert re.search(rf"CLUSTER_GEMM\({bn}, {wg}, {ntok}, {stages}, \w+, \w+, {v}, \d\)", src), v
+    for v in cg.LAYER:  # the layer kernel on the variant's tile
+        bn, wg, ntok, stages = cg.VARIANTS[v]
+        assert re.search(rf"LAYER_KERNEL\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
+
+
+def test_argument_structs_match_the_kernel_source():
+    """The by-value structs the launcher builds (ctypes) have the .cu structs' fields, in order, with matching types:
+    a field added on one side only would shift every later argument on the GPU, silently."""
+    import ctypes
+
+    src = (cg.PTX.parent / "cluster_gemm.cu").read_text()
+    kinds = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "long long", ctypes.c_int: "int", ctypes.c_float: "float"}
+    for name, py in (("Epi", cg._Epi), ("RopeArgs", cg._RopeArgs), ("LayerArgs", cg._LayerArgs)):
+        body = re.search(rf"struct (?:alignas\(\d+\) )?{name} \{{(.*?)\n\}};", src, re.S).group(1)
+        fields = []
+        for line in body.splitlines():
+            m = re.match(r"\s*(?:const )?([\w ]+?)\s*(\*?)\s*(\w+);", line.split("//")[0])
+            if m:
+                fields.append((m.group(3), "ptr" if m.group(2) else m.group(1).strip()))
+        assert fields == [(f, kinds[t]) for f, t in py._fields_], name
 
 
 def test_shared_memory_fits_and_half_variants_pair_up():
@@ -137,3 +157,27 @@ def test_fused_plan_forward_wider_than_the_kernel_rows(one_thread):
     got = run(cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True)
     assert got.shape == ref.shape == (T, 64)
     assert ((got - ref).float().norm() / ref.float().norm()).item() < 2e-2
+
+
+def test_layer_kernel_refusals():
+    """`layer_refusal` names why a layer cannot take the one-launch kernel (checked before any launch; each of these
+    would otherwise read the wrong tiles or wait forever): a variant without the kernel, tiles that are not one head,
+    o not square over the q columns, too many rows, a mask of the wrong kind — and on the CPU, no kernel at all."""
+    nh, nkv, d, M = 4, 2, 128, 9
+    x = torch.zeros(M, nh * d, dtype=torch.bfloat16)
+    w = torch.zeros((nh + 2 * nkv) * d, nh * d, dtype=torch.bfloat16)
+    wo = torch.zeros(nh * d, nh * d, dtype=torch.bfloat16)
+    kc = torch.zeros(1, nkv, 64, d, dtype=torch.bfloat16)
+    rope = (None, None, torch.zeros(64, d), None, kc, kc, nh, nkv)
+    mask = torch.ones(M, 64, dtype=torch.bool)
+    assert "no layer kernel" in cg.layer_refusal(x, w, wo, ("bn256", 4), rope, mask)
+    assert "one head a tile" in cg.layer_refusal(
+        x, w, wo, ("bn128_half", 4), rope[:2] + (torch.zeros(64, 64),) + rope[3:], mask
+    )
+    assert "o must be" in cg.layer_refusal(x, w, wo[:, :256], ("bn128_half", 4), rope, mask)
+    assert "rows" in cg.layer_refusal(
+        torch.zeros(57, nh * d, dtype=torch.bfloat16), w, wo, ("bn128_half", 4), rope, mask[:1].expand(57, 64)
+    )
+    assert "mask" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, mask.float())
+    assert "mask wider" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, torch.ones(M, 65, dtype=torch.bool))
+    assert "does not take" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, mask)  # CPU tensors

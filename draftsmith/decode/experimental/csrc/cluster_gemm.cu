@@ -277,12 +277,12 @@ __device__ __forceinline__ void row_ssq_add(float* row_ssq, int m, float sq, boo
 // through the folds — silu(g) * u (Epi::glu), or epi_store4 with the rows' sums of squares into ssq_out
 template <int BN, int THREADS, class Sums>
 __device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int ldo, int M, int rows, int stride,
-                                           int first, Sums sums, const float* rstd, float* row_ssq) {
+                                           int first, Sums sums, const float* rstd, float* row_ssq, int tile) {
     const int tid = threadIdx.x, lane = tid & 31;
     if (e.glu) {
         for (int v = tid; v < rows * (BN / 8); v += THREADS) {
             const int r = v / (BN / 8), c = (v % (BN / 8)) * 4;
-            epi_glu4(e, out, ldo, r * stride + first, blockIdx.x * (BN / 2) + c, sums(r, c), sums(r, BN / 2 + c),
+            epi_glu4(e, out, ldo, r * stride + first, tile * (BN / 2) + c, sums(r, c), sums(r, BN / 2 + c),
                      rstd);
         }
         return;
@@ -293,12 +293,12 @@ __device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int
         const bool act = v < total;
         const int r = act ? v / (BN / 4) : 0, c = (v % (BN / 4)) * 4;
         const int m = r * stride + first;
-        const float sq = act ? epi_store4(e, out, ldo, m, blockIdx.x * BN + c, sums(r, c), rstd) : 0.f;
+        const float sq = act ? epi_store4(e, out, ldo, m, tile * BN + c, sums(r, c), rstd) : 0.f;
         if (e.ssq_out != nullptr) row_ssq_add<BN>(row_ssq, m, sq, act, lane);
     }
     if (e.ssq_out != nullptr) {
         __syncthreads();
-        if (tid < M && tid % stride == first) e.ssq_out[blockIdx.x * XROWS + tid] = row_ssq[tid];
+        if (tid < M && tid % stride == first) e.ssq_out[tile * XROWS + tid] = row_ssq[tid];
     }
 }
 
@@ -308,12 +308,21 @@ __device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int
 // LAST: split-K without a cluster — each CTA writes its partial to `ws` (fp32, stays in L2) and counts itself in
 // `counters[tile]`; the tile's last CTA to finish sums the S partials and stores (and resets the counter), the
 // others leave at once: no CTA waits for its slowest partner, and no cluster co-scheduling.
-template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST, bool ROPE = false>
+struct PdlWait {  // a standalone kernel's inputs: the previous kernel's (programmatic dependent launch)
+    __device__ __forceinline__ void operator()() const { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+};
+
+// `tile` (default: blockIdx.x) is the N tile; `xwait` runs where the CTA first needs x (its weights' first tiles are
+// in flight by then); with COUNT (the RoPE instances of a layer-persistent kernel) each CTA counts itself in
+// `count[KV head of its tile]` once its rows are stored (`G` q heads a KV head).
+template <int BN, int WG, int NTOK, int STAGES, bool EVICT, bool MMA, bool LAST, bool ROPE = false, bool COUNT = false,
+          class XWait = PdlWait>
 __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __nv_bfloat16* __restrict__ x,
                                                   __nv_bfloat16* __restrict__ out, int M, int K, int ldx, int ldo,
                                                   int late, float* __restrict__ ws, int* __restrict__ counters,
                                                   unsigned long long* prof, const Epi& e,
-                                                  const RopeArgs* rp = nullptr) {
+                                                  const RopeArgs* rp = nullptr, int tile = -1, XWait xwait = XWait(),
+                                                  int* count = nullptr, int G = 1) {
     static_assert(!(ROPE && LAST), "RoPE is folded in the cluster reduction only");
     constexpr int THREADS = 128 * WG;
     constexpr int MT = BN / WG / 64;  // m64 tiles a warpgroup
@@ -341,8 +350,9 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     const int rank = LAST ? static_cast<int>(blockIdx.y) : static_cast<int>(cg::this_cluster().block_rank());
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
-    const int n0 = blockIdx.x * BN;
-    const int row0 = e.glu ? blockIdx.x * (BN / 2) : n0;  // the tile's first row in the weights' map
+    if (tile < 0) tile = blockIdx.x;
+    const int n0 = tile * BN;
+    const int row0 = e.glu ? tile * (BN / 2) : n0;  // the tile's first row in the weights' map
     const int KT = K / BK;
     const int kt0 = KT * rank / S, nkt = KT * (rank + 1) / S - kt0;
     const uint32_t base = smem_addr(smem);
@@ -379,7 +389,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     // the weights are no kernel's output: their first tiles load before the wait; x (the previous kernel's) after
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nkt && tid == 0) load_w(s, kt0 + s);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    xwait();
     if (stamp) stamp[1] = globaltimer();  // the previous kernel done
     if (e.ssq_in != nullptr && tid < M) {  // the rows' norm scales (read after the loop; the loop's barriers order it)
         float t = 0.f;
@@ -440,26 +450,26 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         __syncthreads();
         __shared__ int is_last;
         if (S > 1) {
-            float* mine = ws + static_cast<size_t>(blockIdx.x * S + rank) * NTOK * BN;
+            float* mine = ws + static_cast<size_t>(tile * S + rank) * NTOK * BN;
             for (int v = tid; v < quads; v += THREADS) {
                 const int m = v / (BN / 4), c = (v % (BN / 4)) * 4;
                 __stcg(reinterpret_cast<float4*>(mine + m * BN + c), *reinterpret_cast<const float4*>(red + m * RED_LD + c));
             }
             __threadfence();  // this CTA's partial visible device-wide before it is counted
             __syncthreads();
-            if (tid == 0) is_last = atomicAdd(counters + blockIdx.x, 1) == S - 1;
+            if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
             __syncthreads();
             if (!is_last) return;
             __threadfence();  // the other partials, counted before us, are visible to our loads
         }
         if (stamp) stamp[4] = globaltimer();  // partials exchanged (the last CTA)
-        const float* tile = ws + static_cast<size_t>(blockIdx.x) * S * NTOK * BN;
+        const float* part = ws + static_cast<size_t>(tile) * S * NTOK * BN;
         auto fetch = [&](int m, int c) {  // row m's sums at columns c..c+3
             float4 sum = *reinterpret_cast<const float4*>(red + m * RED_LD + c);
             if (S > 1) {  // every partial from the workspace, in rank order (deterministic whichever CTA is last)
-                sum = __ldcg(reinterpret_cast<const float4*>(tile + m * BN + c));
+                sum = __ldcg(reinterpret_cast<const float4*>(part + m * BN + c));
                 for (int q = 1; q < S; ++q) {
-                    const float4 p = __ldcg(reinterpret_cast<const float4*>(tile + (q * NTOK + m) * BN + c));
+                    const float4 p = __ldcg(reinterpret_cast<const float4*>(part + (q * NTOK + m) * BN + c));
                     sum.x += p.x;
                     sum.y += p.y;
                     sum.z += p.z;
@@ -468,8 +478,8 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             }
             return sum;
         };
-        store_rows<BN, THREADS>(e, out, ldo, M, M, 1, 0, fetch, rstd, row_ssq);
-        if (S > 1 && tid == 0) counters[blockIdx.x] = 0;  // for the next call (it counts only after its wait)
+        store_rows<BN, THREADS>(e, out, ldo, M, M, 1, 0, fetch, rstd, row_ssq, tile);
+        if (S > 1 && tid == 0) counters[tile] = 0;  // for the next call (it counts only after its wait)
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
         return;
@@ -542,11 +552,19 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             o[0] = __floats2bfloat162_rn(xv[0], xv[1]);
             o[1] = __floats2bfloat162_rn(xv[2], xv[3]);
         }
+        if constexpr (COUNT) {  // this CTA's rows of its head stored: count it for its KV head's readers
+            __threadfence();    // (every thread's stores visible device-wide before the count)
+            __syncthreads();
+            if (tid == 0) {
+                const int d = rp->d;
+                atomicAdd(count + (n0 < rp->q_cols ? n0 / d / G : (n0 - rp->q_cols) % rp->k_cols / d), 1);
+            }
+        }
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
         return;
     }
-    store_rows<BN, THREADS>(e, out, ldo, M, mine, S, rank, owned, rstd, row_ssq);
+    store_rows<BN, THREADS>(e, out, ldo, M, mine, S, rank, owned, rstd, row_ssq, tile);
     if (stamp) stamp[5] = globaltimer();  // stored
     // (no second cluster barrier: after the first, no CTA touches another's shared memory)
     if (stamp) stamp[6] = globaltimer();  // done
@@ -586,6 +604,316 @@ CLUSTER_GEMM(128, 2, 56, 8, true, false, bn128_nomma, 1)    // the ring alone (d
     }
 ROPE_GEMM(128, 2, 56, 4, bn128_half_rope, 2)  // bn128_half's tile (the 8B q/k/v plan)
 ROPE_GEMM(64, 1, 56, 12, bn64_rope, 1)        // bn64's
+// byte offset of (row, 16-byte chunk) in a swizzled tile of rows `row_bytes` wide
+__device__ __forceinline__ uint32_t swz_d(int row, int chunk, int row_bytes) {
+    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// A layer's q/k/v -> attention -> o in one launch (`layer_qkv_attn_o_*`; experimental, written 2026-12-04, not yet run
+// on a GPU: docs/verify-persistent-kernel.md, "The first step, concretely"). The grid is q/k/v's, (N / BN, S) CTAs in
+// clusters of S, a tile one head (BN = d), every CTA resident at once (the launcher checks: the waits below would
+// deadlock otherwise). Three phases, chained by counters in global memory, not by launches:
+//  A. every CTA its q/k/v unit, as the `_rope` instance (RoPE, the cache writes, q to `q`), then counts itself in
+//     ready[g] for its tile's KV head g;
+//  B. the k and v tiles' 2 n_kv S CTAs (they have no o unit) are the attention's items: item (g, c) — KV head g, key
+//     chunk c of C = 2 S — waits until ready[g] = (G + 2) S, attends all G x M (q head, token) rows of g over its
+//     chunk's keys, staged once in shared memory for all its warps (each KV head's keys are read C times in all, not
+//     once per q tile: what sank `cluster_gemm_attn`, docs/LOG.md twenty-seventh session), writes its (m, l, O) to the
+//     workspace and counts done[g]; once done[g] = C it combines its 1/C of g's rows into o's x and counts xready[g];
+//  C. the q tiles' CTAs (n_heads d / BN of them x S: o's units when o's N = n_heads d) run o's unit (tile, K slice):
+//     its first weight tiles load at once, x once xready = C for the KV heads its slice reads; the epilogue is the
+//     residual producer's (h, the next norm's h * weight and sums of squares). The last of a KV head's readers resets
+//     its counters for the next call.
+struct LayerArgs {
+    const unsigned char* mask;  // [M, mask_s] bool (1 = attend)
+    long long mask_st;
+    int mask_s;
+    int G;       // q heads a KV head
+    int n_kv;
+    int chunks;  // C, key chunks a KV head
+    float scale;
+    __nv_bfloat16* attn;  // [M, n_heads d]: the attention's output, o's x
+    int lda;
+    float* part;  // [n_kv][C][LAYER_ROWS][d] fp32: the items' unnormalised O
+    float* ml;    // [n_kv][C][LAYER_ROWS][2]: their running max and sum
+    int* flags;   // [4][n_kv] int32, zero between calls: ready, done, xready, fin
+    int ko;       // o's K (n_heads d)
+};
+#define LAYER_ROWS 256  // G x M rows of a KV head, at most
+
+__device__ __forceinline__ void spin_until(const int* p, int target) {  // one thread; acquire
+    int n = 0;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+        if (n < target) __nanosleep(64);
+    } while (n < target);
+}
+
+// Phase B: item (g, c). Rows r = m G + j (token m, q head g G + j of KV head g) in m16 row tiles, a warp a tile at a
+// time; the chunk's 16-key blocks staged KVB at a time (K then V) for all warps; FlashAttention-2's register layout
+// on mma.sync, rounding as `kernels._softmax_step` (scores scaled in fp32, masked to -1e30, P rounded to bf16).
+template <int D, int THREADS, int RING>
+__device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs& rp, const __nv_bfloat16* q, int ldq,
+                                            int M, int S, int g, int c, unsigned char* smem) {
+    constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2, BLK = 16 * ROWB;
+    constexpr int QBYTES = WARPS * BLK;              // a warp's q row tile
+    constexpr int KVB = (RING - QBYTES) / (2 * BLK);  // key blocks staged at once
+    static_assert(KVB >= 1 && D % 16 == 0, "shared memory for a block of K and V beside the warps' q tiles");
+    const int C = la.chunks, G = la.G, R = G * M, RT = (R + 15) / 16;
+    int* done = la.flags + la.n_kv;
+    int* xready = done + la.n_kv;
+    __shared__ int live_s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid < 32) {  // the live keys: up to the highest slot this forward wrote
+        long long mx = -1;
+        for (int t = tid; t < M; t += 32) mx = max(mx, rp.slots[t]);
+        for (int off = 16; off > 0; off >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        if (tid == 0) live_s = static_cast<int>(min(mx + 1, static_cast<long long>(la.mask_s)));
+    }
+    if (tid == 0) spin_until(la.flags + g, (G + 2) * S);  // the KV head's q, k and v rows stored
+    __syncthreads();
+    const int live = live_s, nb = (live + 15) / 16, cb0 = nb * c / C, cb1 = nb * (c + 1) / C;
+    const uint32_t qs = smem_addr(smem) + warp * BLK, ks = smem_addr(smem) + QBYTES, vs = ks + KVB * BLK;
+    const __nv_bfloat16* kb = rp.kc + static_cast<size_t>(g) * rp.head_stride;
+    const __nv_bfloat16* vb = rp.vc + static_cast<size_t>(g) * rp.head_stride;
+    const size_t slab = (static_cast<size_t>(g) * C + c) * LAYER_ROWS;  // this item's rows in the workspace
+    const int r0 = lane >> 2;  // this thread's rows r0, r0 + 8 of a tile
+    for (int rt0 = 0; rt0 < RT; rt0 += WARPS) {
+        const int rt = rt0 + warp;  // this warp's row tile (every warp takes the block loop's barriers)
+        if (rt < RT) {              // its q rows (written by phase A's owners: read through L2)
+            for (int i = lane; i < 16 * CHR; i += 32) {
+                const int r = i / CHR, ch = i % CHR, row = rt * 16 + r;
+                const bool ok = row < R;
+                const __nv_bfloat16* src =
+                    ok ? q + static_cast<size_t>(row / G) * ldq + (g * G + row % G) * D + ch * 8 : q;
+                cp_async_zfill(qs + swz_d(r, ch, ROWB), src, ok ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+        bool rok[2];
+        int tok[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = rt * 16 + r0 + 8 * i;
+            rok[i] = rt < RT && row < R;
+            tok[i] = rok[i] ? row / G : 0;
+        }
+        float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+        for (int gb = cb0; gb < cb1; gb += KVB) {
+            const int nblk = min(KVB, cb1 - gb);
+            __syncthreads();  // every warp is done with the previous blocks
+            for (int i = tid; i < nblk * 16 * CHR; i += THREADS) {
+                const int b = i / (16 * CHR), r = i % (16 * CHR) / CHR, ch = i % CHR, s = (gb + b) * 16 + r;
+                const bool ok = s < live;
+                const size_t off = static_cast<size_t>(ok ? s : 0) * D + ch * 8;
+                cp_async_zfill(ks + b * BLK + swz_d(r, ch, ROWB), kb + off, ok ? 16 : 0);
+                cp_async_zfill(vs + b * BLK + swz_d(r, ch, ROWB), vb + off, ok ? 16 : 0);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            if (rt >= RT) continue;
+            for (int b = 0; b < nblk; ++b) {
+                const int s0 = (gb + b) * 16;
+                uint32_t vis = 0;  // this thread's 2 rows x 4 keys of the mask: bit j * 4 + row * 2 + col
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int i = (e >> 1) & 1, s = s0 + (e >> 2) * 8 + 2 * (lane & 3) + (e & 1);
+                    if (rok[i] && s < live && la.mask[tok[i] * la.mask_st + s] != 0) vis |= 1u << e;
+                }
+                const uint32_t kt = ks + b * BLK, vt = vs + b * BLK;
+                float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    uint32_t qf[4], k0, k1, k2, k3;
+                    ldsm4(qs + swz_d(lane & 15, 2 * kk + (lane >> 4), ROWB), qf[0], qf[1], qf[2], qf[3]);
+                    ldsm4(kt + swz_d((lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1), ROWB), k0, k1, k2,
+                          k3);
+                    mma16816(sc[0], qf, k0, k1);
+                    mma16816(sc[1], qf, k2, k3);
+                }
+                float mx[2] = {m[0], m[1]};
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {  // sc[j][e]: row r0 + 8 (e >> 1), key s0 + 8 j + 2 (lane & 3) + (e & 1)
+                        sc[j][e] = (vis >> (j * 4 + e)) & 1u ? sc[j][e] * la.scale : -1.0e30f;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]);
+                    }
+                float alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                    alpha[i] = __expf(m[i] - mx[i]);
+                }
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = sc[j][e] > -1.0e29f ? __expf(sc[j][e] - mx[e >> 1]) : 0.f;
+                        sc[j][e] = p;
+                        rs[e >> 1] += p;
+                    }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+                    rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+                    l[i] = l[i] * alpha[i] + rs[i];
+                    m[i] = mx[i];
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    o[j][0] *= alpha[0];
+                    o[j][1] *= alpha[0];
+                    o[j][2] *= alpha[1];
+                    o[j][3] *= alpha[1];
+                }
+                const uint32_t pa[4] = {pack2(sc[0][0], sc[0][1]), pack2(sc[0][2], sc[0][3]),
+                                        pack2(sc[1][0], sc[1][1]), pack2(sc[1][2], sc[1][3])};
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    uint32_t v0, v1, v2, v3;
+                    ldsm4_t(vt + swz_d((lane & 7) + (((lane >> 3) & 1) << 3), j + (lane >> 4), ROWB), v0, v1, v2, v3);
+                    mma16816(o[j], pa, v0, v1);
+                    mma16816(o[j + 1], pa, v2, v3);
+                }
+            }
+        }
+        cp_async_wait<0>();  // (a chunk without blocks never waited for its q rows)
+        if (rt < RT) {       // the tile's partial: O unnormalised, and the rows' (m, l)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const size_t row = slab + rt * 16 + r0 + 8 * i;
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    __stcg(reinterpret_cast<float2*>(la.part + row * D + j * 8 + 2 * (lane & 3)),
+                           make_float2(o[j][2 * i], o[j][2 * i + 1]));
+                if ((lane & 3) == 0) __stcg(reinterpret_cast<float2*>(la.ml + row * 2), make_float2(m[i], l[i]));
+            }
+        }
+    }
+    __threadfence();  // (every thread's partial visible device-wide before the count)
+    __syncthreads();
+    if (tid == 0) {  // this chunk counted; then every chunk of the KV head
+        atomicAdd(done + g, 1);
+        spin_until(done + g, C);
+    }
+    __syncthreads();
+    // this item's 1/C of the KV head's rows, merged over the C chunks (as `kernels._attn_combine_kernel`), to o's x
+    const int rb0 = R * c / C, rb1 = R * (c + 1) / C;
+    const size_t base = static_cast<size_t>(g) * C * LAYER_ROWS;
+    for (int v = tid; v < (rb1 - rb0) * (D / 4); v += THREADS) {
+        const int row = rb0 + v / (D / 4), col = (v % (D / 4)) * 4;
+        float mm = -1.0e30f;
+        for (int k = 0; k < C; ++k) mm = fmaxf(mm, __ldcg(la.ml + (base + k * LAYER_ROWS + row) * 2));
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float den = 0.f;
+        for (int k = 0; k < C; ++k) {
+            const size_t at = base + k * LAYER_ROWS + row;
+            const float2 ml = __ldcg(reinterpret_cast<const float2*>(la.ml + at * 2));
+            const float wt = __expf(ml.x - mm);
+            const float4 p = __ldcg(reinterpret_cast<const float4*>(la.part + at * D + col));
+            acc.x += wt * p.x;
+            acc.y += wt * p.y;
+            acc.z += wt * p.z;
+            acc.w += wt * p.w;
+            den += wt * ml.y;
+        }
+        const float inv = 1.f / den;
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(la.attn + static_cast<size_t>(row / G) * la.lda +
+                                                                 (g * G + row % G) * D + col);
+        dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+        dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(xready + g, 1);
+}
+
+__device__ __forceinline__ unsigned char* layer_smem() {  // the dynamic shared memory at a 1024-byte boundary (as the body's ring)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    return smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+}
+
+// the KV heads [g0, g1] whose q heads o's K slice `rank` of S reads (o's K = n_heads d, BK at a time)
+__device__ __forceinline__ void o_slice_groups(const LayerArgs& la, int d, int rank, int S, int& g0, int& g1) {
+    const int kt = la.ko / BK, k0 = kt * rank / S * BK, k1 = kt * (rank + 1) / S * BK;
+    g0 = k0 / d / la.G;
+    g1 = (k1 - 1) / d / la.G;
+}
+
+#define LAYER_KERNEL(BN, WG, NTOK, STAGES, NAME, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * WG, MINB) layer_qkv_attn_o_##NAME(                          \
+        const __grid_constant__ TmaDesc wmap, const __grid_constant__ TmaDesc omap,                               \
+        const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ q, int M, int K, int ldx, int ldq,       \
+        __nv_bfloat16* __restrict__ h, int ldh, unsigned long long* prof, const Epi epi, const RopeArgs rope,     \
+        const Epi epi_o, const LayerArgs la) {                                                                    \
+        constexpr int RING = STAGES * (BN + XROWS) * BK * 2;                                                      \
+        cluster_gemm_body<BN, WG, NTOK, STAGES, true, true, false, true, true>(                                   \
+            &wmap, x, q, M, K, ldx, ldq, 0, nullptr, nullptr, prof, epi, &rope, -1, PdlWait(), la.flags, la.G);   \
+        __syncthreads(); /* the ring (the exchange's inbox) is free again */                                      \
+        const int S = static_cast<int>(cg::this_cluster().num_blocks());                                          \
+        const int rank = static_cast<int>(cg::this_cluster().block_rank());                                       \
+        unsigned char* smem = layer_smem();                                                                       \
+        const int n_q = rope.q_cols / BN;                                                                         \
+        if (static_cast<int>(blockIdx.x) >= n_q) {                                                                \
+            const int item = (blockIdx.x - n_q) * S + rank;                                                       \
+            attend_item<BN, 128 * WG, RING>(la, rope, q, ldq, M, S, item / la.chunks, item % la.chunks, smem);    \
+            return;                                                                                               \
+        }                                                                                                         \
+        int g0, g1;                                                                                               \
+        o_slice_groups(la, rope.d, rank, S, g0, g1);                                                              \
+        const int* xready = la.flags + 2 * la.n_kv;                                                               \
+        auto xwait = [&]() {                                                                                      \
+            if (threadIdx.x == 0)                                                                                 \
+                for (int g = g0; g <= g1; ++g) spin_until(xready + g, la.chunks);                                 \
+            __syncthreads();                                                                                      \
+        };                                                                                                        \
+        cluster_gemm_body<BN, WG, NTOK, STAGES, true, true, false, false, false, decltype(xwait)>(                \
+            &omap, la.attn, h, M, la.ko, la.lda, ldh, 0, nullptr, nullptr, nullptr, epi_o, nullptr, blockIdx.x,   \
+            xwait);                                                                                               \
+        if (threadIdx.x == 0) { /* the last reader of a KV head's counters resets them for the next call */       \
+            for (int g = g0; g <= g1; ++g) {                                                                      \
+                int readers = 0;                                                                                  \
+                for (int r = 0; r < S; ++r) {                                                                     \
+                    int a, b;                                                                                     \
+                    o_slice_groups(la, rope.d, r, S, a, b);                                                       \
+                    readers += (a <= g && g <= b) ? n_q : 0;                                                      \
+                }                                                                                                 \
+                if (atomicAdd(la.flags + 3 * la.n_kv + g, 1) == readers - 1) {                                    \
+                    for (int f = 0; f < 4; ++f) la.flags[f * la.n_kv + g] = 0;                                    \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+LAYER_KERNEL(128, 2, 56, 4, bn128_half, 2)  // bn128_half's tile: the 8B plan (192 CTAs at split 4, 264 places)
+
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
 LASTCTA_GEMM(64, 1, 56, 12, bn64_l, 1)
 LASTCTA_GEMM(128, 2, 56, 8, bn128_l, 1)
