@@ -463,6 +463,8 @@ def layer_refusal(x, w_qkv, w_o, plan: tuple[str, int], rope: tuple, mask: torch
         return f"one head a tile (BN {bn}, head size {d}), n_heads a multiple of n_kv"
     if tuple(w_o.shape) != (nh * d, nh * d):
         return f"o must be [{nh * d}, {nh * d}] (its tiles are the q tiles' CTAs), not {tuple(w_o.shape)}"
+    if not 1 <= split <= min(SPLIT_MAX, x.shape[1] // BK, nh * d // BK):
+        return f"split {split} not in 1..{min(SPLIT_MAX, x.shape[1] // BK, nh * d // BK)}"
     if M > ntok or (nh // nkv) * M > LAYER_ROWS:
         return f"{M} rows: more than {ntok}, or G x M past {LAYER_ROWS}"
     if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != M or mask.stride(1) != 1:

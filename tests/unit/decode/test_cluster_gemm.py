@@ -179,5 +179,6 @@ def test_layer_kernel_refusals():
         torch.zeros(57, nh * d, dtype=torch.bfloat16), w, wo, ("bn128_half", 4), rope, mask[:1].expand(57, 64)
     )
     assert "mask" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, mask.float())
+    assert "split 9 not in" in cg.layer_refusal(x, w, wo, ("bn128_half", 9), rope, mask)
     assert "mask wider" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, torch.ones(M, 65, dtype=torch.bool))
     assert "does not take" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, mask)  # CPU tensors
