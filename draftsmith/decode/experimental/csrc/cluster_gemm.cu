@@ -673,7 +673,8 @@ __device__ __forceinline__ void spin_until(const int* p, int target) {  // one t
 }
 
 // Phase B: item (g, c). Rows r = m G + j (token m, q head g G + j of KV head g) in m16 row tiles, a warp a tile at a
-// time; the chunk's 16-key blocks staged KVB at a time (K then V) for all warps; FlashAttention-2's register layout
+// time; the chunk's 16-key blocks staged for all warps (once, when the chunk fits KVB blocks; else KVB at a time,
+// again for each round of row tiles); FlashAttention-2's register layout
 // on mma.sync, rounding as `kernels._softmax_step` (scores scaled in fp32, masked to -1e30, P rounded to bf16).
 template <int D, int THREADS, int RING>
 __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs& rp, const __nv_bfloat16* q, int ldq,
@@ -701,6 +702,18 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
     const __nv_bfloat16* vb = rp.vc + static_cast<size_t>(g) * rp.head_stride;
     const size_t slab = (static_cast<size_t>(g) * C + c) * LAYER_ROWS;  // this item's rows in the workspace
     const int r0 = lane >> 2;  // this thread's rows r0, r0 + 8 of a tile
+    auto stage_keys = [&](int gb, int nblk) {  // blocks gb.. of K and V into shared memory, by the whole CTA
+        for (int i = tid; i < nblk * 16 * CHR; i += THREADS) {
+            const int b = i / (16 * CHR), r = i % (16 * CHR) / CHR, ch = i % CHR, s = (gb + b) * 16 + r;
+            const bool ok = s < live;
+            const size_t off = static_cast<size_t>(ok ? s : 0) * D + ch * 8;
+            cp_async_zfill(ks + b * BLK + swz_d(r, ch, ROWB), kb + off, ok ? 16 : 0);
+            cp_async_zfill(vs + b * BLK + swz_d(r, ch, ROWB), vb + off, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    const bool resident = cb1 - cb0 <= KVB;  // the whole chunk fits: staged once, for every round of row tiles
+    if (resident && cb0 < cb1) stage_keys(cb0, cb1 - cb0);
     for (int rt0 = 0; rt0 < RT; rt0 += WARPS) {
         const int rt = rt0 + warp;  // this warp's row tile (every warp takes the block loop's barriers)
         if (rt < RT) {              // its q rows (written by phase A's owners: read through L2)
@@ -726,16 +739,11 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
         for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
         for (int gb = cb0; gb < cb1; gb += KVB) {
             const int nblk = min(KVB, cb1 - gb);
-            __syncthreads();  // every warp is done with the previous blocks
-            for (int i = tid; i < nblk * 16 * CHR; i += THREADS) {
-                const int b = i / (16 * CHR), r = i % (16 * CHR) / CHR, ch = i % CHR, s = (gb + b) * 16 + r;
-                const bool ok = s < live;
-                const size_t off = static_cast<size_t>(ok ? s : 0) * D + ch * 8;
-                cp_async_zfill(ks + b * BLK + swz_d(r, ch, ROWB), kb + off, ok ? 16 : 0);
-                cp_async_zfill(vs + b * BLK + swz_d(r, ch, ROWB), vb + off, ok ? 16 : 0);
+            if (!resident) {
+                __syncthreads();  // every warp is done with the previous blocks
+                stage_keys(gb, nblk);
             }
-            cp_async_commit();
-            cp_async_wait<0>();
+            cp_async_wait<0>();  // (the keys, and this round's q rows)
             __syncthreads();
             if (rt >= RT) continue;
             for (int b = 0; b < nblk; ++b) {
