@@ -701,7 +701,7 @@ def p2b(args, dev, dtype, runner, best):
     # --cluster-gemm on / late: also the triton engine whose wide forwards' layer matmuls take our CUDA kernel
     # (experimental.cluster_gemm; late: its next kernel launches once its K loops are done)
     cg_last = ({}, "")
-    tags = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope"}
+    tags = {"on": " cg", "late": " cglate", "fused": " cgfused", "fusedrope": " cgrope", "fusedropelayer": " cglayer"}
     if tri and dev.type == "cuda":
         for v in args.cluster_gemm:
             if v not in tags:
@@ -712,7 +712,8 @@ def p2b(args, dev, dtype, runner, best):
                     "cluster_gemm": True,
                     "cluster_gemm_late": v == "late",
                     "cluster_gemm_fused": v.startswith("fused"),
-                    "cluster_gemm_rope": v == "fusedrope",
+                    "cluster_gemm_rope": v.startswith("fusedrope"),
+                    "cluster_gemm_layer": v == "fusedropelayer",
                 }
                 tag = tags[v]
                 if plans_file:  # bench/cluster_gemm.py --save-plans: {"N,K": [variant, split]}
@@ -1027,7 +1028,8 @@ def main(argv=None):
         help="P2b: 'off,on' also measures the triton engine with KernelConfig.cluster_gemm (experimental: the wide "
         "forwards' q/k/v, o, gate/up and down through our CUDA kernel, experimental.cluster_gemm); 'late' too: with "
         "cluster_gemm_late; 'fused': with cluster_gemm_fused (the norms, silu * up and residual adds folded into it); "
-        "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's)",
+        "'fusedrope': and cluster_gemm_rope (RoPE and the cache writes in q/k/v's); 'fusedropelayer': and "
+        "cluster_gemm_layer (q/k/v, the attention and o in one launch; experimental.cluster_gemm.layer_qkv_attn_o)",
     )
     ap.add_argument(
         "--no-default-engine",

@@ -140,7 +140,10 @@ class KernelConfig:
     is its four matmuls, RoPE and the attention (the 8B verify's inductor kernels gone; docs/LOG.md, twenty-fourth
     session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
     in q/k/v's reduction (the `_rope` instances, rounding as triton's compiled `kernels.rope_and_cache` does: the
-    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session)."""
+    8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session). cluster_gemm_layer
+    (with cluster_gemm_rope; written 2026-12-04, not yet run on a GPU): a layer's q/k/v, attention and o in one launch
+    (`experimental.cluster_gemm.layer_qkv_attn_o`, on q/k/v's plan; docs/verify-persistent-kernel.md), the three
+    launches where it refuses."""
 
     block_n: int = 16
     block_k: int = 512
@@ -164,6 +167,7 @@ class KernelConfig:
     cluster_gemm_late: bool = False
     cluster_gemm_fused: bool = False
     cluster_gemm_rope: bool = False
+    cluster_gemm_layer: bool = False
     cluster_gemm_plans: dict = field(default_factory=dict)
     gemv_sweep: tuple[tuple[int, int, int, int], ...] = GEMV_CONFIGS
     gemv_tuned: dict = field(default_factory=dict)

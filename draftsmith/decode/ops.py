@@ -242,7 +242,17 @@ class TritonAttnOps(TorchOps):
                 if self.config.cluster_gemm_rope and "rope" in self.routed and all(L.qk_norm is None for L in ws):
                     # RoPE and the cache writes in q/k/v's reduction: qkv() hands h through, rope_cache() launches it
                     self.qkv, self.rope_cache = self._qkv_defer, self._qkv_rope_fused
+                    if self.config.cluster_gemm_layer and "attn" in self.routed:
+                        # and the attention and o in the same launch: prepare() keeps the mask for it, attention()
+                        # and o_proj() hand on what it made
+                        self.rope_cache, self.attention, self.o_proj = (
+                            self._layer_fused,
+                            self._attn_handed,
+                            self._o_handed,
+                        )
+                        self._prepare_routed, self.prepare = self.prepare, self._prepare_keep_mask
                 self._stream = None  # (hn, ssq) the last producer handed the next norm-folding matmul
+                self._attn_mask = self._handed = None
 
     # experimental (KernelConfig.cluster_gemm): the layers' matmuls through our CUDA kernel where it takes the shape
     # (bias-free, at most its rows, N of its tile; a vocabulary-wide N — the lm_head — only where the plans or
@@ -339,6 +349,31 @@ class TritonAttnOps(TorchOps):
 
     def _o_fused(self, o, h, FL):
         return self._produce(o, FL.w.o, h, FL.w.post_norm)
+
+    # experimental (KernelConfig.cluster_gemm_layer): q/k/v, attention and o as one op, launched from rope_cache()
+    def _prepare_keep_mask(self, mask, positions, slots):
+        out = self._prepare_routed(mask, positions, slots)
+        self._attn_mask = out[0]
+        return out
+
+    def _layer_fused(self, h, positions, slots, kc, vc, FL):
+        hn, ssq = self._norm_stream(h, FL.first, FL.w.input_norm)
+        w, wo, f, c = FL.w.qkv[0], FL.w.o, self.f, self.config
+        (v, s), (ov, osp) = self._plan_of(w), self._plan_of(wo)
+        q, a, h, hn, ssq = self._cg_mod.cluster_gemm_layer_op(
+            hn, w, ssq, self.eps, positions, slots, f.cos, f.sin, kc, vc, self._attn_mask, f.scale, self.nh, self.nkv,
+            wo, h, FL.w.post_norm, v, s, ov, osp, c.pdl, c.cluster_gemm_late,
+        )  # fmt: skip
+        self._handed = (a, h, hn, ssq)
+        return q.view(1, q.shape[0], self.nh, self.d)
+
+    def _attn_handed(self, q, kc, vc, mask, slots, S):
+        return self._handed[0]
+
+    def _o_handed(self, o, h, FL):
+        _attn, h, hn, ssq = self._handed
+        self._handed, self._stream = None, (hn, ssq)
+        return h
 
     def _mlp_fused(self, h, FL):
         a = self._normed(h, False, FL.w.post_norm, FL.w.gate_up[0], True)

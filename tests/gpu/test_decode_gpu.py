@@ -232,13 +232,23 @@ def test_triton_kernels_bf16_step_close_to_torch(setup):
 
 
 @pytest.mark.parametrize(
-    "kernels", ["torch", "triton", "triton+cluster_gemm", "triton+cluster_gemm_fused", "triton+cluster_gemm_fused_rope"]
+    "kernels",
+    [
+        "torch",
+        "triton",
+        "triton+cluster_gemm",
+        "triton+cluster_gemm_fused",
+        "triton+cluster_gemm_fused_rope",
+        "triton+cluster_gemm_fused_rope_layer",
+    ],
 )
 def test_bf16_greedy_certificate_no_real_divergence(kernels):
     """bf16 on the GPU (CUDA graphs): every greedy divergence between speculative and plain decoding is a near tie
     (draftsmith.decode.certificate); one at a real margin is a bug. "triton+cluster_gemm": the verify's matmuls
     through experimental.cluster_gemm (sm_90), compiled; "_fused": with the norms, silu * up and residual adds folded
-    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope)."""
+    into it (KernelConfig.cluster_gemm_fused); "_rope": RoPE and the cache writes too (cluster_gemm_rope); "_layer":
+    q/k/v, the attention and o in one launch (cluster_gemm_layer: pycode-tiny's 64-wide heads take the bn64 layer
+    kernel)."""
     import copy
 
     from decode_helpers import overfit_drafter_ttt
@@ -260,8 +270,10 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
             pytest.skip("cluster_gemm needs sm_90")
         from draftsmith.decode.kernel_config import KernelConfig
 
-        fused, rope = "_fused" in kernels, kernels.endswith("_rope")
-        cfg = KernelConfig(cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope)
+        fused, rope, layer = "_fused" in kernels, "_rope" in kernels, kernels.endswith("_layer")
+        cfg = KernelConfig(
+            cluster_gemm=True, cluster_gemm_fused=fused, cluster_gemm_rope=rope, cluster_gemm_layer=layer
+        )
         kw = {"kernel_config": cfg, "compile": True}
         kernels = "triton"
     t32 = load_target(PYCODE_TINY, dtype="fp32", device="cuda")
@@ -465,10 +477,11 @@ def test_cluster_gemm_rope_equals_rope_and_cache():
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")
 def test_layer_qkv_attn_o_matches_three_launches():
     """`cluster_gemm.layer_qkv_attn_o` (a layer's q/k/v, RoPE and cache writes, attention and o in one launch) against
-    the same three steps launched apart: q and the caches bit for bit the `_rope` instance's; the attention within
-    bf16 of kernels.rows_attention and of an fp32 reference; o's outputs (h, the next norm's h * weight and sums of
-    squares) bit for bit what the same plan gives on the kernel's attention; again (its counters reset themselves,
-    all zero after a call), and from a CUDA graph with PDL, at 49, 9 and 16 rows and splits 2 and 4."""
+    the same three steps launched apart, at head sizes 128 (bn128_half) and 64 (bn64): q and the caches bit for bit
+    the `_rope` instance's; the attention within bf16 of kernels.rows_attention and of an fp32 reference; o's outputs
+    (h, the next norm's h * weight and sums of squares) bit for bit what the same plan gives on the kernel's
+    attention; again (its counters reset themselves, all zero after a call), and from a CUDA graph with PDL, at 49, 9
+    and 16 rows and splits 2 and 4."""
     import sys
 
     from draftsmith.decode import kernels as K
@@ -479,51 +492,56 @@ def test_layer_qkv_attn_o_matches_three_launches():
     from decode_helpers import tree_mask
 
     torch.manual_seed(5)
-    nh, nkv, d, L, eps = 8, 2, 128, 320, 1e-5
-    H = nh * d
-    w = torch.randn((nh + 2 * nkv) * d, H, device="cuda", dtype=torch.bfloat16) * 0.03
-    wo = torch.randn(H, H, device="cuda", dtype=torch.bfloat16) * 0.03
-    nw_in, nw = ((1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(2))
-    ang = torch.arange(L, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
-    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
-    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
-    scale = d**-0.5
-    for M, ctx, split in ((49, 200, 4), (9, 3, 2), (16, 260, 4), (49, 230, 2)):
-        h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-        hn, ssq = cg.norm_inputs(h, nw_in)
-        mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(M)], L, ctx).cuda()
-        pos = torch.arange(ctx, ctx + M, device="cuda")
-        caches = [torch.randn(1, nkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        kc1, vc1 = (c.clone() for c in caches)
-        kc2, vc2 = (c.clone() for c in caches)
-        plan = ("bn128_half", split)
-        assert cg.layer_refusal(hn, w, wo, plan, (pos, pos, cos, sin, kc2, vc2, nh, nkv), mask) == ""
-        q1 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, pos, cos, sin, kc1, vc1, nh, nkv))
-        a1 = K.rows_attention(q1.view(M, nh, d), kc1, vc1, mask, scale, pos)
-        ref = grouped_attention(q1.view(M, nh, d).transpose(0, 1)[None].float(), kc1.float(), vc1.float(), mask, scale,
-                                "bmm").transpose(1, 2).reshape(M, H)  # fmt: skip
-        rope2 = (pos, pos, cos, sin, kc2, vc2, nh, nkv)
-        for _ in range(2):  # twice: the counters are back at zero after a call
-            q2, a2, h2, hn2, ssq2 = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)
-            assert torch.equal(q2, q1) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (M, split)
-            assert float((a2.float() - ref).abs().max()) < 3e-2, (M, split)
-            assert float((a2.float() - a1.float()).abs().max()) < 4e-2, (M, split)
-            h3, hn3, ssq3 = cg.fused(a2, wo, plan, res=h, nw=nw)
-            assert torch.equal(h2, h3) and torch.equal(hn2, hn3), (M, split)
-            assert torch.equal(ssq2[:, :M], ssq3[:, :M]), (M, split)
-            assert not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
-    # from a graph, PDL on, after a kernel that writes its x
-    x2 = torch.empty_like(hn)
-    want = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)[2]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x2.copy_(hn)
-        got = cg.layer_qkv_attn_o(x2, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan, True)[2]
-    x2.zero_()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+    nh, nkv, L, eps = 8, 2, 320, 1e-5
+
+    def check(d, variant):
+        H = nh * d
+        w = torch.randn((nh + 2 * nkv) * d, H, device="cuda", dtype=torch.bfloat16) * 0.03
+        wo = torch.randn(H, H, device="cuda", dtype=torch.bfloat16) * 0.03
+        nw_in, nw = ((1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(2))
+        ang = torch.arange(L, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")[None]
+        cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
+        sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
+        scale = d**-0.5
+        for M, ctx, split in ((49, 200, 4), (9, 3, 2), (16, 260, 4), (49, 230, 2)):
+            h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+            hn, ssq = cg.norm_inputs(h, nw_in)
+            mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(M)], L, ctx).cuda()
+            pos = torch.arange(ctx, ctx + M, device="cuda")
+            caches = [torch.randn(1, nkv, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            kc1, vc1 = (c.clone() for c in caches)
+            kc2, vc2 = (c.clone() for c in caches)
+            plan = (variant, split)
+            rope2 = (pos, pos, cos, sin, kc2, vc2, nh, nkv)
+            assert cg.layer_refusal(hn, w, wo, plan, rope2, mask) == ""
+            q1 = cg.fused(hn, w, plan, ssq_in=ssq, eps=eps, rope=(pos, pos, cos, sin, kc1, vc1, nh, nkv))
+            a1 = K.rows_attention(q1.view(M, nh, d), kc1, vc1, mask, scale, pos)
+            ref = grouped_attention(q1.view(M, nh, d).transpose(0, 1)[None].float(), kc1.float(), vc1.float(), mask,
+                                    scale, "bmm").transpose(1, 2).reshape(M, H)  # fmt: skip
+            for _ in range(2):  # twice: the counters are back at zero after a call
+                q2, a2, h2, hn2, ssq2 = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)
+                assert torch.equal(q2, q1) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (d, M, split)
+                assert float((a2.float() - ref).abs().max()) < 3e-2, (d, M, split)
+                assert float((a2.float() - a1.float()).abs().max()) < 4e-2, (d, M, split)
+                h3, hn3, ssq3 = cg.fused(a2, wo, plan, res=h, nw=nw)
+                assert torch.equal(h2, h3) and torch.equal(hn2, hn3), (d, M, split)
+                assert torch.equal(ssq2[:, :M], ssq3[:, :M]), (d, M, split)
+                assert not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+        # from a graph, PDL on, after a kernel that writes its x
+        x2 = torch.empty_like(hn)
+        want = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)[2]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x2.copy_(hn)
+            got = cg.layer_qkv_attn_o(x2, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan, True)[2]
+        x2.zero_()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+
+    check(128, "bn128_half")
+    check(64, "bn64")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="needs sm_90 (TMA, wgmma, clusters)")

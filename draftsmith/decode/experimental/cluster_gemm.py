@@ -18,6 +18,7 @@ them).
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 # a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental, written
 # 2026-12-04, not yet run on a GPU): the variant whose q/k/v plan it takes
-LAYER = frozenset({"bn128_half"})
+LAYER = frozenset({"bn128_half", "bn64"})
 LAYER_ROWS = 256  # G x M (q head, token) rows of a KV head, at most (the kernel's workspace rows)
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
@@ -449,6 +450,12 @@ def layer_workspace(w: torch.Tensor, nkv: int, chunks: int, d: int) -> tuple[tor
     return hit
 
 
+@functools.cache
+def _layer_clusters(variant: str, split: int, device_index: int) -> int:
+    """max_active_clusters of the layer kernel (asked once: `layer_refusal` runs at every eager call)."""
+    return max_active_clusters(variant, split, torch.device("cuda", device_index), layer=True)
+
+
 def layer_refusal(x, w_qkv, w_o, plan: tuple[str, int], rope: tuple, mask: torch.Tensor) -> str:
     """Why `layer_qkv_attn_o` cannot take a layer ('' when it can): the plan's variant in LAYER, a tile one head, o
     square over the q columns (o's tiles are the q tiles' CTAs), G x M rows within LAYER_ROWS, a [M, S] bool mask with
@@ -474,7 +481,7 @@ def layer_refusal(x, w_qkv, w_o, plan: tuple[str, int], rope: tuple, mask: torch
     if not supports(x, w_qkv, variant) or not supports(x, w_o, variant):
         return "the kernel does not take x or the weights (device, dtype, shape)"
     clusters = w_qkv.shape[0] // bn
-    if max_active_clusters(variant, split, x.device, layer=True) < clusters:
+    if _layer_clusters(variant, split, drv.device_index(x.device)) < clusters:
         return f"{clusters} clusters of {split}: not all resident at once"
     return ""
 
@@ -664,6 +671,42 @@ def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, spli
     return x.new_empty(x.shape[0], nh * cos.shape[1])
 
 
+@torch.library.custom_op("draftsmith::cluster_gemm_layer", mutates_args=("kc", "vc"))
+def cluster_gemm_layer_op(
+    x: torch.Tensor, w: torch.Tensor, ssq: torch.Tensor, eps: float, positions: torch.Tensor, slots: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, scale: float,
+    nh: int, nkv: int, wo: torch.Tensor, h: torch.Tensor, nw: torch.Tensor, variant: str, split: int, o_variant: str,
+    o_split: int, pdl: bool, late: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A layer's q/k/v (norm folded), RoPE and cache writes, attention (`mask` [M, S] bool) and o with the residual
+    (and the next norm's inputs, `nw`) in one launch, `layer_qkv_attn_o` on the q/k/v plan (KernelConfig.cluster_gemm_
+    layer; experimental): (q, attention, h, hn, ssq). Where it does not take the layer (`layer_refusal`, or o's plan
+    on another tile width): `cluster_gemm_qkv_rope_op`, `kernels.rows_attention`, `cluster_gemm_produce_op` on o's
+    plan."""
+    rope = (positions, slots, cos, sin, kc, vc, nh, nkv)
+    if (
+        variant in LAYER
+        and VARIANTS[o_variant][0] == VARIANTS[variant][0]  # (the sums-of-squares tiles o's plan would give)
+        and not layer_refusal(x, w, wo, (variant, split), rope, mask)
+    ):
+        return layer_qkv_attn_o(x, w, ssq, eps, rope, mask, scale, wo, h, nw, (variant, split), pdl)
+    from draftsmith.decode import kernels as K
+
+    q = cluster_gemm_qkv_rope_op(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, nh, nkv, variant, split, pdl, late)
+    a = K.rows_attention(q.view(q.shape[0], nh, cos.shape[1]), kc, vc, mask, scale, slots)
+    return (q, a, *cluster_gemm_produce_op(a, wo, h, nw, o_variant, o_split, pdl, late))
+
+
+@cluster_gemm_layer_op.register_fake
+def _(x, w, ssq, eps, positions, slots, cos, sin, kc, vc, mask, scale, nh, nkv, wo, h, nw, variant, split, o_variant,
+      o_split, pdl, late):  # fmt: skip
+    M, H, cols = x.shape[0], wo.shape[0], nh * cos.shape[1]
+    return (
+        x.new_empty(M, cols), x.new_empty(M, cols), x.new_empty(M, H), x.new_empty(M, H),
+        x.new_empty(_ssq_tiles(H, o_variant), _ssq_width(x), dtype=torch.float32),
+    )  # fmt: skip
+
+
 @torch.library.custom_op("draftsmith::cluster_gemm", mutates_args=())
 def cluster_gemm_op(x: torch.Tensor, w: torch.Tensor, variant: str, split: int, pdl: bool, late: bool) -> torch.Tensor:
     """x @ w^T through the kernel with plan (variant, split) — a torch op, so a compiled forward calls it (inductor
@@ -680,6 +723,7 @@ def _(x, w, variant, split, pdl, late):
 
 
 __all__ = [
+    "cluster_gemm_layer_op",
     "LAYER",
     "layer_qkv_attn_o",
     "layer_refusal",

@@ -128,6 +128,16 @@ def test_fused_plan_forward_on_the_cpu_matches_fp32_and_compiles(one_thread):
     assert rel(fr.k_cache[..., :T, :].float(), f.k_cache[..., :T, :].float()) < 2e-2
     compiled_r = torch.compile(fr.forward, fullgraph=True)(ids, pos, pos, mask)[0]
     assert rel(compiled_r, got_r) < 2e-2
+    # cluster_gemm_layer: q/k/v, the attention and o as one op (here its fallback: the three ops the plan runs without
+    # the flag), the attention and o handed on by attention() and o_proj(); the same logits, traced fullgraph
+    fl = fwd(m16, cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True, cluster_gemm_layer=True)
+    pl = fl.plan(T)
+    assert pl.rope_cache == pl._layer_fused and pl.attention == pl._attn_handed and pl.o_proj == pl._o_handed
+    got_l = fl.forward(ids, pos, pos, mask)[0]
+    assert torch.equal(got_l, got_r)
+    assert torch.equal(fl.k_cache[..., :T, :], fr.k_cache[..., :T, :])
+    compiled_l = torch.compile(fl.forward, fullgraph=True)(ids, pos, pos, mask)[0]
+    assert rel(compiled_l, got_l) < 2e-2
 
 
 def test_fused_plan_forward_wider_than_the_kernel_rows(one_thread):
@@ -155,6 +165,9 @@ def test_fused_plan_forward_wider_than_the_kernel_rows(one_thread):
 
     ref = run()
     got = run(cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True)
+    assert torch.equal(
+        run(cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True, cluster_gemm_layer=True), got
+    )
     assert got.shape == ref.shape == (T, 64)
     assert ((got - ref).float().norm() / ref.float().norm()).item() < 2e-2
 
