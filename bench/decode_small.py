@@ -88,9 +88,9 @@ def make_engine(t, d, config: str) -> SpeculativeDecoder:
     cache's capacity into 64: `KernelConfig.attn_live_chunks`), "fewwarps" (one- and two-warp tiles added to both tuners' sweeps), "norowslive" (the T-row attention of a few rows
     by the width rule, not over the live keys: `KernelConfig.rows_attn_live` off, the engine before 2026-12-03), "nochains" (gemm_rows's tl.dot tiles walk K in one MMA chain, not all of K as
     independent chains of BLOCK_K: `KernelConfig.rows_k_chains` off, the engine before 2026-12-03's seventeenth session), "cg" / "cgfused" / "cgrope"
-    (the wide forwards' matmuls — verifies past kernel_rows, hand-offs — through experimental.cluster_gemm on sm_90:
-    `KernelConfig.cluster_gemm`, with its folds, and with RoPE in q/k/v's too; the census before making it a default,
-    dev/DEVICE_RUNS.md 0o). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
+    / "cglayer" (the wide forwards' matmuls — verifies past kernel_rows, hand-offs — through experimental.cluster_gemm
+    on sm_90: `KernelConfig.cluster_gemm`, with its folds, with RoPE in q/k/v's too, and with q/k/v, the attention and
+    o in one launch; measured slower on pycode-small's trees with the folds, 2026-12-04). A config may appear twice in --configs (e.g. A,B,A: two engines of one code
     differ by a few % in one process, and the repeat reads that noise; its rows are labelled "#2")."""
     parts = config.split("#")[0].split("+")  # ("#2": a repeated config's label)
     kernels = "triton" if "triton" in parts else "torch"
@@ -123,9 +123,10 @@ def kernel_config_for(parts: list) -> KernelConfig:
         attn_live_chunks=next((int(p[4:]) for p in parts if p.startswith("live")), 0),
         rows_attn_live="norowslive" not in parts,
         rows_k_chains="nochains" not in parts,
-        cluster_gemm=any(p in parts for p in ("cg", "cgfused", "cgrope")),
-        cluster_gemm_fused="cgfused" in parts or "cgrope" in parts,
-        cluster_gemm_rope="cgrope" in parts,
+        cluster_gemm=any(p in parts for p in ("cg", "cgfused", "cgrope", "cglayer")),
+        cluster_gemm_fused=any(p in parts for p in ("cgfused", "cgrope", "cglayer")),
+        cluster_gemm_rope="cgrope" in parts or "cglayer" in parts,
+        cluster_gemm_layer="cglayer" in parts,
     )
     if "dotrows" in parts:
         kc.rows_sweep = tuple(t for t in kc.rows_sweep if t[0] >= 16)

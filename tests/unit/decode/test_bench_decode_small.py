@@ -139,5 +139,7 @@ def test_config_parts_name_their_kernel_settings():
     fused = bench.kernel_config_for(["triton", "cgfused"])
     assert fused.cluster_gemm and fused.cluster_gemm_fused and not fused.cluster_gemm_rope
     rope = bench.kernel_config_for(["triton", "cgrope", "live4", "noembed"])
-    assert rope.cluster_gemm and rope.cluster_gemm_fused and rope.cluster_gemm_rope
+    assert rope.cluster_gemm and rope.cluster_gemm_fused and rope.cluster_gemm_rope and not rope.cluster_gemm_layer
+    layer = bench.kernel_config_for(["triton", "cglayer"])
+    assert layer.cluster_gemm and layer.cluster_gemm_fused and layer.cluster_gemm_rope and layer.cluster_gemm_layer
     assert rope.attn_live_chunks == 4 and not rope.embed_fold
