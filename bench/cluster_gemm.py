@@ -453,13 +453,11 @@ def _layer_section(args, cg, m: int, md: list, data: dict) -> None:
     cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16).contiguous()
     sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16).contiguous()
     pos = torch.arange(ctx, ctx + m, device="cuda")
-    mask = torch.zeros(m, cap, dtype=torch.bool, device="cuda")
-    mask[:, :ctx] = True
-    for t in range(m):  # a binary tree's ancestors
-        a = t
-        while a >= 0:
-            mask[t, ctx + a] = True
-            a = (a - 1) // 2 if a else -1
+    # the tests' reference tree mask (a binary tree over the rows after the context), as bench/decode_attention.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from decode_helpers import tree_mask
+
+    mask = tree_mask([(t - 1) // 2 if t else -1 for t in range(m)], cap, ctx).cuda()
     x0 = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     hn0, ssq0 = cg.norm_inputs(x0, nws[0])
     cfg, scale = KernelConfig(), d**-0.5
