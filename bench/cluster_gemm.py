@@ -509,6 +509,69 @@ def _layer_section(args, cg, m: int, md: list, data: dict) -> None:
     md.append(f"\nlayer ({m} rows, context {ctx}, {L} layers, 8B heads {nh}/{nkv}x{d}):\n\n")
     md.append(common.markdown_table(rows_out, list(rows_out[0]) if rows_out else []))
     data["layer"] = rows_out
+    prof_rows = []
+    for split in [int(s) for s in args.layer_splits.split(",")]:
+        if cg.layer_refusal(hn0, qkv[0], ow[0], ("bn128_half", split), rope_args(0), mask):
+            continue
+        prof_rows += _layer_phases(cg, split, L, hn0, ssq0, qkv, ow, nws, x0, rope_args, mask, scale, nh, d)
+    if prof_rows:
+        md.append(
+            "\nlayer phases (one launch, eager with PDL, each CTA's thread 0 stamps; us from the layer's first CTA "
+            "start, the median over layers 2..L of each CTA group's median / latest; B: the CTAs with an attention "
+            "item; C: the q tiles' CTAs, o):\n\n"
+        )
+        md.append(common.markdown_table(prof_rows, list(prof_rows[0])))
+        data["layer phases"] = prof_rows
+
+
+def _layer_phases(cg, split, L, hn0, ssq0, qkv, ow, nws, x0, rope_args, mask, scale, nh, d) -> list[dict]:
+    """Where a layer's one launch spends its time: the chain run eagerly once more with a stamp buffer a layer
+    (`layer_qkv_attn_o(prof=)`), each phase's median and latest CTA, and how the CTAs sit on the SMs."""
+    n_pt, n_ls = len(cg.PROF_STAMPS), len(cg.LAYER_STAMPS)
+    ctas = qkv[0].shape[0] // 128 * split
+    bufs = [torch.zeros(ctas * (n_pt + n_ls), dtype=torch.int64, device="cuda") for _ in range(L)]
+    hn, ssq = hn0, ssq0
+    for i in range(L):
+        out = cg.layer_qkv_attn_o(hn, qkv[i], ssq, 1e-5, rope_args(i), mask, scale, ow[i], x0, nws[i],
+                                  ("bn128_half", split), prof=bufs[i])  # fmt: skip
+        hn, ssq = out[3], out[4]
+    torch.cuda.synchronize()
+    n_q = nh * d // 128
+    # CTA (x, y) at y * gridDim.x + x; x < n_q are the q tiles
+    is_q = (torch.arange(ctas) % (qkv[0].shape[0] // 128)) < n_q
+    per = {}
+    for i in range(1, L):
+        a = bufs[i][: ctas * n_pt].view(ctas, n_pt).double().cpu()
+        b = bufs[i][ctas * n_pt :].view(ctas, n_ls).double().cpu()
+        t0 = a[:, 0].min()
+        has_item = b[:, 2] > 0  # (a KV head's CTAs past its items have none)
+        cols = {
+            "all: q/k/v stored": (a[:, 5], None),
+            "B: ready": (b[:, 2], has_item),
+            "B: partial stored": (b[:, 3], has_item),
+            "B: the KV head's items done": (b[:, 4], has_item),
+            "B: combined": (b[:, 5], has_item),
+            "C: xready": (b[:, 6], is_q),
+            "C: o stored": (b[:, 7], is_q),
+        }
+        for name, (v, sel) in cols.items():
+            v = (v if sel is None else v[sel]) - t0
+            per.setdefault(name, []).append((float(v.median()) / 1e3, float(v.max()) / 1e3))
+        sm = b[:, 0].long()
+        q_sms = torch.bincount(sm[is_q], minlength=256)
+        per.setdefault("SMs with 2+ q CTAs | most q CTAs an SM", []).append(
+            (float((q_sms > 1).sum()), float(q_sms.max()))
+        )
+        per.setdefault("SMs used: all | q CTAs'", []).append(
+            (float(sm.unique().numel()), float(sm[is_q].unique().numel()))
+        )
+    rows = []
+    for name, vals in per.items():
+        med = sorted(v[0] for v in vals)[len(vals) // 2]
+        mx = sorted(v[1] for v in vals)[len(vals) // 2]
+        rows.append({"q/k/v split": split, "phase": name, "median CTA": f"{med:.2f}", "latest CTA": f"{mx:.2f}"})
+        print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

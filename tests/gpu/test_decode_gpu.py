@@ -526,7 +526,7 @@ def test_layer_qkv_attn_o_matches_three_launches():
                 h3, hn3, ssq3 = cg.fused(a2, wo, plan, res=h, nw=nw)
                 assert torch.equal(h2, h3) and torch.equal(hn2, hn3), (d, M, split)
                 assert torch.equal(ssq2[:, :M], ssq3[:, :M]), (d, M, split)
-                assert not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+                assert not cg.layer_workspace(w.device, nkv, (nh // nkv + 2) * split, d)[2].any()
         # from a graph, PDL on, after a kernel that writes its x
         x2 = torch.empty_like(hn)
         want = cg.layer_qkv_attn_o(hn, w, ssq, eps, rope2, mask, scale, wo, h, nw, plan)[2]
@@ -538,7 +538,7 @@ def test_layer_qkv_attn_o_matches_three_launches():
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(got, want) and not cg.layer_workspace(w, nkv, 2 * split, d)[2].any()
+        assert torch.equal(got, want) and not cg.layer_workspace(w.device, nkv, (nh // nkv + 2) * split, d)[2].any()
 
     check(128, "bn128_half")
     check(64, "bn64")

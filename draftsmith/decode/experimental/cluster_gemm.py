@@ -82,6 +82,18 @@ PROF_STAMPS = (
     "stored",
     "end",
 )
+# the layer kernel's phase stamps after them (`layer_qkv_attn_o(prof=)`; csrc's LAYER_POINTS): the SM's id, then
+# %globaltimer ns
+LAYER_STAMPS = (
+    "sm",
+    "q/k/v unit done",
+    "attention: ready",
+    "attention: partial stored",
+    "attention: the KV head's items done",
+    "attention: combined",
+    "o: xready",
+    "o: stored",
+)
 
 _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
 _CU_TENSOR_MAP_SWIZZLE_128B = 3
@@ -417,6 +429,7 @@ class _LayerArgs(ctypes.Structure):
         ("G", ctypes.c_int),
         ("n_kv", ctypes.c_int),
         ("chunks", ctypes.c_int),
+        ("parts", ctypes.c_int),
         ("scale", ctypes.c_float),
         ("attn", ctypes.c_void_p),
         ("lda", ctypes.c_int),
@@ -427,25 +440,37 @@ class _LayerArgs(ctypes.Structure):
     ]
 
 
-_LAYER_WS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_LAYER_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def layer_workspace(w: torch.Tensor, nkv: int, chunks: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer kernel's partials [nkv, chunks, LAYER_ROWS, d] and (m, l) [.., 2] fp32 and its zeroed counters
-    [4, nkv] int32 for a q/k/v weight (made once, outside any CUDA graph capture: one eager call first; the kernel
-    leaves the counters at zero)."""
-    key = (drv.device_index(w.device), w.data_ptr())
+def layer_items(variant: str, split: int, G: int, M: int) -> tuple[int, int]:
+    """The layer kernel's attention items a KV head, (chunks C, row parts): its (G + 2) split CTAs, the G x M rows in
+    parts of at most one round of the CTA's warps (m16 row tiles), the keys in as many chunks as the CTAs allow."""
+    warps = 4 * VARIANTS[variant][1]
+    row_tiles = -(-G * M // 16)
+    parts = -(-row_tiles // warps)
+    return (G + 2) * split // parts, parts
+
+
+def layer_workspace(
+    device: torch.device, nkv: int, items: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer kernel's partials [nkv, items, LAYER_ROWS, d] and (m, l) [.., 2] fp32 (`items`: (G + 2) split, room
+    for every chunk count) and its zeroed counters [4, nkv] int32: one set for every layer of a shape (a layer's
+    kernel touches them only after its PDL wait, when the previous layer's kernel has finished with them, and leaves
+    the counters at zero), made once outside any CUDA graph capture (one eager call first)."""
+    key = (drv.device_index(device), nkv, items, d)
     hit = _LAYER_WS.get(key)
-    if hit is None or hit[0].shape[:2] != (nkv, chunks) or hit[0].shape[3] != d:
+    if hit is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "cluster_gemm: make the layer kernel's workspace before capturing (one eager call first)"
             )
-        f32 = dict(dtype=torch.float32, device=w.device)
+        f32 = dict(dtype=torch.float32, device=device)
         hit = _LAYER_WS[key] = (
-            torch.empty(nkv, chunks, LAYER_ROWS, d, **f32),
-            torch.empty(nkv, chunks, LAYER_ROWS, 2, **f32),
-            torch.zeros(4, nkv, dtype=torch.int32, device=w.device),
+            torch.empty(nkv, items, LAYER_ROWS, d, **f32),
+            torch.empty(nkv, items, LAYER_ROWS, 2, **f32),
+            torch.zeros(4, nkv, dtype=torch.int32, device=device),
         )
     return hit
 
@@ -474,6 +499,8 @@ def layer_refusal(x, w_qkv, w_o, plan: tuple[str, int], rope: tuple, mask: torch
         return f"split {split} not in 1..{min(SPLIT_MAX, x.shape[1] // BK, nh * d // BK)}"
     if M > ntok or (nh // nkv) * M > LAYER_ROWS:
         return f"{M} rows: more than {ntok}, or G x M past {LAYER_ROWS}"
+    if layer_items(variant, split, nh // nkv, M)[0] < 1:
+        return f"{(nh // nkv + 2) * split} CTAs a KV head: too few for its {nh // nkv} x {M} rows' parts"
     if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != M or mask.stride(1) != 1:
         return "mask [M, S] bool with contiguous rows"
     if mask.shape[1] > kc.shape[2]:
@@ -506,7 +533,8 @@ def layer_qkv_attn_o(
     and the cache writes (`rope`, as `fused(rope=)`), the attention over the caches (`mask` [M, S] bool) and o with
     the residual (h + attn @ w_o^T, and the next norm's inputs with `nw`) in one launch (experimental; written
     2026-12-04, not yet run on a GPU). Returns (q, attn, h_out, hn_out, ssq_out) — what `fused` gives for q/k/v,
-    `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o. `layer_refusal` must be '' (`check=False`: the caller has asked it)."""
+    `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o. `layer_refusal` must be '' (`check=False`: the caller has asked it). `prof` (a diagnostic): int64 [CTAs *
+    (len(PROF_STAMPS) + len(LAYER_STAMPS))], the q/k/v unit's stamps for every CTA, then the phases' (LAYER_STAMPS)."""
     variant, split = plan
     why = layer_refusal(hn, w_qkv, w_o, plan, rope, mask) if check else ""
     if why:
@@ -515,15 +543,15 @@ def layer_qkv_attn_o(
     nh, nkv, d = rope[6], rope[7], rope[2].shape[1]
     bn = VARIANTS[variant][0]
     H = w_o.shape[0]
-    chunks = 2 * split  # the k and v tiles' CTAs: 2 n_kv S items, C a KV head
-    part, ml, flags = layer_workspace(w_qkv, nkv, chunks, d)
+    chunks, parts = layer_items(variant, split, nh // nkv, M)
+    part, ml, flags = layer_workspace(hn.device, nkv, (nh // nkv + 2) * split, d)
     q = torch.empty(M, nh * d, dtype=hn.dtype, device=hn.device)
     attn = torch.empty(M, nh * d, dtype=hn.dtype, device=hn.device)
     h_out = torch.empty(M, H, dtype=hn.dtype, device=hn.device)
     hn_out = torch.empty(M, H, dtype=hn.dtype, device=hn.device)
     ssq_out = torch.empty(H // bn, ROWS_MAX, dtype=torch.float32, device=hn.device)
     la = _LayerArgs(
-        mask.data_ptr(), mask.stride(0), mask.shape[1], nh // nkv, nkv, chunks, float(scale), attn.data_ptr(),
+        mask.data_ptr(), mask.stride(0), mask.shape[1], nh // nkv, nkv, chunks, parts, float(scale), attn.data_ptr(),
         attn.stride(0), part.data_ptr(), ml.data_ptr(), flags.data_ptr(), nh * d,
     )  # fmt: skip
     args = [

@@ -195,3 +195,21 @@ def test_layer_kernel_refusals():
     assert "split 9 not in" in cg.layer_refusal(x, w, wo, ("bn128_half", 9), rope, mask)
     assert "mask wider" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, torch.ones(M, 65, dtype=torch.bool))
     assert "does not take" in cg.layer_refusal(x, w, wo, ("bn128_half", 4), rope, mask)  # CPU tensors
+
+
+def test_layer_items_split_each_kv_head_among_its_ctas():
+    """`layer_items`: a KV head's attention items (chunks x row parts) never outnumber the (G + 2) split CTAs that
+    take them (an item without a CTA would leave its KV head's counters short: every o unit would wait forever), each
+    part's row tiles are one round of the CTA's warps, and the chunks take what CTAs the parts leave."""
+    for variant, warps in (("bn128_half", 8), ("bn64", 4)):
+        for G in (1, 2, 4, 8):
+            for M in (1, 9, 16, 49, 56):
+                if G * M > cg.LAYER_ROWS:
+                    continue
+                for split in (1, 2, 4):
+                    chunks, parts = cg.layer_items(variant, split, G, M)
+                    row_tiles = -(-G * M // 16)
+                    assert parts * warps >= row_tiles and (parts - 1) * warps < row_tiles
+                    assert 1 <= chunks * parts <= (G + 2) * split < (chunks + 1) * parts
+    assert cg.layer_items("bn128_half", 4, 4, 49) == (12, 2)  # the 8B verify: 196 rows, 24 CTAs a KV head
+    assert cg.layer_items("bn64", 1, 1, 200)[0] == 0  # 13 row tiles on 4 warps: 4 parts, 3 CTAs

@@ -638,13 +638,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // deadlock otherwise). Three phases, chained by counters in global memory, not by launches:
 //  A. every CTA its q/k/v unit, as the `_rope` instance (RoPE, the cache writes, q to `q`), then counts itself in
 //     ready[g] for its tile's KV head g;
-//  B. the k and v tiles' 2 n_kv S CTAs (they have no o unit) are the attention's items: item (g, c) — KV head g, key
-//     chunk c of C = 2 S — waits until ready[g] = (G + 2) S, attends all G x M (q head, token) rows of g over its
-//     chunk's keys, staged once in shared memory for all its warps (each KV head's keys are read C times in all, not
-//     once per q tile: what sank `cluster_gemm_attn`, docs/LOG.md twenty-seventh session), writes its (m, l, O) to the
-//     workspace and counts done[g]; once done[g] = C it combines its 1/C of g's rows into o's x and counts xready[g];
+//  B. every CTA is then an attention item (docs/LOG.md, twenty-eighth session: the k/v tiles' CTAs alone, 64 at the
+//     8B, took 17 us for it, latency-bound): KV head g's (G + 2) S CTAs — those that count ready[g] — are items j of
+//     P = C x parts: key chunk c = j / parts of C, row part j % parts of the G x M (q head, token) rows (so that a
+//     part's m16 row tiles are one round of the CTA's warps). An item stages its chunk's keys in shared memory once
+//     for all its warps (the context's before the wait: only this forward's rows wait for ready[g] = (G + 2) S),
+//     attends its rows over them, writes (m, l, O) to the workspace and counts done[g]; once done[g] = P it combines
+//     its 1/P of g's rows over the C chunks into o's x and counts xready[g]. (Each KV head's keys are read C x parts
+//     times in all, not once per q tile: what sank `cluster_gemm_attn`, docs/LOG.md twenty-seventh session.)
 //  C. the q tiles' CTAs (n_heads d / BN of them x S: o's units when o's N = n_heads d) run o's unit (tile, K slice):
-//     its first weight tiles load at once, x once xready = C for the KV heads its slice reads; the epilogue is the
+//     its first weight tiles load at once, x once xready = P for the KV heads its slice reads; the epilogue is the
 //     residual producer's (h, the next norm's h * weight and sums of squares). The last of a KV head's readers resets
 //     its counters for the next call.
 struct LayerArgs {
@@ -654,10 +657,11 @@ struct LayerArgs {
     int G;       // q heads a KV head
     int n_kv;
     int chunks;  // C, key chunks a KV head
+    int parts;   // row parts a chunk (C x parts items a KV head, at most (G + 2) S)
     float scale;
     __nv_bfloat16* attn;  // [M, n_heads d]: the attention's output, o's x
     int lda;
-    float* part;  // [n_kv][C][LAYER_ROWS][d] fp32: the items' unnormalised O
+    float* part;  // [n_kv][C][LAYER_ROWS][d] fp32: the items' unnormalised O (a chunk's parts: disjoint rows)
     float* ml;    // [n_kv][C][LAYER_ROWS][2]: their running max and sum
     int* flags;   // [4][n_kv] int32, zero between calls: ready, done, xready, fin
     int ko;       // o's K (n_heads d)
@@ -672,51 +676,69 @@ __device__ __forceinline__ void spin_until(const int* p, int target) {  // one t
     } while (n < target);
 }
 
-// Phase B: item (g, c). Rows r = m G + j (token m, q head g G + j of KV head g) in m16 row tiles, a warp a tile at a
-// time; the chunk's 16-key blocks staged for all warps (once, when the chunk fits KVB blocks; else KVB at a time,
-// again for each round of row tiles); FlashAttention-2's register layout
-// on mma.sync, rounding as `kernels._softmax_step` (scores scaled in fp32, masked to -1e30, P rounded to bf16).
+// Phase B: item j of KV head g (chunk c = j / parts, row part j % parts). Rows r = m G + i (token m, q head g G + i)
+// in m16 row tiles, a warp a tile at a time; the chunk's 16-key blocks staged for all warps (once, when the chunk fits
+// KVB blocks; else KVB at a time, again for each round of row tiles); FlashAttention-2's register layout on mma.sync,
+// rounding as `kernels._softmax_step` (scores scaled in fp32, masked to -1e30, P rounded to bf16).
 template <int D, int THREADS, int RING>
 __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs& rp, const __nv_bfloat16* q, int ldq,
-                                            int M, int S, int g, int c, unsigned char* smem) {
+                                            int M, int S, int g, int j, unsigned char* smem,
+                                            unsigned long long* lst) {
     constexpr int WARPS = THREADS / 32, NT = D / 8, CHR = D / 8, ROWB = D * 2, BLK = 16 * ROWB;
     constexpr int QBYTES = WARPS * BLK;              // a warp's q row tile
     constexpr int KVB = (RING - QBYTES) / (2 * BLK);  // key blocks staged at once
     static_assert(KVB >= 1 && D % 16 == 0, "shared memory for a block of K and V beside the warps' q tiles");
-    const int C = la.chunks, G = la.G, R = G * M, RT = (R + 15) / 16;
+    const int C = la.chunks, parts = la.parts, P = C * parts, G = la.G, R = G * M, RT = (R + 15) / 16;
+    if (j >= P) return;  // (G + 2) S CTAs, P items: the rest have none
+    const int c = j / parts, part = j % parts, rt_lo = RT * part / parts, rt_hi = RT * (part + 1) / parts;
     int* done = la.flags + la.n_kv;
     int* xready = done + la.n_kv;
-    __shared__ int live_s;
+    __shared__ int live_s, fixed_s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid < 32) {  // the live keys: up to the highest slot this forward wrote
-        long long mx = -1;
-        for (int t = tid; t < M; t += 32) mx = max(mx, rp.slots[t]);
-        for (int off = 16; off > 0; off >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        if (tid == 0) live_s = static_cast<int>(min(mx + 1, static_cast<long long>(la.mask_s)));
+    if (tid < 32) {  // the live keys (up to the highest slot this forward writes) and the fixed ones (below its lowest)
+        long long mx = -1, mn = la.mask_s;
+        for (int t = tid; t < M; t += 32) {
+            mx = max(mx, rp.slots[t]);
+            mn = min(mn, rp.slots[t]);
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        }
+        if (tid == 0) {
+            live_s = static_cast<int>(min(mx + 1, static_cast<long long>(la.mask_s)));
+            fixed_s = static_cast<int>(max(mn, 0ll));
+        }
     }
-    if (tid == 0) spin_until(la.flags + g, (G + 2) * S);  // the KV head's q, k and v rows stored
     __syncthreads();
     const int live = live_s, nb = (live + 15) / 16, cb0 = nb * c / C, cb1 = nb * (c + 1) / C;
     const uint32_t qs = smem_addr(smem) + warp * BLK, ks = smem_addr(smem) + QBYTES, vs = ks + KVB * BLK;
     const __nv_bfloat16* kb = rp.kc + static_cast<size_t>(g) * rp.head_stride;
     const __nv_bfloat16* vb = rp.vc + static_cast<size_t>(g) * rp.head_stride;
-    const size_t slab = (static_cast<size_t>(g) * C + c) * LAYER_ROWS;  // this item's rows in the workspace
+    const size_t slab = (static_cast<size_t>(g) * C + c) * LAYER_ROWS;  // this item's chunk's rows in the workspace
     const int r0 = lane >> 2;  // this thread's rows r0, r0 + 8 of a tile
-    auto stage_keys = [&](int gb, int nblk) {  // blocks gb.. of K and V into shared memory, by the whole CTA
+    auto stage_keys = [&](int gb, int nblk, int at) {  // blocks gb.. of K and V into staged blocks at.., by the CTA
         for (int i = tid; i < nblk * 16 * CHR; i += THREADS) {
             const int b = i / (16 * CHR), r = i % (16 * CHR) / CHR, ch = i % CHR, s = (gb + b) * 16 + r;
             const bool ok = s < live;
             const size_t off = static_cast<size_t>(ok ? s : 0) * D + ch * 8;
-            cp_async_zfill(ks + b * BLK + swz_d(r, ch, ROWB), kb + off, ok ? 16 : 0);
-            cp_async_zfill(vs + b * BLK + swz_d(r, ch, ROWB), vb + off, ok ? 16 : 0);
+            cp_async_zfill(ks + (at + b) * BLK + swz_d(r, ch, ROWB), kb + off, ok ? 16 : 0);
+            cp_async_zfill(vs + (at + b) * BLK + swz_d(r, ch, ROWB), vb + off, ok ? 16 : 0);
         }
         cp_async_commit();
     };
     const bool resident = cb1 - cb0 <= KVB;  // the whole chunk fits: staged once, for every round of row tiles
-    if (resident && cb0 < cb1) stage_keys(cb0, cb1 - cb0);
-    for (int rt0 = 0; rt0 < RT; rt0 += WARPS) {
+    // blocks wholly below this forward's lowest slot hold earlier forwards' keys: in flight before the wait
+    const int cbf = resident ? max(cb0, min(cb1, fixed_s / 16)) : cb0;
+    if (cbf > cb0) stage_keys(cb0, cbf - cb0, 0);
+    if (tid == 0) spin_until(la.flags + g, (G + 2) * S);  // the KV head's q, k and v rows stored
+    if (lst) lst[2] = globaltimer();
+    __syncthreads();
+    if (resident && cbf < cb1) stage_keys(cbf, cb1 - cbf, cbf - cb0);
+    for (int rt0 = rt_lo; rt0 < rt_hi; rt0 += WARPS) {
         const int rt = rt0 + warp;  // this warp's row tile (every warp takes the block loop's barriers)
-        if (rt < RT) {              // its q rows (written by phase A's owners: read through L2)
+        const bool rt_ok = rt < rt_hi;
+        if (rt_ok) {  // its q rows (written by phase A's owners: read through L2)
             for (int i = lane; i < 16 * CHR; i += 32) {
                 const int r = i / CHR, ch = i % CHR, row = rt * 16 + r;
                 const bool ok = row < R;
@@ -731,30 +753,36 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int row = rt * 16 + r0 + 8 * i;
-            rok[i] = rt < RT && row < R;
+            rok[i] = rt_ok && row < R;
             tok[i] = rok[i] ? row / G : 0;
         }
+        auto mask_bits = [&](int s0) {  // 2 rows x 4 keys: bit j * 4 + row * 2 + col
+            uint32_t vis = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int i = (e >> 1) & 1, s = s0 + (e >> 2) * 8 + 2 * (lane & 3) + (e & 1);
+                if (rok[i] && s < live && la.mask[tok[i] * la.mask_st + s] != 0) vis |= 1u << e;
+            }
+            return vis;
+        };
         float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+        for (int jn = 0; jn < NT; ++jn) o[jn][0] = o[jn][1] = o[jn][2] = o[jn][3] = 0.f;
+        uint32_t vis_next = cb0 < cb1 ? mask_bits(cb0 * 16) : 0u;  // the mask a block ahead of its use
         for (int gb = cb0; gb < cb1; gb += KVB) {
             const int nblk = min(KVB, cb1 - gb);
             if (!resident) {
                 __syncthreads();  // every warp is done with the previous blocks
-                stage_keys(gb, nblk);
+                stage_keys(gb, nblk, 0);
             }
             cp_async_wait<0>();  // (the keys, and this round's q rows)
             __syncthreads();
-            if (rt >= RT) continue;
+            if (!rt_ok) continue;
             for (int b = 0; b < nblk; ++b) {
                 const int s0 = (gb + b) * 16;
-                uint32_t vis = 0;  // this thread's 2 rows x 4 keys of the mask: bit j * 4 + row * 2 + col
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int i = (e >> 1) & 1, s = s0 + (e >> 2) * 8 + 2 * (lane & 3) + (e & 1);
-                    if (rok[i] && s < live && la.mask[tok[i] * la.mask_st + s] != 0) vis |= 1u << e;
-                }
-                const uint32_t kt = ks + b * BLK, vt = vs + b * BLK;
+                const uint32_t vis = vis_next;
+                vis_next = s0 + 16 < cb1 * 16 ? mask_bits(s0 + 16) : 0u;
+                const uint32_t kt = ks + (resident ? gb - cb0 + b : b) * BLK, vt = vs + (resident ? gb - cb0 + b : b) * BLK;
                 float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
@@ -767,11 +795,11 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
                 }
                 float mx[2] = {m[0], m[1]};
 #pragma unroll
-                for (int j = 0; j < 2; ++j)
+                for (int jn = 0; jn < 2; ++jn)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {  // sc[j][e]: row r0 + 8 (e >> 1), key s0 + 8 j + 2 (lane & 3) + (e & 1)
-                        sc[j][e] = (vis >> (j * 4 + e)) & 1u ? sc[j][e] * la.scale : -1.0e30f;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]);
+                    for (int e = 0; e < 4; ++e) {  // sc[jn][e]: row r0 + 8 (e >> 1), key s0 + 8 jn + 2 (lane & 3) + (e & 1)
+                        sc[jn][e] = (vis >> (jn * 4 + e)) & 1u ? sc[jn][e] * la.scale : -1.0e30f;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[jn][e]);
                     }
                 float alpha[2], rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -781,11 +809,11 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
                     alpha[i] = __expf(m[i] - mx[i]);
                 }
 #pragma unroll
-                for (int j = 0; j < 2; ++j)
+                for (int jn = 0; jn < 2; ++jn)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float p = sc[j][e] > -1.0e29f ? __expf(sc[j][e] - mx[e >> 1]) : 0.f;
-                        sc[j][e] = p;
+                        const float p = sc[jn][e] > -1.0e29f ? __expf(sc[jn][e] - mx[e >> 1]) : 0.f;
+                        sc[jn][e] = p;
                         rs[e >> 1] += p;
                     }
 #pragma unroll
@@ -796,45 +824,47 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
                     m[i] = mx[i];
                 }
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    o[j][0] *= alpha[0];
-                    o[j][1] *= alpha[0];
-                    o[j][2] *= alpha[1];
-                    o[j][3] *= alpha[1];
+                for (int jn = 0; jn < NT; ++jn) {
+                    o[jn][0] *= alpha[0];
+                    o[jn][1] *= alpha[0];
+                    o[jn][2] *= alpha[1];
+                    o[jn][3] *= alpha[1];
                 }
                 const uint32_t pa[4] = {pack2(sc[0][0], sc[0][1]), pack2(sc[0][2], sc[0][3]),
                                         pack2(sc[1][0], sc[1][1]), pack2(sc[1][2], sc[1][3])};
 #pragma unroll
-                for (int j = 0; j < NT; j += 2) {
+                for (int jn = 0; jn < NT; jn += 2) {
                     uint32_t v0, v1, v2, v3;
-                    ldsm4_t(vt + swz_d((lane & 7) + (((lane >> 3) & 1) << 3), j + (lane >> 4), ROWB), v0, v1, v2, v3);
-                    mma16816(o[j], pa, v0, v1);
-                    mma16816(o[j + 1], pa, v2, v3);
+                    ldsm4_t(vt + swz_d((lane & 7) + (((lane >> 3) & 1) << 3), jn + (lane >> 4), ROWB), v0, v1, v2, v3);
+                    mma16816(o[jn], pa, v0, v1);
+                    mma16816(o[jn + 1], pa, v2, v3);
                 }
             }
         }
         cp_async_wait<0>();  // (a chunk without blocks never waited for its q rows)
-        if (rt < RT) {       // the tile's partial: O unnormalised, and the rows' (m, l)
+        if (rt_ok) {         // the tile's partial: O unnormalised, and the rows' (m, l)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const size_t row = slab + rt * 16 + r0 + 8 * i;
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
-                    __stcg(reinterpret_cast<float2*>(la.part + row * D + j * 8 + 2 * (lane & 3)),
-                           make_float2(o[j][2 * i], o[j][2 * i + 1]));
+                for (int jn = 0; jn < NT; ++jn)
+                    __stcg(reinterpret_cast<float2*>(la.part + row * D + jn * 8 + 2 * (lane & 3)),
+                           make_float2(o[jn][2 * i], o[jn][2 * i + 1]));
                 if ((lane & 3) == 0) __stcg(reinterpret_cast<float2*>(la.ml + row * 2), make_float2(m[i], l[i]));
             }
         }
     }
     __threadfence();  // (every thread's partial visible device-wide before the count)
     __syncthreads();
-    if (tid == 0) {  // this chunk counted; then every chunk of the KV head
+    if (tid == 0) {  // this item counted; then every item of the KV head
+        if (lst) lst[3] = globaltimer();
         atomicAdd(done + g, 1);
-        spin_until(done + g, C);
+        spin_until(done + g, P);
+        if (lst) lst[4] = globaltimer();
     }
     __syncthreads();
-    // this item's 1/C of the KV head's rows, merged over the C chunks (as `kernels._attn_combine_kernel`), to o's x
-    const int rb0 = R * c / C, rb1 = R * (c + 1) / C;
+    // this item's 1/P of the KV head's rows, merged over the C chunks (as `kernels._attn_combine_kernel`), to o's x
+    const int rb0 = R * j / P, rb1 = R * (j + 1) / P;
     const size_t base = static_cast<size_t>(g) * C * LAYER_ROWS;
     for (int v = tid; v < (rb1 - rb0) * (D / 4); v += THREADS) {
         const int row = rb0 + v / (D / 4), col = (v % (D / 4)) * 4;
@@ -862,6 +892,7 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
     __threadfence();
     __syncthreads();
     if (tid == 0) atomicAdd(xready + g, 1);
+    if (lst) lst[5] = globaltimer();
 }
 
 __device__ __forceinline__ unsigned char* layer_smem() {  // the dynamic shared memory at a 1024-byte boundary (as the body's ring)
@@ -874,6 +905,21 @@ __device__ __forceinline__ void o_slice_groups(const LayerArgs& la, int d, int r
     const int kt = la.ko / BK, k0 = kt * rank / S * BK, k1 = kt * (rank + 1) / S * BK;
     g0 = k0 / d / la.G;
     g1 = (k1 - 1) / d / la.G;
+}
+
+// the layer kernel's phase stamps (with `prof`; after the q/k/v body's PROF_POINTS a CTA): thread 0's, LAYER_POINTS
+// a CTA — 0 the SM, 1 the q/k/v unit done; its attention item's 2 ready[g] reached, 3 partial stored, 4 the KV
+// head's items all done, 5 combined; the q tiles' o unit's 6 xready reached, 7 stored
+#define LAYER_POINTS 8
+__device__ __forceinline__ unsigned long long* layer_stamps(unsigned long long* prof) {
+    if (prof == nullptr || threadIdx.x != 0) return nullptr;
+    const unsigned cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
+    unsigned long long* p = prof + static_cast<size_t>(ctas) * PROF_POINTS + static_cast<size_t>(cta) * LAYER_POINTS;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    p[0] = smid;
+    p[1] = globaltimer();
+    return p;
 }
 
 #define LAYER_KERNEL(BN, WG, NTOK, STAGES, NAME, MINB)                                                             \
@@ -890,22 +936,27 @@ __device__ __forceinline__ void o_slice_groups(const LayerArgs& la, int d, int r
         const int rank = static_cast<int>(cg::this_cluster().block_rank());                                       \
         unsigned char* smem = layer_smem();                                                                       \
         const int n_q = rope.q_cols / BN;                                                                         \
-        if (static_cast<int>(blockIdx.x) >= n_q) {                                                                \
-            const int item = (blockIdx.x - n_q) * S + rank;                                                       \
-            attend_item<BN, 128 * WG, RING>(la, rope, q, ldq, M, S, item / la.chunks, item % la.chunks, smem);    \
-            return;                                                                                               \
+        unsigned long long* lst = layer_stamps(prof);                                                             \
+        { /* every CTA an item of its tile's KV head: q tiles (a head each) first, then k, then v */              \
+            const int t = blockIdx.x, G = la.G;                                                                   \
+            const int g = t < n_q ? t / G : (t - n_q) % la.n_kv;                                                  \
+            const int local = t < n_q ? t % G : G + (t - n_q) / la.n_kv;                                          \
+            attend_item<BN, 128 * WG, RING>(la, rope, q, ldq, M, S, g, local * S + rank, smem, lst);              \
         }                                                                                                         \
+        if (static_cast<int>(blockIdx.x) >= n_q) return; /* the k and v tiles' CTAs have no o unit */              \
         int g0, g1;                                                                                               \
         o_slice_groups(la, rope.d, rank, S, g0, g1);                                                              \
         const int* xready = la.flags + 2 * la.n_kv;                                                               \
         auto xwait = [&]() {                                                                                      \
             if (threadIdx.x == 0)                                                                                 \
-                for (int g = g0; g <= g1; ++g) spin_until(xready + g, la.chunks);                                 \
+                for (int g = g0; g <= g1; ++g) spin_until(xready + g, la.chunks * la.parts);                            \
+            if (lst) lst[6] = globaltimer();                                                                      \
             __syncthreads();                                                                                      \
         };                                                                                                        \
         cluster_gemm_body<BN, WG, NTOK, STAGES, true, true, false, false, false, decltype(xwait)>(                \
             &omap, la.attn, h, M, la.ko, la.lda, ldh, 0, nullptr, nullptr, nullptr, epi_o, nullptr, blockIdx.x,   \
             xwait);                                                                                               \
+        if (lst) lst[7] = globaltimer();                                                                          \
         if (threadIdx.x == 0) { /* the last reader of a KV head's counters resets them for the next call */       \
             for (int g = g0; g <= g1; ++g) {                                                                      \
                 int readers = 0;                                                                                  \
