@@ -548,6 +548,8 @@ def _layer_phases(cg, split, L, hn0, ssq0, qkv, ow, nws, x0, rope_args, mask, sc
         cols = {
             "all: q/k/v stored": (a[:, 5], None),
             "B: ready": (b[:, 2], has_item),
+            "B: keys and q in smem": (b[:, 8], has_item),
+            "B: scores done (warp 0)": (b[:, 9], has_item),
             "B: partial stored": (b[:, 3], has_item),
             "B: the KV head's items done": (b[:, 4], has_item),
             "B: combined": (b[:, 5], has_item),

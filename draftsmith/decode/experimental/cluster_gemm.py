@@ -93,6 +93,8 @@ LAYER_STAMPS = (
     "attention: combined",
     "o: xready",
     "o: stored",
+    "attention: keys and q in shared memory",
+    "attention: scores done (warp 0)",
 )
 
 _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9

@@ -553,9 +553,9 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
             o[1] = __floats2bfloat162_rn(xv[2], xv[3]);
         }
         if constexpr (COUNT) {  // this CTA's rows of its head stored: count it for its KV head's readers
-            __threadfence();    // (every thread's stores visible device-wide before the count)
-            __syncthreads();
+            __syncthreads();    // (the CTA's stores ordered before thread 0's fence: cooperative groups' grid sync)
             if (tid == 0) {
+                __threadfence();
                 const int d = rp->d;
                 atomicAdd(count + (n0 < rp->q_cols ? n0 / d / G : (n0 - rp->q_cols) % rp->k_cols / d), 1);
             }
@@ -768,7 +768,10 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
         float m[2] = {-1.0e30f, -1.0e30f}, l[2] = {0.f, 0.f}, o[NT][4];
 #pragma unroll
         for (int jn = 0; jn < NT; ++jn) o[jn][0] = o[jn][1] = o[jn][2] = o[jn][3] = 0.f;
-        uint32_t vis_next = cb0 < cb1 ? mask_bits(cb0 * 16) : 0u;  // the mask a block ahead of its use
+        uint32_t vis4 = 0;  // the first 4 blocks' mask bits, their loads in flight together (8 bits a block)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+            if (cb0 + b < cb1) vis4 |= mask_bits((cb0 + b) * 16) << (8 * b);
         for (int gb = cb0; gb < cb1; gb += KVB) {
             const int nblk = min(KVB, cb1 - gb);
             if (!resident) {
@@ -777,11 +780,12 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
             }
             cp_async_wait<0>();  // (the keys, and this round's q rows)
             __syncthreads();
+            if (lst && rt0 == rt_lo && gb == cb0) lst[8] = globaltimer();
             if (!rt_ok) continue;
             for (int b = 0; b < nblk; ++b) {
                 const int s0 = (gb + b) * 16;
-                const uint32_t vis = vis_next;
-                vis_next = s0 + 16 < cb1 * 16 ? mask_bits(s0 + 16) : 0u;
+                const int bi = gb - cb0 + b;  // the block within the chunk
+                const uint32_t vis = bi < 4 ? (vis4 >> (8 * bi)) & 0xffu : mask_bits(s0);
                 const uint32_t kt = ks + (resident ? gb - cb0 + b : b) * BLK, vt = vs + (resident ? gb - cb0 + b : b) * BLK;
                 float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -842,6 +846,7 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
             }
         }
         cp_async_wait<0>();  // (a chunk without blocks never waited for its q rows)
+        if (lst && rt0 == rt_lo) lst[9] = globaltimer();
         if (rt_ok) {         // the tile's partial: O unnormalised, and the rows' (m, l)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -854,10 +859,10 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
             }
         }
     }
-    __threadfence();  // (every thread's partial visible device-wide before the count)
-    __syncthreads();
-    if (tid == 0) {  // this item counted; then every item of the KV head
+    __syncthreads();  // (the CTA's partials ordered before thread 0's fence: cooperative groups' grid sync)
+    if (tid == 0) {   // this item counted; then every item of the KV head
         if (lst) lst[3] = globaltimer();
+        __threadfence();
         atomicAdd(done + g, 1);
         spin_until(done + g, P);
         if (lst) lst[4] = globaltimer();
@@ -889,9 +894,11 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
         dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
         dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
     }
-    __threadfence();
     __syncthreads();
-    if (tid == 0) atomicAdd(xready + g, 1);
+    if (tid == 0) {
+        __threadfence();
+        atomicAdd(xready + g, 1);
+    }
     if (lst) lst[5] = globaltimer();
 }
 
@@ -909,8 +916,9 @@ __device__ __forceinline__ void o_slice_groups(const LayerArgs& la, int d, int r
 
 // the layer kernel's phase stamps (with `prof`; after the q/k/v body's PROF_POINTS a CTA): thread 0's, LAYER_POINTS
 // a CTA — 0 the SM, 1 the q/k/v unit done; its attention item's 2 ready[g] reached, 3 partial stored, 4 the KV
-// head's items all done, 5 combined; the q tiles' o unit's 6 xready reached, 7 stored
-#define LAYER_POINTS 8
+// head's items all done, 5 combined; the q tiles' o unit's 6 xready reached, 7 stored; the item's first round's
+// 8 keys and q rows in shared memory, 9 (warp 0's) scores done
+#define LAYER_POINTS 10
 __device__ __forceinline__ unsigned long long* layer_stamps(unsigned long long* prof) {
     if (prof == nullptr || threadIdx.x != 0) return nullptr;
     const unsigned cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
