@@ -55,6 +55,9 @@ ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 # a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental, written
 # 2026-12-04, not yet run on a GPU): the variant whose q/k/v plan it takes
 LAYER = frozenset({"bn128_half", "bn64"})
+# the layer kernels' ring stages (csrc's LAYER_KERNEL instances): bn128_half's 3, not its GEMM's 4, so that two
+# CTAs an SM leave 92 KB of L1 (the 228 KB shared-memory carveout left 28 KB, under the attention's spilled registers)
+LAYER_STAGES = {"bn128_half": 3, "bn64": 12}
 LAYER_ROWS = 256  # G x M (q head, token) rows of a KV head, at most (the kernel's workspace rows)
 WS_BYTES = 32 << 20  # the LAST variants' partials (N * split * 56 * 4 bytes a call), one buffer a device
 COUNTERS = 8192  # their per-tile arrival counters (N / BN tiles a call)
@@ -175,15 +178,16 @@ def _check(status: int, what: str) -> None:
     drv.check(status, what, "cluster_gemm")
 
 
-def smem_bytes(variant: str) -> int:
+def smem_bytes(variant: str, layer: bool = False) -> int:
     bn, _, _, stages = VARIANTS[variant]
+    stages = LAYER_STAGES[variant] if layer else stages
     return stages * (bn + 64) * BK * 2 + 1024 + 8 * stages  # the ring (x: 64 rows a stage), alignment, mbarriers
 
 
 def _function(device: torch.device, variant: str, layer: bool = False) -> ctypes.c_void_p:
     """The variant's kernel (with `layer`: its `layer_qkv_attn_o` kernel, LAYER)."""
     names = {f"cluster_gemm_{v}": smem_bytes(v) for v in VARIANTS}
-    names.update({f"layer_qkv_attn_o_{v}": smem_bytes(v) for v in LAYER})
+    names.update({f"layer_qkv_attn_o_{v}": smem_bytes(v, layer=True) for v in LAYER})
     return drv.functions(device, PTX, names, "cluster_gemm")[
         f"{'layer_qkv_attn_o' if layer else 'cluster_gemm'}_{variant}"
     ]
@@ -338,7 +342,7 @@ def max_active_clusters(variant: str, split: int, device: torch.device | None = 
     fn = _function(device, variant, layer)
     split = 1 if variant in LAST else split
     cfg, _attrs = drv.launch_config(
-        (1, split, 1), 128 * VARIANTS[variant][1], smem_bytes(variant), (1, split, 1), False
+        (1, split, 1), 128 * VARIANTS[variant][1], smem_bytes(variant, layer), (1, split, 1), False
     )
     n = ctypes.c_int()
     _check(
@@ -575,7 +579,7 @@ def layer_qkv_attn_o(
     ]
     drv.launch(
         _function(hn.device, variant, layer=True), (w_qkv.shape[0] // bn, split, 1), 128 * VARIANTS[variant][1],
-        smem_bytes(variant), (1, split, 1), pdl, args, hn.device, "cluster_gemm",
+        smem_bytes(variant, layer=True), (1, split, 1), pdl, args, hn.device, "cluster_gemm",
     )  # fmt: skip
     return q, attn, h_out, hn_out, ssq_out
 

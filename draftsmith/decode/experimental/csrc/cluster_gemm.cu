@@ -979,7 +979,8 @@ __device__ __forceinline__ unsigned long long* layer_stamps(unsigned long long* 
             }                                                                                                     \
         }                                                                                                         \
     }
-LAYER_KERNEL(128, 2, 56, 4, bn128_half, 2)  // bn128_half's tile: the 8B plan (192 CTAs at split 4, 264 places)
+LAYER_KERNEL(128, 2, 56, 3, bn128_half, 2)  // bn128_half's tile: the 8B plan (192 CTAs at split 4, 264 places); 3
+                                            // stages (cluster_gemm.LAYER_STAGES: L1 room for spills)
 LAYER_KERNEL(64, 1, 56, 12, bn64, 1)        // bn64's: 64-wide heads (the pycode targets; a CTA an SM)
 
 // split-K reduced by the tile's last CTA through an L2 workspace ("_l"; no cluster)
