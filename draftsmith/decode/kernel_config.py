@@ -141,9 +141,9 @@ class KernelConfig:
     session). cluster_gemm_rope (with cluster_gemm_fused; models without q/k norms): RoPE and the cache writes too,
     in q/k/v's reduction (the `_rope` instances, rounding as triton's compiled `kernels.rope_and_cache` does: the
     8B verify 4.96-4.98 vs 4.98-4.99 ms with the folds alone; docs/LOG.md, twenty-fifth session). cluster_gemm_layer
-    (with cluster_gemm_rope; written 2026-12-04, not yet run on a GPU): a layer's q/k/v, attention and o in one launch
-    (`experimental.cluster_gemm.layer_qkv_attn_o`, on q/k/v's plan; docs/verify-persistent-kernel.md), the three
-    launches where it refuses."""
+    (with cluster_gemm_rope; correct, slower: the 8B verify 5.53 vs 4.98 ms, docs/LOG.md twenty-eighth session): a
+    layer's q/k/v, attention and o in one launch (`experimental.cluster_gemm.layer_qkv_attn_o`, on q/k/v's plan;
+    docs/verify-persistent-kernel.md), the three launches where it refuses."""
 
     block_n: int = 16
     block_k: int = 512

@@ -52,8 +52,9 @@ VARIANTS = {
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
-# a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental, written
-# 2026-12-04, not yet run on a GPU): the variant whose q/k/v plan it takes
+# a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental: correct,
+# and slower than the three launches it replaces, 56.4 vs 44.5 us a layer on the H200 — docs/LOG.md, twenty-eighth
+# session): the variant whose q/k/v plan it takes
 LAYER = frozenset({"bn128_half", "bn64"})
 # the layer kernels' ring stages (csrc's LAYER_KERNEL instances): bn128_half's 3, not its GEMM's 4, so that two
 # CTAs an SM leave 92 KB of L1 (the 228 KB shared-memory carveout left 28 KB, under the attention's spilled registers)
@@ -537,8 +538,8 @@ def layer_qkv_attn_o(
 ):
     """A layer's q/k/v (its norm folded: hn = h * norm weight, `ssq` the sums of squares, as `fused(ssq_in=)`), RoPE
     and the cache writes (`rope`, as `fused(rope=)`), the attention over the caches (`mask` [M, S] bool) and o with
-    the residual (h + attn @ w_o^T, and the next norm's inputs with `nw`) in one launch (experimental; written
-    2026-12-04, not yet run on a GPU). Returns (q, attn, h_out, hn_out, ssq_out) — what `fused` gives for q/k/v,
+    the residual (h + attn @ w_o^T, and the next norm's inputs with `nw`) in one launch (experimental; slower than
+    the three launches on the H200: docs/LOG.md, twenty-eighth session). Returns (q, attn, h_out, hn_out, ssq_out) — what `fused` gives for q/k/v,
     `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o. `layer_refusal` must be '' (`check=False`: the caller has asked it). `prof` (a diagnostic): int64 [CTAs *
     (len(PROF_STAMPS) + len(LAYER_STAMPS))], the q/k/v unit's stamps for every CTA, then the phases' (LAYER_STAMPS)."""
     variant, split = plan

@@ -29,9 +29,10 @@ def test_shipped_ptx_has_every_variant_at_an_assemblable_version():
             assert re.search(rf"ROPE_GEMM\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
         else:
             assert re.search(rf"CLUSTER_GEMM\({bn}, {wg}, {ntok}, {stages}, \w+, \w+, {v}, \d\)", src), v
-    for v in cg.LAYER:  # the layer kernel on the variant's tile
-        bn, wg, ntok, stages = cg.VARIANTS[v]
-        assert re.search(rf"LAYER_KERNEL\({bn}, {wg}, {ntok}, {stages}, {v}, \d\)", src), v
+    for v in cg.LAYER:  # the layer kernel on the variant's tile, at the stages its launch sizes shared memory by
+        bn, wg, ntok, _ = cg.VARIANTS[v]
+        assert re.search(rf"LAYER_KERNEL\({bn}, {wg}, {ntok}, {cg.LAYER_STAGES[v]}, {v}, \d\)", src), v
+        assert cg.smem_bytes(v, layer=True) <= cg.smem_bytes(v)
 
 
 def test_argument_structs_match_the_kernel_source():

@@ -632,8 +632,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// A layer's q/k/v -> attention -> o in one launch (`layer_qkv_attn_o_*`; experimental, written 2026-12-04, not yet run
-// on a GPU: docs/verify-persistent-kernel.md, "The first step, concretely"). The grid is q/k/v's, (N / BN, S) CTAs in
+// A layer's q/k/v -> attention -> o in one launch (`layer_qkv_attn_o_*`; experimental: correct on the H200, and slower
+// than the three launches, 56.4 vs 44.5 us a layer — docs/verify-persistent-kernel.md, docs/LOG.md twenty-eighth
+// session). The grid is q/k/v's, (N / BN, S) CTAs in
 // clusters of S, a tile one head (BN = d), every CTA resident at once (the launcher checks: the waits below would
 // deadlock otherwise). Three phases, chained by counters in global memory, not by launches:
 //  A. every CTA its q/k/v unit, as the `_rope` instance (RoPE, the cache writes, q to `q`), then counts itself in
