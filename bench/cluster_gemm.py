@@ -12,7 +12,8 @@ Sections:
          layer does), one CUDA graph of R passes; fraction of copy bandwidth (weights + x + out bytes); torch beside
   layer  a layer's q/k/v -> attention -> o in one launch (`cluster_gemm.layer_qkv_attn_o`, experimental) against
          today's three (q/k/v with RoPE, kernels.rows_attention, o), 32 layers of distinct weights and caches at
-         context --layer-ctx, us a layer (docs/verify-persistent-kernel.md: the bar is 44.5 us, 2026-12-04)
+         context --layer-ctx, us a layer (docs/verify-persistent-kernel.md: the bar is 44.5 us, 2026-12-04); then
+         the one launch's phases from its CTAs' stamps (where the time goes: 56.4 us, 2026-12-04)
   chain  32 layers of q/k/v -> o -> gate/up -> down, each matmul's input the previous one's output (distinct weights:
          14 GB, all from HBM): ms a layer for torch, the kernel with each kind's fastest iso plan (PDL on and off),
          and the kernel with gate/up left to torch; the copy-bandwidth floor beside

@@ -539,8 +539,9 @@ def layer_qkv_attn_o(
     """A layer's q/k/v (its norm folded: hn = h * norm weight, `ssq` the sums of squares, as `fused(ssq_in=)`), RoPE
     and the cache writes (`rope`, as `fused(rope=)`), the attention over the caches (`mask` [M, S] bool) and o with
     the residual (h + attn @ w_o^T, and the next norm's inputs with `nw`) in one launch (experimental; slower than
-    the three launches on the H200: docs/LOG.md, twenty-eighth session). Returns (q, attn, h_out, hn_out, ssq_out) — what `fused` gives for q/k/v,
-    `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o. `layer_refusal` must be '' (`check=False`: the caller has asked it). `prof` (a diagnostic): int64 [CTAs *
+    the three launches on the H200: docs/LOG.md, twenty-eighth session). Returns (q, attn, h_out, hn_out, ssq_out) —
+    what `fused` gives for q/k/v, `kernels.rows_attention` for the attention and `fused(res=, nw=)` for o.
+    `layer_refusal` must be '' (`check=False`: the caller has asked it). `prof` (a diagnostic): int64 [CTAs *
     (len(PROF_STAMPS) + len(LAYER_STAMPS))], the q/k/v unit's stamps for every CTA, then the phases' (LAYER_STAMPS)."""
     variant, split = plan
     why = layer_refusal(hn, w_qkv, w_o, plan, rope, mask) if check else ""
