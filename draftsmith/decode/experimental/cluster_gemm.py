@@ -465,7 +465,8 @@ def layer_workspace(
     """The layer kernel's partials [nkv, items, LAYER_ROWS, d] and (m, l) [.., 2] fp32 (`items`: (G + 2) split, room
     for every chunk count) and its zeroed counters [4, nkv] int32: one set for every layer of a shape (a layer's
     kernel touches them only after its PDL wait, when the previous layer's kernel has finished with them, and leaves
-    the counters at zero), made once outside any CUDA graph capture (one eager call first)."""
+    the counters at zero; so layer kernels of one shape must not run on two streams at once), made once outside any
+    CUDA graph capture (one eager call first)."""
     key = (drv.device_index(device), nkv, items, d)
     hit = _LAYER_WS.get(key)
     if hit is None:
