@@ -787,7 +787,8 @@ __device__ __forceinline__ void attend_item(const LayerArgs& la, const RopeArgs&
                 const int s0 = (gb + b) * 16;
                 const int bi = gb - cb0 + b;  // the block within the chunk
                 const uint32_t vis = bi < 4 ? (vis4 >> (8 * bi)) & 0xffu : mask_bits(s0);
-                const uint32_t kt = ks + (resident ? gb - cb0 + b : b) * BLK, vt = vs + (resident ? gb - cb0 + b : b) * BLK;
+                const int at = resident ? bi : b;  // its staged slot
+                const uint32_t kt = ks + at * BLK, vt = vs + at * BLK;
                 float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
