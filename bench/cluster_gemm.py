@@ -357,16 +357,16 @@ def main(argv=None) -> int:
 
             return run
 
-        def folded(plans, pdl=True):
+        def folded(plans, pdl=True, late=False):
             def run():
                 h = x0
                 hn, ssq = cg.norm_inputs(h, nws[0][0])
                 for i, (lw, nw) in enumerate(zip(layers, nws)):
-                    q = cg.fused(hn, lw["qkv"], plans["qkv"], pdl, ssq_in=ssq, eps=1e-5)
-                    h, hn, ssq = cg.fused(q[:, :H], lw["o"], plans["o"], pdl, res=h, nw=nw[1])
-                    a = cg.fused(hn, lw["gate_up"], plans["gate_up"], pdl, ssq_in=ssq, eps=1e-5, glu=True)
+                    q = cg.fused(hn, lw["qkv"], plans["qkv"], pdl, late, ssq_in=ssq, eps=1e-5)
+                    h, hn, ssq = cg.fused(q[:, :H], lw["o"], plans["o"], pdl, late, res=h, nw=nw[1])
+                    a = cg.fused(hn, lw["gate_up"], plans["gate_up"], pdl, late, ssq_in=ssq, eps=1e-5, glu=True)
                     nxt = nws[i + 1][0] if i + 1 < L else nw[0]
-                    h, hn, ssq = cg.fused(a, lw["down"], plans["down"], pdl, res=h, nw=nxt)
+                    h, hn, ssq = cg.fused(a, lw["down"], plans["down"], pdl, late, res=h, nw=nxt)
                 return h
 
             return run
@@ -389,6 +389,9 @@ def main(argv=None) -> int:
             ("iso plans + torch glue", glued(ours(plans))),
             ("iso plans, glue folded", folded(plans)),
             ("iso plans, glue folded, no pdl", folded(plans, False)),
+            # a diagnostic (garbage output): no kernel waits for its predecessor, so only residency orders them —
+            # what any flag-chained (persistent) design of these kernels could save at most
+            ("iso plans, glue folded, no waits", folded(plans, True, cg.NO_WAIT)),
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
             ("torch + glue", glued(mm_torch)),
         ]:

@@ -51,6 +51,7 @@ VARIANTS = {
     "bn64_rope": (64, 1, 56, 12),
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
+NO_WAIT = 2  # `launch(late=NO_WAIT)`: csrc's `late` bit 2, no PDL wait (bench/cluster_gemm.py's chain diagnostic)
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 # a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental: correct,
 # and slower than the three launches it replaces, 56.4 vs 44.5 us a layer on the H200 — docs/LOG.md, twenty-eighth
@@ -277,7 +278,7 @@ def launch(
     split: int,
     pdl: bool = True,
     prof: torch.Tensor | None = None,
-    late: bool = False,
+    late: bool | int = False,
     *,
     res: torch.Tensor | None = None,
     nw: torch.Tensor | None = None,
@@ -290,7 +291,8 @@ def launch(
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
-    PROF_STAMPS. `late`: the next kernel launches (PDL) once every CTA is done with its K slice, not at once.
+    PROF_STAMPS. `late`: the next kernel launches (PDL) once every CTA is done with its K slice, not at once;
+    `late=NO_WAIT` (a diagnostic whose output is garbage): the kernel does not wait for the previous one at all.
 
     The folds (csrc/cluster_gemm.cu's `Epi`; `fused` checks and allocates them): `ssq_in` [tiles, >= M] fp32 —
     x is h * norm weight and row m's sums are scaled by rsqrt(ssq_in[:, m].sum() / K + eps); `glu` — w is [gate; up]
@@ -321,7 +323,7 @@ def launch(
         ctypes.c_int(K),
         ctypes.c_int(x.stride(0)),
         ctypes.c_int(out.stride(0)),
-        ctypes.c_int(1 if late else 0),
+        ctypes.c_int(late if late == NO_WAIT else int(bool(late))),
         ctypes.c_void_p(ws.data_ptr() if last else None),
         ctypes.c_void_p(counters.data_ptr() if last else None),
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),
@@ -383,7 +385,7 @@ def fused(
     w: torch.Tensor,
     plan: tuple[str, int] | None = None,
     pdl: bool = True,
-    late: bool = False,
+    late: bool | int = False,
     *,
     res: torch.Tensor | None = None,
     nw: torch.Tensor | None = None,
