@@ -312,11 +312,10 @@ def launch(
     `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
     [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots.
 
-    Tile flags (`Epi`'s; a diagnostic of `bench/cluster_gemm.py`'s chain so far): `flags_out` int32 [N / BN] — the
-    call zeroes it at its start and each CTA counts its stores of its tile there; `flags_in` = (the producer's
-    flags_out, its tile's columns of x, the count a stored tile reaches: its split, 1 for a `_l` variant) — the call
-    waits for each K step's producer tile instead of for the whole previous kernel. A flag array belongs to one
-    producer of one layer (csrc's `Epi` says why)."""
+    Tile flags (`Epi`'s; a diagnostic of `bench/cluster_gemm.py`'s chain so far): `flags_out` int32 [N / BN] (zeros
+    before the first call) — each CTA counts its stores of its tile there; `flags_in` = (the producer's flags_out,
+    its tile's columns of x, the count a stored tile reaches: its split, 1 for a `_l` variant) — the call waits for
+    each K step's producer tile instead of for the whole previous kernel. Every producer's flags must be its own."""
     if (rope is not None) != (variant in ROPE):
         raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape

@@ -190,13 +190,11 @@ struct Epi {
     float inv_k;
     float eps;
     int glu;
-    // tile flags (a diagnostic chain for now, bench/cluster_gemm.py): a producer zeroes flag_out[tile] at its start
-    // and each of its CTAs counts its stores of the tile there; a consumer (flag_in set) waits, before it loads x's K
-    // step, until the producer's tile holding those columns (in_bn of them a tile) counts in_count, instead of waiting
-    // for the whole previous kernel; it waits for that kernel (griddepcontrol) only before its own stores, so every
-    // earlier kernel is done before anything is written. A flag array must not be reused within a few launches: a
-    // consumer still polling it when the next producer zeroes it would wait on a kernel that waits on it (one array a
-    // layer and a producer: 4 x layers launches apart, where at most ~3 of these grids fit on the GPU at once).
+    // tile flags (a diagnostic chain for now, bench/cluster_gemm.py): a producer counts each CTA's stores of its tile
+    // in flag_out[tile]; a consumer (flag_in set) waits, before it loads x's K step, until the producer's tile holding
+    // those columns (in_bn of them a tile) counts in_count, instead of waiting for the whole previous kernel; it waits
+    // for that kernel (griddepcontrol) only before its own stores, so every earlier kernel is done before anything is
+    // written. The tile's last reader resets its flag for the next call.
     int* flag_out;
     int* flag_in;
     int in_bn;
@@ -367,6 +365,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     // ours) — or, with `late`, once every CTA here is done with its K slice (their prefetch overlaps only our
     // exchange and stores). `late` bit 2 (a diagnostic, bench/cluster_gemm.py's chain): no wait for the previous kernel
     // at all — the output is garbage, the time is what the chain costs with no data dependency between its kernels
+    if (!(late & 1)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     unsigned long long* stamp = nullptr;  // this CTA's stamps (thread 0, with prof)
     if (prof != nullptr && threadIdx.x == 0) stamp = prof + (blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS;
     if (stamp) stamp[0] = globaltimer();  // started
@@ -385,13 +384,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     const int kt0 = KT * rank / S, nkt = KT * (rank + 1) / S - kt0;
     const uint32_t base = smem_addr(smem);
     const uint32_t bars = base + STAGES * STAGE_BYTES;
-    // a producer's tile flag (Epi) restarts from zero before any CTA of the next kernel can run (those launch once
-    // every CTA here has passed launch_dependents); the tile's CTAs count their stores only after their exchange
-    if (e.flag_out != nullptr && rank == 0 && tid == 0) {
-        e.flag_out[tile] = 0;
-        __threadfence();
-    }
-    if (!(late & 1)) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     uint64_t evict_first;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(evict_first));
@@ -432,29 +424,26 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         }
     };
     const bool flagged = e.flag_in != nullptr;
-    int ready_to = 0;  // warp 0: this slice's K steps whose x columns it has seen stored
-    auto take = [&](int st) {  // warp 0, before x's K step kt0 + st loads: its producer tile stored (32 tiles a poll)
-        if (st < ready_to) return;
-        const int t0 = (kt0 + st) * BK / e.in_bn, t_end = (kt0 + nkt - 1) * BK / e.in_bn + 1;
-        for (;;) {
-            int v = e.in_count;
-            if (t0 + lane < t_end) asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(e.flag_in + t0 + lane) : "memory");
-            const unsigned ok = __ballot_sync(0xffffffffu, v >= e.in_count);
-            const int n = ok == 0xffffffffu ? 32 : __ffs(~ok) - 1;  // the ready tiles in a row from t0
-            if (n > 0) {
-                ready_to = min(nkt, (t0 + n) * e.in_bn / BK - kt0);
-                return;
-            }
-            __nanosleep(64);
-        }
+    int taken = -1;                 // thread 0: the producer tile whose flag it last passed
+    auto take = [&](int kt) {       // thread 0, before x's K step kt is loaded: its producer tile stored
+        const int t = kt * BK / e.in_bn;
+        if (t == taken) return;
+        taken = t;
+        spin_until(e.flag_in + t, e.in_count);
+        // its readers: this grid's N tiles times the ranks whose K slices reach into it; the last resets it
+        const int s0 = t * e.in_bn / BK, s1 = (t + 1) * e.in_bn / BK;
+        int ranks = 0;
+        for (int r = 0; r < S; ++r) ranks += KT * r / S < s1 && KT * (r + 1) / S > s0;
+        if (atomicAdd(e.flag_in + t, 1) == e.in_count + static_cast<int>(gridDim.x) * ranks - 1)
+            atomicExch(e.flag_in + t, 0);
     };
     if (!flagged) {
         if (!(late & 2)) xwait();
         scales();
     } else {
-        if (warp == 0)
-            for (int s = 0; s < STAGES - 1 && s < nkt; ++s) take(s);
-        __syncthreads();  // warp 0's acquires, then the barrier: every thread's x loads see the producer's stores
+        if (tid == 0)
+            for (int s = 0; s < STAGES - 1 && s < nkt; ++s) take(kt0 + s);
+        __syncthreads();  // thread 0's acquire, then the barrier: every thread's x loads see the producer's stores
     }
     if (stamp) stamp[1] = globaltimer();  // the previous kernel done
 #pragma unroll
@@ -477,7 +466,7 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         mbar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
         if (stamp && i == 0) stamp[2] = globaltimer();  // the first weight tile in
         const int nxt = i + STAGES - 1;
-        if (flagged && warp == 0 && nxt < nkt) take(nxt);
+        if (flagged && tid == 0 && nxt < nkt) take(kt0 + nxt);
         __syncthreads();  // the tile is everyone's; the slot refilled below was consumed by everyone last step
         if (nxt < nkt) {
             if (tid == 0) load_w(nxt % STAGES, kt0 + nxt);
