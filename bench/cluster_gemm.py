@@ -357,32 +357,16 @@ def main(argv=None) -> int:
 
             return run
 
-        def folded(plans, pdl=True, late=False, flags=False):
-            # flags: each matmul waits for the tiles of its x that it is about to load (the previous matmul's tile
-            # flags, `launch(flags_in=)`), not for the whole previous kernel; one flag array a producer kind
-            fl = {kind: torch.zeros(n // cg.VARIANTS[plans[kind][0]][0], dtype=torch.int32, device="cuda")
-                  for kind, (n, _) in KINDS.items()} if flags else {}  # fmt: skip
-
-            def tiles_of(kind, glu=False):  # what a consumer of `kind`'s output passes as flags_in
-                if not flags:
-                    return None
-                v, split = plans[kind]
-                return fl[kind], cg.VARIANTS[v][0] // (2 if glu else 1), 1 if v in cg.LAST else split
-
+        def folded(plans, pdl=True, late=False):
             def run():
                 h = x0
                 hn, ssq = cg.norm_inputs(h, nws[0][0])
                 for i, (lw, nw) in enumerate(zip(layers, nws)):
-                    q = cg.fused(hn, lw["qkv"], plans["qkv"], pdl, late, ssq_in=ssq, eps=1e-5,
-                                 flags_out=fl.get("qkv"), flags_in=tiles_of("down") if i else None)  # fmt: skip
-                    h, hn, ssq = cg.fused(q[:, :H], lw["o"], plans["o"], pdl, late, res=h, nw=nw[1],
-                                          flags_out=fl.get("o"), flags_in=tiles_of("qkv"))  # fmt: skip
-                    a = cg.fused(hn, lw["gate_up"], plans["gate_up"], pdl, late, ssq_in=ssq, eps=1e-5, glu=True,
-                                 flags_out=fl.get("gate_up"), flags_in=tiles_of("o"))  # fmt: skip
+                    q = cg.fused(hn, lw["qkv"], plans["qkv"], pdl, late, ssq_in=ssq, eps=1e-5)
+                    h, hn, ssq = cg.fused(q[:, :H], lw["o"], plans["o"], pdl, late, res=h, nw=nw[1])
+                    a = cg.fused(hn, lw["gate_up"], plans["gate_up"], pdl, late, ssq_in=ssq, eps=1e-5, glu=True)
                     nxt = nws[i + 1][0] if i + 1 < L else nw[0]
-                    h, hn, ssq = cg.fused(a, lw["down"], plans["down"], pdl, late, res=h, nw=nxt,
-                                          flags_out=fl.get("down") if i + 1 < L else None,
-                                          flags_in=tiles_of("gate_up", glu=True))  # fmt: skip
+                    h, hn, ssq = cg.fused(a, lw["down"], plans["down"], pdl, late, res=h, nw=nxt)
                 return h
 
             return run
@@ -392,8 +376,6 @@ def main(argv=None) -> int:
         g_ref, g_got = glued(mm_torch)(), folded(plans)()
         rel_glue = ((g_got.float() - g_ref.float()).norm() / g_ref.float().norm()).item()
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        flag_runs = [folded(plans, flags=True) for _ in range(2)]
-        flags_equal = all(torch.equal(fr(), g_got) for fr in flag_runs for _ in range(2))  # reset for the next call
         rows_out = []
         for name, mm in [
             ("torch", mm_torch),
@@ -410,7 +392,6 @@ def main(argv=None) -> int:
             # a diagnostic (garbage output): no kernel waits for its predecessor, so only residency orders them —
             # what any flag-chained (persistent) design of these kernels could save at most
             ("iso plans, glue folded, no waits", folded(plans, True, cg.NO_WAIT)),
-            ("iso plans, glue folded, tile flags", flag_runs[0]),
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
             ("torch + glue", glued(mm_torch)),
         ]:
@@ -429,7 +410,7 @@ def main(argv=None) -> int:
         md.append(
             f"\nchain ({L} layers, {m} rows; iso plans {plans}, half plans {half}, last-CTA plans {last}; floor {layer_bytes / bw * 1e3:.4f} ms a layer at copy "
             f"bandwidth; kernel vs torch output after {L} layers: relative L2 {rel:.2e}; glue folded vs torch + glue "
-            f"{rel_glue:.2e}; tile flags bit-equal to the folded chain, twice: {flags_equal}; --chain-plans {extra or '-'}):\n\n"
+            f"{rel_glue:.2e}; --chain-plans {extra or '-'}):\n\n"
         )
         md.append(common.markdown_table(rows_out, ["matmuls", "ms a layer", "x floor", "32 layers ms"]))
         sets = {"iso plans, glue folded": plans, **{f"{n} plans, glue folded": p for n, p in extra.items()}}

@@ -123,10 +123,6 @@ class _Epi(ctypes.Structure):
         ("inv_k", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("glu", ctypes.c_int),
-        ("flag_out", ctypes.c_void_p),
-        ("flag_in", ctypes.c_void_p),
-        ("in_bn", ctypes.c_int),
-        ("in_count", ctypes.c_int),
     ]
 
 
@@ -152,9 +148,8 @@ _MAPS: dict[tuple[int, int, int, int, bool], tuple[ctypes.Array, int]] = {}  # (
 _MAPS_MAX = 4096  # a model's matrices (4 a layer) many times over; past it the oldest go
 
 
-def _epi(K, res=None, nw=None, hn=None, ssq_out=None, ssq_in=None, eps=1e-6, glu=False, flags_out=None, flags_in=None):
+def _epi(K, res=None, nw=None, hn=None, ssq_out=None, ssq_in=None, eps=1e-6, glu=False) -> _Epi:
     """csrc/cluster_gemm.cu's `Epi` for `launch`'s folds (None: the fold is off)."""
-    fin, in_bn, in_count = flags_in if flags_in is not None else (None, 0, 0)
     return _Epi(
         res.data_ptr() if res is not None else None,
         res.stride(0) if res is not None else 0,
@@ -168,10 +163,6 @@ def _epi(K, res=None, nw=None, hn=None, ssq_out=None, ssq_in=None, eps=1e-6, glu
         1.0 / K,
         eps,
         1 if glu else 0,
-        flags_out.data_ptr() if flags_out is not None else None,
-        fin.data_ptr() if fin is not None else None,
-        in_bn,
-        in_count,
     )
 
 
@@ -297,8 +288,6 @@ def launch(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    flags_out: torch.Tensor | None = None,
-    flags_in: tuple[torch.Tensor, int, int] | None = None,
 ) -> None:
     """out[:M, :N] = x @ w^T on torch's current stream (`supports(x, w, variant)` must hold; out [M, N] bf16, rows
     8-byte aligned). `prof` (a diagnostic): int64 [CTAs * PROF_POINTS], each CTA's %globaltimer stamps (ns) at
@@ -310,12 +299,7 @@ def launch(
     and out [M, N/2] = silu(g) * u; `res` [M, N] — out = bf16(bf16(sums) + res); `nw` [N] with `hn` [M, N] and
     `ssq_out` [N / BN, 64] fp32 — hn = bf16(out * nw), ssq_out[tile, m] = the sum of out^2 over the tile's columns;
     `rope` (a `_rope` variant; `fused` checks it) = (positions, slots, cos, sin, k_cache, v_cache, n_heads, n_kv) — out
-    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots.
-
-    Tile flags (`Epi`'s; a diagnostic of `bench/cluster_gemm.py`'s chain so far): `flags_out` int32 [N / BN] (zeros
-    before the first call) — each CTA counts its stores of its tile there; `flags_in` = (the producer's flags_out,
-    its tile's columns of x, the count a stored tile reaches: its split, 1 for a `_l` variant) — the call waits for
-    each K step's producer tile instead of for the whole previous kernel. Every producer's flags must be its own."""
+    [M, n_heads * d] is q rotated, k (rotated) and v go to the caches at the slots."""
     if (rope is not None) != (variant in ROPE):
         raise ValueError(f"cluster_gemm: {variant} {'needs' if variant in ROPE else 'takes no'} rope arguments")
     M, K = x.shape
@@ -331,11 +315,7 @@ def launch(
         if (N // bn) > COUNTERS or N * split * VARIANTS[variant][2] * 4 > WS_BYTES:
             raise ValueError(f"cluster_gemm: N={N} split {split} past the {variant} workspace")
     wmap = _weight_map(w, bn, glu)
-    if flags_out is not None and (rope is not None or flags_out.dtype != torch.int32 or flags_out.numel() < N // bn):
-        raise ValueError(f"cluster_gemm: flags_out must be int32 [>= {N // bn}] (and no rope)")
-    if flags_in is not None and (flags_in[1] % BK or K % flags_in[1] or flags_in[0].numel() < K // flags_in[1]):
-        raise ValueError(f"cluster_gemm: flags_in's tiles must be multiples of {BK} columns dividing K={K}")
-    epi = _epi(K, res, nw, hn, ssq_out, ssq_in, eps, glu, flags_out, flags_in)
+    epi = _epi(K, res, nw, hn, ssq_out, ssq_in, eps, glu)
     args = [
         ctypes.c_void_p(x.data_ptr()),
         ctypes.c_void_p(out.data_ptr()),
@@ -413,8 +393,6 @@ def fused(
     eps: float = 1e-6,
     glu: bool = False,
     rope: tuple | None = None,
-    flags_out: torch.Tensor | None = None,
-    flags_in: tuple[torch.Tensor, int, int] | None = None,
 ):
     """x @ w^T through the kernel with its folds (`launch`): out [M, N] ([M, N/2] with glu; [M, n_heads * d], q
     rotated, with `rope`: the plan's variant is then taken as its "_rope" sibling), or with `nw` the triple (out, hn
@@ -446,7 +424,7 @@ def fused(
         hn = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ssq_out = torch.empty(N // bn, ROWS_MAX, dtype=torch.float32, device=x.device)
     launch(x, w, out, variant, split, pdl, late=late, res=res, nw=nw, hn=hn, ssq_out=ssq_out, ssq_in=ssq_in, eps=eps,
-           glu=glu, rope=rope, flags_out=flags_out, flags_in=flags_in)  # fmt: skip
+           glu=glu, rope=rope)  # fmt: skip
     return out if nw is None else (out, hn, ssq_out)
 
 

@@ -190,24 +190,7 @@ struct Epi {
     float inv_k;
     float eps;
     int glu;
-    // tile flags (a diagnostic chain for now, bench/cluster_gemm.py): a producer counts each CTA's stores of its tile
-    // in flag_out[tile]; a consumer (flag_in set) waits, before it loads x's K step, until the producer's tile holding
-    // those columns (in_bn of them a tile) counts in_count, instead of waiting for the whole previous kernel; it waits
-    // for that kernel (griddepcontrol) only before its own stores, so every earlier kernel is done before anything is
-    // written. The tile's last reader resets its flag for the next call.
-    int* flag_out;
-    int* flag_in;
-    int in_bn;
-    int in_count;
 };
-
-__device__ __forceinline__ void spin_until(const int* p, int target) {  // one thread; acquire
-    int n = 0;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
-        if (n < target) __nanosleep(64);
-    } while (n < target);
-}
 
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -319,15 +302,6 @@ __device__ __forceinline__ void store_rows(const Epi& e, __nv_bfloat16* out, int
     }
 }
 
-__device__ __forceinline__ void count_tile(const Epi& e, int tile) {  // this CTA's stores of its tile, for Epi's readers
-    if (e.flag_out == nullptr) return;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(e.flag_out + tile, 1);
-    }
-}
-
 // `prof` (a diagnostic, normally null): each CTA's thread 0 writes PROF_POINTS %globaltimer stamps there, at
 // prof[(blockIdx.y * gridDim.x + blockIdx.x) * PROF_POINTS + j] (bench/cluster_gemm.py --sections prof).
 #define PROF_POINTS 7
@@ -416,36 +390,13 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     // the weights are no kernel's output: their first tiles load before the wait; x (the previous kernel's) after
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nkt && tid == 0) load_w(s, kt0 + s);
-    auto scales = [&]() {  // the rows' norm scales (used after the loop; its barriers order it)
-        if (e.ssq_in != nullptr && tid < M) {
-            float t = 0.f;
-            for (int i = 0; i < e.ssq_tiles; ++i) t += e.ssq_in[i * e.ssq_in_ld + tid];
-            rstd[tid] = rsqrtf(t * e.inv_k + e.eps);
-        }
-    };
-    const bool flagged = e.flag_in != nullptr;
-    int taken = -1;                 // thread 0: the producer tile whose flag it last passed
-    auto take = [&](int kt) {       // thread 0, before x's K step kt is loaded: its producer tile stored
-        const int t = kt * BK / e.in_bn;
-        if (t == taken) return;
-        taken = t;
-        spin_until(e.flag_in + t, e.in_count);
-        // its readers: this grid's N tiles times the ranks whose K slices reach into it; the last resets it
-        const int s0 = t * e.in_bn / BK, s1 = (t + 1) * e.in_bn / BK;
-        int ranks = 0;
-        for (int r = 0; r < S; ++r) ranks += KT * r / S < s1 && KT * (r + 1) / S > s0;
-        if (atomicAdd(e.flag_in + t, 1) == e.in_count + static_cast<int>(gridDim.x) * ranks - 1)
-            atomicExch(e.flag_in + t, 0);
-    };
-    if (!flagged) {
-        if (!(late & 2)) xwait();
-        scales();
-    } else {
-        if (tid == 0)
-            for (int s = 0; s < STAGES - 1 && s < nkt; ++s) take(kt0 + s);
-        __syncthreads();  // thread 0's acquire, then the barrier: every thread's x loads see the producer's stores
-    }
+    if (!(late & 2)) xwait();
     if (stamp) stamp[1] = globaltimer();  // the previous kernel done
+    if (e.ssq_in != nullptr && tid < M) {  // the rows' norm scales (read after the loop; the loop's barriers order it)
+        float t = 0.f;
+        for (int i = 0; i < e.ssq_tiles; ++i) t += e.ssq_in[i * e.ssq_in_ld + tid];
+        rstd[tid] = rsqrtf(t * e.inv_k + e.eps);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nkt) load_x(s, kt0 + s);
@@ -465,9 +416,8 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // x's generic writes, seen by wgmma
         mbar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
         if (stamp && i == 0) stamp[2] = globaltimer();  // the first weight tile in
-        const int nxt = i + STAGES - 1;
-        if (flagged && tid == 0 && nxt < nkt) take(kt0 + nxt);
         __syncthreads();  // the tile is everyone's; the slot refilled below was consumed by everyone last step
+        const int nxt = i + STAGES - 1;
         if (nxt < nkt) {
             if (tid == 0) load_w(nxt % STAGES, kt0 + nxt);
             load_x(nxt % STAGES, kt0 + nxt);
@@ -488,10 +438,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         }
     }
     cp_async_wait<0>();
-    if (flagged) {  // the previous kernel (and so every earlier one) done before this CTA stores anything
-        xwait();
-        scales();
-    }
     __syncthreads();
     if (late & 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (stamp) stamp[3] = globaltimer();  // the K slice done
@@ -535,7 +481,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         };
         store_rows<BN, THREADS>(e, out, ldo, M, M, 1, 0, fetch, rstd, row_ssq, tile);
         if (S > 1 && tid == 0) counters[tile] = 0;  // for the next call (it counts only after its wait)
-        count_tile(e, tile);
         if (stamp) stamp[5] = globaltimer();
         if (stamp) stamp[6] = globaltimer();
         return;
@@ -621,7 +566,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
         return;
     }
     store_rows<BN, THREADS>(e, out, ldo, M, mine, S, rank, owned, rstd, row_ssq, tile);
-    count_tile(e, tile);
     if (stamp) stamp[5] = globaltimer();  // stored
     // (no second cluster barrier: after the first, no CTA touches another's shared memory)
     if (stamp) stamp[6] = globaltimer();  // done
@@ -725,6 +669,14 @@ struct LayerArgs {
     int ko;       // o's K (n_heads d)
 };
 #define LAYER_ROWS 256  // G x M rows of a KV head, at most
+
+__device__ __forceinline__ void spin_until(const int* p, int target) {  // one thread; acquire
+    int n = 0;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(n) : "l"(p) : "memory");
+        if (n < target) __nanosleep(64);
+    } while (n < target);
+}
 
 // Phase B: item j of KV head g (chunk c = j / parts, row part j % parts). Rows r = m G + i (token m, q head g G + i)
 // in m16 row tiles, a warp a tile at a time; the chunk's 16-key blocks staged for all warps (once, when the chunk fits
