@@ -392,11 +392,6 @@ def main(argv=None) -> int:
             # a diagnostic (garbage output): no kernel waits for its predecessor, so only residency orders them —
             # what any flag-chained (persistent) design of these kernels could save at most
             ("iso plans, glue folded, no waits", folded(plans, True, cg.NO_WAIT)),
-            # each CTA fetches n more of its weight tiles into L2 before it waits: the stream through the wait
-            *[
-                (f"iso plans, glue folded, {n} tiles to L2", folded(plans, True, n * cg.L2_TILES))
-                for n in (2, 4, 8, 16)
-            ],
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
             ("torch + glue", glued(mm_torch)),
         ]:

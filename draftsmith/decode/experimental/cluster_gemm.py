@@ -52,7 +52,6 @@ VARIANTS = {
 }
 LAST = frozenset(v for v in VARIANTS if v.endswith("_l"))
 NO_WAIT = 2  # `launch(late=NO_WAIT)`: csrc's `late` bit 2, no PDL wait (bench/cluster_gemm.py's chain diagnostic)
-L2_TILES = 256  # `launch(late=n * L2_TILES)`: n more weight tiles a CTA fetched into L2 before its wait (the same)
 ROPE = frozenset(v for v in VARIANTS if v.endswith("_rope"))
 # a layer's q/k/v -> attention -> o in one launch (csrc/cluster_gemm.cu's `layer_qkv_attn_o_*`; experimental: correct,
 # and slower than the three launches it replaces, 56.4 vs 44.5 us a layer on the H200 — docs/LOG.md, twenty-eighth
@@ -324,7 +323,7 @@ def launch(
         ctypes.c_int(K),
         ctypes.c_int(x.stride(0)),
         ctypes.c_int(out.stride(0)),
-        ctypes.c_int(int(late)),
+        ctypes.c_int(late if late == NO_WAIT else int(bool(late))),
         ctypes.c_void_p(ws.data_ptr() if last else None),
         ctypes.c_void_p(counters.data_ptr() if last else None),
         ctypes.c_void_p(prof.data_ptr() if prof is not None else None),

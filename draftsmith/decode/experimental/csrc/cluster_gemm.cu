@@ -107,13 +107,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc* map, in
             : "memory");
 }
 
-// the same box into L2 only (no shared memory, no barrier)
-__device__ __forceinline__ void tma_prefetch_3d(const TmaDesc* map, int k, int row) {
-    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-                 "r"(k), "r"(row), "r"(0)
-                 : "memory");
-}
-
 // a wgmma shared-memory descriptor: K-major tile of 128-byte rows, 128-byte swizzle, 8-row groups 1024 bytes apart
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
     return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
@@ -397,10 +390,6 @@ __device__ __forceinline__ void cluster_gemm_body(const TmaDesc* wmap, const __n
     // the weights are no kernel's output: their first tiles load before the wait; x (the previous kernel's) after
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nkt && tid == 0) load_w(s, kt0 + s);
-    // `late >> 8` (a diagnostic): that many more of this slice's weight tiles fetched into L2 before the wait, so the
-    // stream goes on through the previous kernel's tail beyond what the ring holds
-    if (tid == 0)
-        for (int s = STAGES - 1; s < STAGES - 1 + (late >> 8) && s < nkt; ++s) tma_prefetch_3d(wmap, (kt0 + s) * BK, row0);
     if (!(late & 2)) xwait();
     if (stamp) stamp[1] = globaltimer();  // the previous kernel done
     if (e.ssq_in != nullptr && tid < M) {  // the rows' norm scales (read after the loop; the loop's barriers order it)
