@@ -12,7 +12,14 @@ import typer
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.schema import AT_LEAST_ONE, check_value
 from draftsmith.decode.config import EVAL_SKIP, EngineConfig, EvalSamplingConfig, ModeConfig, SamplingConfig, settings
-from draftsmith.decode.setup import decode_mode, engine_from, max_positions, mode_from, models_from
+from draftsmith.decode.setup import (
+    cluster_gemm_setting,
+    decode_mode,
+    engine_from,
+    max_positions,
+    mode_from,
+    models_from,
+)
 
 
 def _check_tune_flags(
@@ -80,6 +87,7 @@ def _tuning_context(target, drafter, eng) -> dict:
         "dtype": str(eng.dtype),
         "kernels": getattr(eng.runner, "kernels", "torch"),
         "kernel_rows": int(getattr(eng.runner, "triton_max_rows", 1)),
+        "cluster_gemm": cluster_gemm_setting(eng),
         "compiled": bool(getattr(eng, "_compiled", False)),
     }
 

@@ -51,6 +51,9 @@ AUTO_KERNEL_ROWS_MAX_HIDDEN = 1024
 # chain8 at --kernel-rows 8 ran 1.50x against chain7's 1.83x, BENCHMARKS.md 2026-12-02 thirteenth session)
 AUTO_KERNEL_ROWS_FOR_CHAINS = 16
 BACKENDS = ("auto", "llama", "hf")
+# --cluster-gemm: how much of a wide forward's layer goes through experimental.cluster_gemm (KernelConfig's
+# cluster_gemm, cluster_gemm_fused, cluster_gemm_rope)
+CLUSTER_GEMM = ("off", "on", "fused", "fusedrope")
 
 _ATTN_HELP = (
     "Attention of the compact forward and the drafter: auto (on CUDA SDPA while cache slots x head_dim "
@@ -105,6 +108,16 @@ class EngineConfig:
         f"chain's verify, up to {AUTO_KERNEL_ROWS_FOR_CHAINS}), else 1.",
     )
 
+    cluster_gemm: str = setting(
+        "off",
+        group="engine",
+        checks=(one_of(*CLUSTER_GEMM),),
+        help="Experimental, Hopper GPUs (sm_90) with --kernels triton: the verify's layer matmuls through draftsmith's "
+        "CUDA few-row GEMM (TMA + wgmma, split-K inside a thread-block cluster, PDL). on: the matmuls; fused: with the "
+        "RMSNorms, silu * up and residual adds folded in; fusedrope: and RoPE with the cache writes. On an 8B shape "
+        "(H200, 49-row tree verify) fusedrope takes 4.95-4.98 ms against 5.13-5.21 for the default; on small targets "
+        "(hidden <= 1,024) it is slower (docs/verify-persistent-kernel.md). Off: cuBLAS.",
+    )
     prefill_graphs: bool = setting(
         True,
         group="engine",

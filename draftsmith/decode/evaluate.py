@@ -25,6 +25,7 @@ from pathlib import Path
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.decode.engine import DecodeMode, SpeculativeDecoder
 from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.setup import cluster_gemm_setting
 
 PROMPT_RULE = (
     "Prompts go through the tokenizer's chat template (as one user message, generation prompt added) "
@@ -164,6 +165,7 @@ def run_eval(
         "attn_impl": getattr(engine, "attn_impl", None),
         "compiled": bool(getattr(engine, "_compiled", False)),
         "kernels": getattr(getattr(engine, "runner", None), "kernels", "torch"),
+        "cluster_gemm": cluster_gemm_setting(engine),
         "prefill_graphs": bool(getattr(engine, "prefill_graphs", False)),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "temperatures": {},

@@ -59,12 +59,15 @@ def build_engine(
     kernel_rows: int = 0,
     prefill_graphs: bool = True,
     modes=(),
+    cluster_gemm: str = "off",
 ):
-    """The engine for the CLIs. `modes`: the decode modes it will run (auto --kernel-rows covers their chains)."""
+    """The engine for the CLIs. `modes`: the decode modes it will run (auto --kernel-rows covers their chains);
+    `cluster_gemm`: --cluster-gemm (`cluster_gemm_config`)."""
     from draftsmith.decode.engine import SpeculativeDecoder
 
     if not kernel_rows:
         kernel_rows = auto_kernel_rows(t, kernels, modes)
+    kernel_config = cluster_gemm_config(t, kernels, cluster_gemm)
     try:
         eng = SpeculativeDecoder(
             t,
@@ -76,11 +79,45 @@ def build_engine(
             attn_impl=attn_impl,
             kernels=kernels,
             kernel_rows=kernel_rows,
+            kernel_config=kernel_config,
         )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
     eng.prefill_graphs = bool(prefill_graphs) and eng.cuda_graphs
     return eng
+
+
+def cluster_gemm_config(t, kernels: str, cluster_gemm: str):
+    """The KernelConfig of --cluster-gemm (None for off), or a one-line error where it cannot run: it needs the Triton
+    kernels (its route is theirs) and a CUDA device of compute capability 9 (TMA, wgmma, clusters)."""
+    if cluster_gemm == "off":
+        return None
+    if kernels != "triton":
+        raise DraftsmithError(
+            f"--cluster-gemm {cluster_gemm} needs --kernels triton (it replaces that engine's matmuls)"
+        )
+    import torch
+
+    model = getattr(t, "model", t)
+    device = next(model.parameters()).device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        where = device.type if device.type != "cuda" else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        raise DraftsmithError(f"--cluster-gemm {cluster_gemm} needs a Hopper GPU (sm_90); the target is on {where}")
+    from draftsmith.decode.kernel_config import KernelConfig
+
+    return KernelConfig(
+        cluster_gemm=True,
+        cluster_gemm_fused=cluster_gemm in ("fused", "fusedrope"),
+        cluster_gemm_rope=cluster_gemm == "fusedrope",
+    )
+
+
+def cluster_gemm_setting(eng) -> str:
+    """--cluster-gemm as the engine runs it (off | on | fused | fusedrope)."""
+    kc = getattr(getattr(eng, "runner", None), "kernel_config", None)
+    if kc is None or not getattr(kc, "cluster_gemm", False):
+        return "off"
+    return "fusedrope" if kc.cluster_gemm_rope else "fused" if kc.cluster_gemm_fused else "on"
 
 
 def auto_kernel_rows(t, kernels: str, modes=()) -> int:
@@ -130,4 +167,5 @@ def engine_from(t, d, max_len: int, cfg: EngineConfig, modes=()):
         cfg.kernel_rows,
         cfg.prefill_graphs,
         modes,
+        cfg.cluster_gemm,
     )

@@ -303,6 +303,37 @@ def test_bf16_greedy_certificate_no_real_divergence(kernels):
         assert gd["real"] == 0, f"{mode}: greedy divergence at a real margin: {e['greedy_divergence_details']}"
 
 
+def test_cluster_gemm_flag_builds_the_kernel_engine():
+    """--cluster-gemm fusedrope (the CLIs' `build_engine`): the engine's wide verify takes the folded kernel with RoPE,
+    eval reports the setting, and no greedy divergence sits at a real margin (bf16, pycode-tiny, untrained drafter:
+    short accepts, every round still a verify through the kernel)."""
+    from draftsmith.decode.evaluate import run_eval
+    from draftsmith.decode.ops import FusedLayer
+    from draftsmith.decode.setup import build_engine, cluster_gemm_setting
+    from draftsmith.drafter import Drafter
+    from draftsmith.target_model import load_target
+
+    if PYCODE_TINY is None:
+        pytest.skip("pycode-tiny not available")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cluster_gemm needs sm_90")
+    t = load_target(PYCODE_TINY, dtype="bf16", device="cuda")
+    torch.manual_seed(0)
+    d = Drafter.from_target(t).to(device="cuda", dtype=torch.bfloat16).eval()
+    d.set_embedding(t.model.get_input_embeddings().weight)
+    mode = DecodeMode("tree", top_k=4, depth=4, tree_tokens=16)
+    eng = build_engine(
+        t, d, 160, "auto", True, kernels="triton", kernel_rows=1, modes=(mode,), cluster_gemm="fusedrope"
+    )
+    assert cluster_gemm_setting(eng) == "fusedrope"
+    plan = eng.runner.plan(mode.verify_tokens)
+    assert hasattr(plan, "_cg_mod") and isinstance(plan.layers[0], FusedLayer)
+    rep = run_eval(eng, _prompts(t.tokenizer, 8), mode, temperatures=[0.0], max_new_tokens=32)
+    assert rep["cluster_gemm"] == "fusedrope"
+    gd = rep["temperatures"]["0"]["greedy_divergences"]
+    assert gd["equal"] + gd["near_tie"] + gd["real"] == 8 and gd["real"] == 0, gd
+
+
 def test_lt_linear_tuned_algorithms_equal_f_linear():
     """experimental.cublaslt: every candidate runs, and `tune_lt` keeps only algorithms whose output is F.linear's
     bit for bit (on fresh inputs too, not only the probe it chose with), or none."""

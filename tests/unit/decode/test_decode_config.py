@@ -31,6 +31,7 @@ ENGINE_FLAGS = {
     "--attn-impl": "auto",
     "--kernels": "torch",
     "--kernel-rows": 0,
+    "--cluster-gemm": "off",
 }
 MODE_FLAGS = {"--draft-tokens": 4, "--tree": False, "--top-k-draft": 8, "--depth": 5, "--tree-tokens": 32}
 
@@ -102,6 +103,10 @@ def test_choices_match_the_engine():
         (["eval", "--drafter", "d", "--prompts", "p", "--temperatures", "0,-1"], "--temperatures: must be"),
         (["eval", "--drafter", "d", "--prompts", "p", "--kernels", "cuda"], "--kernels: must be one of torch, triton"),
         (["generate", "--prompt", "x", "--kernel-rows", "65"], "--kernel-rows: must be in [0, 64], got 65"),
+        (
+            ["generate", "--prompt", "x", "--cluster-gemm", "sideways"],
+            "--cluster-gemm: must be one of off, on, fused, fusedrope, got 'sideways'",
+        ),
         (["serve", "--device", "gpu"], "--device: must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got 'gpu'"),
         (["serve", "--attn-impl", "flash"], "--attn-impl: must be one of auto, sdpa, bmm, split, got 'flash'"),
         (["serve", "--depth", "300"], "--depth: must be in [1, 250], got 300"),
@@ -210,3 +215,30 @@ def test_prefill_graphs_flag_reaches_the_engine(monkeypatch):
     eng = engine_from(m, None, 64, EngineConfig(device="cpu"))
     assert eng.prefill_graphs and eng._prefill_bucket(10) == 16 and eng._prefill_bucket(65) is None  # max_len 64
     assert engine_from(m, None, 64, EngineConfig(device="cpu", prefill_graphs=False)).prefill_graphs is False
+
+
+def test_cluster_gemm_flag_refuses_where_the_kernel_cannot_run():
+    """--cluster-gemm: one-line errors without --kernels triton and off a Hopper GPU; off builds no KernelConfig; the
+    setting reads back from an engine's KernelConfig."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from draftsmith.common.errors import DraftsmithError
+    from draftsmith.decode.kernel_config import KernelConfig
+    from draftsmith.decode.setup import cluster_gemm_config, cluster_gemm_setting
+
+    target = SimpleNamespace(model=torch.nn.Linear(2, 2))  # on the CPU
+    assert cluster_gemm_config(target, "torch", "off") is None
+    with pytest.raises(DraftsmithError, match="--cluster-gemm fused needs --kernels triton"):
+        cluster_gemm_config(target, "torch", "fused")
+    with pytest.raises(DraftsmithError, match=r"needs a Hopper GPU \(sm_90\); the target is on cpu"):
+        cluster_gemm_config(target, "triton", "fusedrope")
+    for flag, kc in [
+        ("off", KernelConfig()),
+        ("on", KernelConfig(cluster_gemm=True)),
+        ("fused", KernelConfig(cluster_gemm=True, cluster_gemm_fused=True)),
+        ("fusedrope", KernelConfig(cluster_gemm=True, cluster_gemm_fused=True, cluster_gemm_rope=True)),
+    ]:
+        assert cluster_gemm_setting(SimpleNamespace(runner=SimpleNamespace(kernel_config=kc))) == flag
+    assert cluster_gemm_setting(SimpleNamespace(runner=SimpleNamespace())) == "off"  # the generic HF path
