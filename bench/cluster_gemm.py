@@ -393,6 +393,9 @@ def main(argv=None) -> int:
             # what any flag-chained (persistent) design of these kernels could save at most
             ("iso plans, glue folded, no waits", folded(plans, True, cg.NO_WAIT)),
             *[(f"{name} plans, glue folded", folded(p)) for name, p in extra.items()],
+            # the next kernel launches once every CTA here is done with its K loop: where both kernels' CTAs fit on an
+            # SM together (<= 113 KB, <= 132 CTAs), its ring streams through this one's exchange and stores
+            *[(f"{name} plans, glue folded, late", folded(p, True, True)) for name, p in extra.items()],
             ("torch + glue", glued(mm_torch)),
         ]:
             run = mm if name.endswith("glue") or "folded" in name else chain(mm)
