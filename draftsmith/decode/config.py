@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.common import dtypes
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.schema import (
     AT_LEAST_ONE,
     DEVICE,
@@ -130,6 +131,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.cluster_gemm != "off" and self.kernels != "triton":  # before any model loads
+            raise DraftsmithError(
+                f"--cluster-gemm {self.cluster_gemm} needs --kernels triton (it replaces that engine's matmuls)"
+            )
 
 
 @dataclass

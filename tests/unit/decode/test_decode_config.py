@@ -107,6 +107,10 @@ def test_choices_match_the_engine():
             ["generate", "--prompt", "x", "--cluster-gemm", "sideways"],
             "--cluster-gemm: must be one of off, on, fused, fusedrope, got 'sideways'",
         ),
+        (
+            ["eval", "--drafter", "d", "--prompts", "p", "--cluster-gemm", "on"],
+            "--cluster-gemm on needs --kernels triton (it replaces that engine's matmuls)",
+        ),
         (["serve", "--device", "gpu"], "--device: must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got 'gpu'"),
         (["serve", "--attn-impl", "flash"], "--attn-impl: must be one of auto, sdpa, bmm, split, got 'flash'"),
         (["serve", "--depth", "300"], "--depth: must be in [1, 250], got 300"),
