@@ -56,6 +56,14 @@ BACKENDS = ("auto", "llama", "hf")
 # cluster_gemm, cluster_gemm_fused, cluster_gemm_rope)
 CLUSTER_GEMM = ("off", "on", "fused", "fusedrope")
 
+
+def cluster_gemm_refusal(cluster_gemm: str, kernels: str) -> str:
+    """Why --cluster-gemm cannot run with these --kernels ("" when it can): its route is the Triton engine's."""
+    if cluster_gemm != "off" and kernels != "triton":
+        return f"--cluster-gemm {cluster_gemm} needs --kernels triton (it replaces that engine's matmuls)"
+    return ""
+
+
 _ATTN_HELP = (
     "Attention of the compact forward and the drafter: auto (on CUDA SDPA while cache slots x head_dim "
     "<= 65,536, batched matmuls beyond: 512 slots for head_dim 128) | sdpa | bmm | split."
@@ -131,10 +139,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.cluster_gemm != "off" and self.kernels != "triton":  # before any model loads
-            raise DraftsmithError(
-                f"--cluster-gemm {self.cluster_gemm} needs --kernels triton (it replaces that engine's matmuls)"
-            )
+        why = cluster_gemm_refusal(self.cluster_gemm, self.kernels)  # before any model loads
+        if why:
+            raise DraftsmithError(why)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Optional
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.hf import text_config
-from draftsmith.decode.config import EngineConfig, ModeConfig
+from draftsmith.decode.config import EngineConfig, ModeConfig, cluster_gemm_refusal
 
 
 def load_models(target: str, drafter: Optional[str], device: str, dtype: str):
@@ -92,10 +92,9 @@ def cluster_gemm_config(t, kernels: str, cluster_gemm: str):
     kernels (its route is theirs) and a CUDA device of compute capability 9 (TMA, wgmma, clusters)."""
     if cluster_gemm == "off":
         return None
-    if kernels != "triton":
-        raise DraftsmithError(
-            f"--cluster-gemm {cluster_gemm} needs --kernels triton (it replaces that engine's matmuls)"
-        )
+    why = cluster_gemm_refusal(cluster_gemm, kernels)
+    if why:
+        raise DraftsmithError(why)
     import torch
 
     model = getattr(t, "model", t)
